@@ -1,0 +1,174 @@
+//! Scaled dot-product attention with grouped-query heads and explicit visibility layouts.
+//!
+//! Invariants:
+//! - Queries are the last `q_len` positions of a key sequence of length `kv_len` (`past = kv_len -
+//!   q_len` committed rows come first), except for [`AttentionMask::Full`], where every query sees
+//!   every key (the DFlash drafter's non-causal block).
+//! - Every query row sees at least one key, so softmax never produces NaN.
+//! - Scores and softmax run in f32 whatever the input dtype; the mask is additive (0 / -inf).
+//! - GQA never copies keys: query heads `g*rep .. (g+1)*rep` share key head `g`.
+
+use crate::{CoreError, Grad, Result};
+use candle_core::{DType, Device, Tensor, D};
+
+/// Which keys each query may see.
+#[derive(Debug, Clone)]
+pub enum AttentionMask {
+    /// Query `i` sees keys `0 ..= past + i`.
+    Causal,
+    /// Every query sees every key.
+    Full,
+    /// A tree of `q_len` tokens: node `i` sees all past keys, its ancestors and itself.
+    /// `parents[i] < i` is the parent node index, or `-1` for a root.
+    Tree { parents: Vec<i64> },
+    /// A ready additive mask `[q_len, kv_len]` (f32, 0 or -inf).
+    Additive(Tensor),
+}
+
+impl AttentionMask {
+    /// The additive `[q_len, kv_len]` f32 mask, or `None` when every key is visible.
+    pub fn build(&self, q_len: usize, kv_len: usize, device: &Device) -> Result<Option<Tensor>> {
+        if kv_len < q_len {
+            return Err(CoreError::InvalidInput(format!(
+                "attention: {q_len} queries but only {kv_len} keys"
+            )));
+        }
+        let past = kv_len - q_len;
+        let neg = f32::NEG_INFINITY;
+        match self {
+            AttentionMask::Full => Ok(None),
+            AttentionMask::Causal if q_len == 1 => Ok(None),
+            AttentionMask::Causal => {
+                let mut m = vec![0f32; q_len * kv_len];
+                for i in 0..q_len {
+                    for j in past + i + 1..kv_len {
+                        m[i * kv_len + j] = neg;
+                    }
+                }
+                Ok(Some(Tensor::from_vec(m, (q_len, kv_len), device)?))
+            }
+            AttentionMask::Tree { parents } => {
+                if parents.len() != q_len {
+                    return Err(CoreError::InvalidInput(format!(
+                        "tree mask: {} parents for {q_len} queries",
+                        parents.len()
+                    )));
+                }
+                let mut m = vec![neg; q_len * kv_len];
+                for i in 0..q_len {
+                    m[i * kv_len..i * kv_len + past].fill(0.0);
+                    let mut node = i as i64;
+                    while node >= 0 {
+                        let n = node as usize;
+                        m[i * kv_len + past + n] = 0.0;
+                        let p = parents[n];
+                        if p >= node {
+                            return Err(CoreError::InvalidInput(format!(
+                                "tree mask: parent {p} of node {node} is not earlier"
+                            )));
+                        }
+                        node = p;
+                    }
+                }
+                Ok(Some(Tensor::from_vec(m, (q_len, kv_len), device)?))
+            }
+            AttentionMask::Additive(t) => {
+                let dims = t.dims2()?;
+                if dims != (q_len, kv_len) {
+                    return Err(CoreError::InvalidInput(format!(
+                        "additive mask is {dims:?}, expected ({q_len}, {kv_len})"
+                    )));
+                }
+                Ok(Some(t.to_dtype(DType::F32)?))
+            }
+        }
+    }
+}
+
+fn softmax_last(x: &Tensor, grad: Grad) -> Result<Tensor> {
+    Ok(match grad {
+        Grad::Off => candle_nn::ops::softmax_last_dim(x)?,
+        Grad::On => candle_nn::ops::softmax(x, D::Minus1)?,
+    })
+}
+
+/// `q`: `[b, n_heads, q_len, d]`; `k`, `v`: `[b, kv_heads, kv_len, d]`; `mask`: additive
+/// `[q_len, kv_len]` f32 from [`AttentionMask::build`]. Returns `[b, n_heads, q_len, d]`.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    grad: Grad,
+) -> Result<Tensor> {
+    let (b, n_heads, q_len, d) = q.dims4()?;
+    let (_, kv_heads, kv_len, _) = k.dims4()?;
+    if n_heads % kv_heads != 0 {
+        return Err(CoreError::InvalidInput(format!(
+            "{n_heads} query heads are not a multiple of {kv_heads} kv heads"
+        )));
+    }
+    let rep = n_heads / kv_heads;
+    let dtype = q.dtype();
+    let qg = q.contiguous()?.reshape((b, kv_heads, rep * q_len, d))?;
+    let scores = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+    let scores = (scores * scale)?;
+    let scores = match mask {
+        Some(m) => scores
+            .reshape((b, kv_heads, rep, q_len, kv_len))?
+            .broadcast_add(m)?
+            .reshape((b, kv_heads, rep * q_len, kv_len))?,
+        None => scores,
+    };
+    let probs = softmax_last(&scores, grad)?.to_dtype(dtype)?;
+    let out = probs.matmul(&v.contiguous()?)?;
+    Ok(out.reshape((b, n_heads, q_len, d))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tree_mask_sees_ancestors_only() {
+        // root 0, children 1 and 2 of 0, 3 child of 1
+        let m = AttentionMask::Tree { parents: vec![-1, 0, 0, 1] };
+        let t = m.build(4, 6, &Device::Cpu).unwrap().unwrap();
+        let v: Vec<Vec<f32>> = t.to_vec2().unwrap();
+        let vis = |r: usize| -> Vec<usize> { (0..6).filter(|&j| v[r][j] == 0.0).collect() };
+        assert_eq!(vis(0), vec![0, 1, 2]);
+        assert_eq!(vis(2), vec![0, 1, 2, 4]);
+        assert_eq!(vis(3), vec![0, 1, 2, 3, 5]);
+        assert!(AttentionMask::Tree { parents: vec![-1, 1] }.build(2, 2, &Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn causal_gqa_matches_naive() {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1.0, (1, 4, 3, 8), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, 2, 5, 8), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, 2, 5, 8), &dev).unwrap();
+        let mask = AttentionMask::Causal.build(3, 5, &dev).unwrap();
+        let out = attention(&q, &k, &v, mask.as_ref(), 0.3, Grad::Off).unwrap();
+        for h in 0..4 {
+            let kh = k.narrow(1, h / 2, 1).unwrap();
+            let vh = v.narrow(1, h / 2, 1).unwrap();
+            let qh = q.narrow(1, h, 1).unwrap();
+            let s: Vec<Vec<f32>> =
+                (qh.matmul(&kh.t().unwrap()).unwrap() * 0.3).unwrap().squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            let vv: Vec<Vec<f32>> = vh.squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            let got: Vec<Vec<f32>> = out.narrow(1, h, 1).unwrap().squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            for i in 0..3 {
+                let vis = 2 + i + 1;
+                let mx = s[i][..vis].iter().cloned().fold(f32::MIN, f32::max);
+                let e: Vec<f32> = s[i][..vis].iter().map(|x| (x - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for c in 0..8 {
+                    let want: f32 = (0..vis).map(|j| e[j] / z * vv[j][c]).sum();
+                    assert!((want - got[i][c]).abs() < 1e-5, "head {h} row {i}");
+                }
+            }
+        }
+    }
+}

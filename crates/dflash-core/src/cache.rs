@@ -1,0 +1,202 @@
+//! Preallocated KV caches that can be cropped (reject a speculative tail) and compacted (keep the
+//! rows of an accepted tree path).
+//!
+//! Invariants:
+//! - A [`KvCache`] owns `[1, kv_heads, capacity, head_dim]` buffers for keys and values, allocated
+//!   on first append; rows `0..len` are valid, rows past `len` are garbage and never read.
+//! - `crop(n)` and `keep_rows(base, idx)` never reallocate and never touch rows below `base`.
+//! - A [`SequenceCache`] holds one [`LayerCache`] per decoder layer; all layers always have the same
+//!   length. Recurrent layers (Gated DeltaNet state) will be another `LayerCache` variant whose
+//!   `crop`/`keep_rows` restore a checkpointed state, so decoding code never needs to change.
+
+use crate::{CoreError, Result};
+use candle_core::{Device, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    capacity: usize,
+    len: usize,
+    buffers: Option<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, len: 0, buffers: None }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Appends `k`, `v` (`[1, kv_heads, n, head_dim]`) after the valid rows and returns views of all
+    /// valid rows `0..len+n`.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(2)?;
+        let needed = self.len + n;
+        if needed > self.capacity {
+            return Err(CoreError::CacheOverflow { needed, capacity: self.capacity });
+        }
+        if self.buffers.is_none() {
+            let (b, h, _, d) = k.dims4()?;
+            let kb = Tensor::zeros((b, h, self.capacity, d), k.dtype(), k.device())?;
+            let vb = Tensor::zeros((b, h, self.capacity, v.dim(3)?), v.dtype(), v.device())?;
+            self.buffers = Some((kb, vb));
+        }
+        let (kb, vb) = self.buffers.as_ref().expect("allocated above");
+        kb.slice_set(&k.contiguous()?, 2, self.len)?;
+        vb.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.len = needed;
+        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+    }
+
+    /// Views of the valid rows, if any were written.
+    pub fn view(&self) -> Result<Option<(Tensor, Tensor)>> {
+        match &self.buffers {
+            Some((k, v)) if self.len > 0 => {
+                Ok(Some((k.narrow(2, 0, self.len)?, v.narrow(2, 0, self.len)?)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Forgets every row at or past `len`.
+    pub fn crop(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Keeps, in order, rows `base + rows[i]` and moves them to `base + i`; the length becomes
+    /// `base + rows.len()`. Rows must lie in `base..len`.
+    pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
+        if rows.iter().any(|&r| base + r as usize >= self.len) {
+            return Err(CoreError::InvalidInput(format!(
+                "keep_rows: row out of range (base {base}, len {}, rows {rows:?})",
+                self.len
+            )));
+        }
+        let identity = rows.iter().enumerate().all(|(i, &r)| i as u32 == r);
+        if !identity {
+            if let Some((kb, vb)) = &self.buffers {
+                let idx = Tensor::from_slice(rows, rows.len(), kb.device())?;
+                let tail = self.len - base;
+                let k = kb.narrow(2, base, tail)?.contiguous()?.index_select(&idx, 2)?;
+                let v = vb.narrow(2, base, tail)?.contiguous()?.index_select(&idx, 2)?;
+                kb.slice_set(&k, 2, base)?;
+                vb.slice_set(&v, 2, base)?;
+            }
+        }
+        self.len = base + rows.len();
+        Ok(())
+    }
+}
+
+/// The state one decoder layer keeps between forwards.
+#[derive(Debug, Clone)]
+pub enum LayerCache {
+    Attention(KvCache),
+}
+
+impl LayerCache {
+    fn len(&self) -> usize {
+        match self {
+            LayerCache::Attention(c) => c.len(),
+        }
+    }
+    fn crop(&mut self, len: usize) {
+        match self {
+            LayerCache::Attention(c) => c.crop(len),
+        }
+    }
+    fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
+        match self {
+            LayerCache::Attention(c) => c.keep_rows(base, rows),
+        }
+    }
+}
+
+/// The whole model's state for one sequence.
+#[derive(Debug, Clone)]
+pub struct SequenceCache {
+    pub layers: Vec<LayerCache>,
+    capacity: usize,
+    device: Device,
+}
+
+impl SequenceCache {
+    pub fn attention_only(num_layers: usize, capacity: usize, device: &Device) -> Self {
+        Self {
+            layers: (0..num_layers).map(|_| LayerCache::Attention(KvCache::new(capacity))).collect(),
+            capacity,
+            device: device.clone(),
+        }
+    }
+
+    /// Number of committed positions (all layers agree).
+    pub fn len(&self) -> usize {
+        self.layers.first().map(|l| l.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn crop(&mut self, len: usize) {
+        for l in &mut self.layers {
+            l.crop(len);
+        }
+    }
+
+    pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
+        for l in &mut self.layers {
+            l.keep_rows(base, rows)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize, start: f32) -> Tensor {
+        let data: Vec<f32> = (0..n * 2).map(|i| start + i as f32).collect();
+        Tensor::from_vec(data, (1, 1, n, 2), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn append_crop_and_keep_rows() {
+        let mut c = KvCache::new(8);
+        c.append(&rows(3, 0.0), &rows(3, 100.0)).unwrap();
+        c.append(&rows(4, 10.0), &rows(4, 110.0)).unwrap();
+        assert_eq!(c.len(), 7);
+        c.keep_rows(3, &[0, 2, 3]).unwrap();
+        assert_eq!(c.len(), 6);
+        let (k, v) = c.view().unwrap().unwrap();
+        let k: Vec<f32> = k.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(&k[6..], &[10.0, 11.0, 14.0, 15.0, 16.0, 17.0]);
+        let v: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(&v[..6], &[100.0, 101.0, 102.0, 103.0, 104.0, 105.0]);
+        c.crop(2);
+        assert_eq!(c.len(), 2);
+        assert!(c.keep_rows(0, &[5]).is_err());
+        assert!(matches!(
+            c.append(&rows(7, 0.0), &rows(7, 0.0)),
+            Err(CoreError::CacheOverflow { needed: 9, capacity: 8 })
+        ));
+    }
+}

@@ -1,0 +1,28 @@
+//! dflash-core: the pieces every model and decoding loop shares.
+//!
+//! Invariants: nothing here knows about a particular architecture; tensors follow candle's
+//! `[batch, heads, seq, head_dim]` layout for attention; every fused (no-backward) op has a
+//! differentiable twin, selected by [`Grad`], so training code can never silently lose gradients.
+
+pub mod attention;
+pub mod cache;
+pub mod device;
+pub mod error;
+pub mod norm;
+pub mod rope;
+
+pub use attention::{attention, AttentionMask};
+pub use cache::{KvCache, LayerCache, SequenceCache};
+pub use device::{parse_device, parse_dtype};
+pub use error::{CoreError, Result};
+pub use norm::RmsNorm;
+pub use rope::{RopeConfig, RopeScaling, RotaryEmbedding};
+
+/// Whether a forward must keep gradients (training) or may use candle's fused no-backward kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grad {
+    /// Inference: fused kernels allowed.
+    Off,
+    /// Training: only differentiable composites.
+    On,
+}

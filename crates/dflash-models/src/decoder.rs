@@ -1,0 +1,215 @@
+//! Llama-family and Qwen3 dense decoders, written for speculative decoding: explicit positions,
+//! arbitrary attention layouts over a croppable cache, and hidden-state taps.
+//!
+//! Invariants: modules mirror the HF checkpoint names (`model.layers.N.self_attn.q_proj` …); Qwen3
+//! differs from Llama only by per-head `q_norm`/`k_norm` applied before RoPE; a tied LM head reads
+//! `model.embed_tokens.weight` (one tensor, not a copy).
+
+use crate::config::{Architecture, DecoderConfig};
+use crate::target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};
+use crate::{ModelError, Result};
+use candle_core::{DType, Module, Tensor};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use dflash_core::{attention, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding, SequenceCache};
+
+fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
+    Ok(Linear::new(vb.get((out_dim, in_dim), &format!("{name}.weight"))?, None))
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(cfg: &DecoderConfig, arch: Architecture, vb: VarBuilder) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+        let norms = arch == Architecture::Qwen3;
+        Ok(Self {
+            q_proj: linear(&vb, h, nh * hd, "q_proj")?,
+            k_proj: linear(&vb, h, nkv * hd, "k_proj")?,
+            v_proj: linear(&vb, h, nkv * hd, "v_proj")?,
+            o_proj: linear(&vb, nh * hd, h, "o_proj")?,
+            q_norm: if norms { Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?) } else { None },
+            k_norm: if norms { Some(RmsNorm::load(vb.pp("k_norm"), hd, cfg.rms_norm_eps)?) } else { None },
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>, cache: &mut KvCache) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let heads = |t: Tensor, nh: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let t = t.reshape((b, n, nh, self.head_dim))?;
+            let t = match norm {
+                Some(nm) => nm.forward(&t, Grad::Off)?,
+                None => t,
+            };
+            Ok(t.transpose(1, 2)?.contiguous()?)
+        };
+        let q = heads(self.q_proj.forward(x)?, self.n_heads, &self.q_norm)?;
+        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads, &self.k_norm)?;
+        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads, &None)?;
+        let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
+        let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
+        let (k_all, v_all) = cache.append(&k, &v)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?;
+        let o = o.transpose(1, 2)?.reshape((b, n, self.n_heads * self.head_dim))?;
+        Ok(self.o_proj.forward(&o)?)
+    }
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn new(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: linear(&vb, h, i, "gate_proj")?,
+            up_proj: linear(&vb, h, i, "up_proj")?,
+            down_proj: linear(&vb, i, h, "down_proj")?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        Ok(self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)?)
+    }
+}
+
+struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+struct Rope<'a> {
+    emb: &'a RotaryEmbedding,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A Llama or Qwen3 causal LM.
+pub struct Decoder {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: RotaryEmbedding,
+    info: TargetInfo,
+}
+
+impl Decoder {
+    /// Builds the model from HF-named weights. `vb` is at the checkpoint root.
+    pub fn new(cfg: &DecoderConfig, arch: Architecture, vb: VarBuilder) -> Result<Self> {
+        let m = vb.pp("model");
+        let embed_w = m.get((cfg.vocab_size, cfg.hidden_size), "embed_tokens.weight")?;
+        let embed_tokens = Embedding::new(embed_w.clone(), cfg.hidden_size);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            layers.push(DecoderLayer {
+                self_attn: Attention::new(cfg, arch, l.pp("self_attn"))?,
+                mlp: Mlp::new(cfg, l.pp("mlp"))?,
+                input_layernorm: RmsNorm::load(l.pp("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+                post_attention_layernorm: RmsNorm::load(
+                    l.pp("post_attention_layernorm"),
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
+            });
+        }
+        let norm = RmsNorm::load(m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            Linear::new(embed_w, None)
+        } else {
+            linear(&vb, cfg.hidden_size, cfg.vocab_size, "lm_head")?
+        };
+        let rotary = RotaryEmbedding::new(&cfg.rope().map_err(ModelError::InvalidInput)?)?;
+        let info = TargetInfo {
+            architecture: arch.as_str(),
+            hidden_size: cfg.hidden_size,
+            num_layers: cfg.num_hidden_layers,
+            vocab_size: cfg.vocab_size,
+            max_position_embeddings: cfg.max_position_embeddings,
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        };
+        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, info })
+    }
+}
+
+impl TargetModel for Decoder {
+    fn info(&self) -> &TargetInfo {
+        &self.info
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<SequenceCache> {
+        Ok(SequenceCache::attention_only(self.layers.len(), capacity, &self.info.device))
+    }
+
+    fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput> {
+        let n = req.tokens.len();
+        if n == 0 || req.positions.len() != n {
+            return Err(ModelError::InvalidInput(format!(
+                "forward: {} tokens with {} positions",
+                n,
+                req.positions.len()
+            )));
+        }
+        if let Some(&t) = req.taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(ModelError::InvalidInput(format!("tap layer {t} >= {} layers", self.layers.len())));
+        }
+        let dev = &self.info.device;
+        let past = cache.len();
+        let mask = req.mask.build(n, past + n, dev)?;
+        let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
+        let rope = Rope { emb: &self.rotary, cos, sin };
+        let ids = Tensor::from_slice(req.tokens, n, dev)?;
+        let mut x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
+        let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
+        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let LayerCache::Attention(kv) = lc;
+            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
+            x = (x + layer.self_attn.forward(&h, &rope, mask.as_ref(), kv)?)?;
+            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+            for (slot, &t) in taps.iter_mut().zip(req.taps) {
+                if t == i {
+                    *slot = Some(x.squeeze(0)?);
+                }
+            }
+        }
+        let logits = match req.logits {
+            LogitRows::None => None,
+            rows => {
+                let x = if rows == LogitRows::Last { x.narrow(1, n - 1, 1)? } else { x };
+                let h = self.norm.forward(&x.squeeze(0)?, Grad::Off)?;
+                Some(self.lm_head(&h)?)
+            }
+        };
+        Ok(ForwardOutput { logits, taps: taps.into_iter().map(|t| t.expect("every tap layer ran")).collect() })
+    }
+
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        Ok(self.embed_tokens.forward(tokens)?)
+    }
+
+    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+}

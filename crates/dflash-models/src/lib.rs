@@ -1,0 +1,19 @@
+//! dflash-models: target models (Llama family, Qwen3 dense) and, later, the DFlash drafter.
+//!
+//! Invariants: models are written here (not wrapped from candle-transformers) so every forward takes
+//! explicit positions and attention layouts over a croppable cache and can return hidden-state taps;
+//! loading goes through [`loader::load_target`] for both HF directories and GGUF files.
+
+pub mod config;
+pub mod decoder;
+pub mod error;
+pub mod gguf;
+pub mod loader;
+pub mod target;
+pub mod weights;
+
+pub use config::{Architecture, DecoderConfig};
+pub use decoder::Decoder;
+pub use error::{ModelError, Result};
+pub use loader::{load_target, LoadedTarget};
+pub use target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};

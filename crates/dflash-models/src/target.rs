@@ -1,0 +1,67 @@
+//! The target-model trait the decoding loops drive, and the request/response of one forward.
+//!
+//! Invariants:
+//! - One forward appends exactly `tokens.len()` rows to the cache, at explicit `positions`, under an
+//!   explicit [`AttentionMask`] relative to the rows already cached; the caller crops or compacts the
+//!   cache afterwards (speculative tails), the model never does.
+//! - `taps` are decoder-layer *outputs* (residual stream before the final norm): tap `l` is HF
+//!   `hidden_states[l + 1]`. They come back in request order as `[n, hidden]` tensors.
+//! - Logits are f32 `[rows, vocab]`.
+//! - `embed` and `lm_head` expose the target's own weights (shared with the drafter, never copied).
+
+use crate::Result;
+use candle_core::{DType, Device, Tensor};
+use dflash_core::{AttentionMask, SequenceCache};
+
+/// Which rows of a forward need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    All,
+    Last,
+    None,
+}
+
+#[derive(Debug, Clone)]
+pub struct ForwardRequest<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub mask: AttentionMask,
+    pub taps: &'a [usize],
+    pub logits: LogitRows,
+}
+
+impl<'a> ForwardRequest<'a> {
+    /// A causal block of `tokens` at consecutive positions from `start`.
+    pub fn causal(tokens: &'a [u32], positions: &'a [u32], logits: LogitRows) -> Self {
+        Self { tokens, positions, mask: AttentionMask::Causal, taps: &[], logits }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ForwardOutput {
+    pub logits: Option<Tensor>,
+    pub taps: Vec<Tensor>,
+}
+
+/// Static facts about a loaded target.
+#[derive(Debug, Clone)]
+pub struct TargetInfo {
+    pub architecture: &'static str,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+pub trait TargetModel: Send {
+    fn info(&self) -> &TargetInfo;
+    /// A fresh cache able to hold `capacity` positions.
+    fn new_cache(&self, capacity: usize) -> Result<SequenceCache>;
+    fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput>;
+    /// Token embeddings `[n] -> [n, hidden]`.
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor>;
+    /// The LM head alone (no final norm): `[n, hidden] -> [n, vocab]` f32.
+    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
+}
