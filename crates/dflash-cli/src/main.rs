@@ -1,1 +1,33 @@
-fn main() {}
+//! `dflash`: train, evaluate, diagnose and run DFlash speculative decoding from one binary.
+//!
+//! Invariants: bad input (flags, files, prompts) exits with code 2 and a one-line message; internal
+//! failures exit 1; machine-readable output goes to stdout as JSON, human summaries to stderr.
+
+mod exit;
+mod generate;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "dflash", version, about = "Speculative decoding with DFlash block-diffusion drafters")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a target model (optionally with a drafter).
+    Generate(generate::GenerateArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(exit::code(&e));
+    }
+}

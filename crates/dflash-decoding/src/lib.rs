@@ -1,0 +1,13 @@
+//! dflash-decoding: the loops that turn a target (and later a drafter) into tokens.
+//!
+//! Invariants: every mode produces exactly the tokens (greedy) or the distribution (sampled) of
+//! [`ar::generate_ar`], the reference loop; stop tokens and the token limit end every mode the same
+//! way; timing excludes nothing silently (prefill and decode are reported apart).
+
+pub mod ar;
+pub mod error;
+pub mod sampling;
+
+pub use ar::{generate_ar, GenerateConfig, Generation, StopReason};
+pub use error::{DecodeError, Result};
+pub use sampling::{Sampler, SamplingConfig};

@@ -237,7 +237,12 @@ fn chat_template_source(
     match std::fs::read_to_string(&jinja) {
         Ok(s) => return Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => return Err(TextError::Io { path: jinja, source }),
+        Err(source) => {
+            return Err(TextError::Io {
+                path: jinja,
+                source,
+            })
+        }
     }
     if let Some(v) = from_config {
         if let Some(s) = template_value(v, config_path)? {

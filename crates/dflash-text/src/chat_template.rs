@@ -350,10 +350,7 @@ pub(crate) fn strftime_utc(fmt: &str, unix_secs: i64) -> String {
             Some('w') => out.push_str(&((weekday + 1) % 7).to_string()),
             Some('F') => out.push_str(&format!("{year}-{month:02}-{day:02}")),
             Some('T') => out.push_str(&format!("{hour:02}:{minute:02}:{second:02}")),
-            Some('D') => out.push_str(&format!(
-                "{month:02}/{day:02}/{:02}",
-                year.rem_euclid(100)
-            )),
+            Some('D') => out.push_str(&format!("{month:02}/{day:02}/{:02}", year.rem_euclid(100))),
             Some('%') => out.push('%'),
             Some(other) => {
                 out.push('%');
@@ -408,7 +405,10 @@ mod tests {
         let t = 1_709_211_909;
         assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S", t), "2024-02-29 13:05:09");
         assert_eq!(strftime_utc("%d %b %Y", t), "29 Feb 2024");
-        assert_eq!(strftime_utc("%A %B %-d, %j %I%p %%", t), "Thursday February 29, 060 01PM %");
+        assert_eq!(
+            strftime_utc("%A %B %-d, %j %I%p %%", t),
+            "Thursday February 29, 060 01PM %"
+        );
         assert_eq!(strftime_utc("%F %T %q", 0), "1970-01-01 00:00:00 %q");
         assert_eq!(strftime_utc("%a", -86_400), "Wed");
     }
@@ -452,7 +452,11 @@ mod tests {
             "{\n  \"z\": 1,\n  \"a\": [\n    1.5,\n    \"é<>&\\n\",\n    null,\n    true\n  ]\n}"
         );
         assert_eq!(
-            render("{{ tools[0] | tojson(sort_keys=true, separators=(',', ':')) }}", &o).unwrap(),
+            render(
+                "{{ tools[0] | tojson(sort_keys=true, separators=(',', ':')) }}",
+                &o
+            )
+            .unwrap(),
             "{\"a\":[1.5,\"é<>&\\n\",null,true],\"z\":1}"
         );
         assert_eq!(
@@ -463,7 +467,11 @@ mod tests {
 
     #[test]
     fn errors_are_reported() {
-        let e = render("{{ raise_exception('no system role') }}", &RenderOptions::default()).unwrap_err();
+        let e = render(
+            "{{ raise_exception('no system role') }}",
+            &RenderOptions::default(),
+        )
+        .unwrap_err();
         assert!(matches!(e, TextError::TemplateRender(_)));
         assert!(e.to_string().contains("no system role"), "{e}");
         let e = ChatTemplate::new("{% for %}", None, None).unwrap_err();
@@ -472,6 +480,9 @@ mod tests {
 
     #[test]
     fn trailing_newline_and_no_strip() {
-        assert_eq!(render("  {{ 'x' }}  \n\n", &RenderOptions::default()).unwrap(), "  x  \n");
+        assert_eq!(
+            render("  {{ 'x' }}  \n\n", &RenderOptions::default()).unwrap(),
+            "  x  \n"
+        );
     }
 }

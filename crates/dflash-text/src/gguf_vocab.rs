@@ -92,12 +92,15 @@ pub struct GgufVocab {
 impl GgufVocab {
     /// The token string of `id`, or an error naming `what` (e.g. `"tokenizer.ggml.bos_token_id"`).
     pub fn token(&self, id: u32, what: &str) -> Result<&str> {
-        self.tokens.get(id as usize).map(String::as_str).ok_or_else(|| {
-            TextError::InvalidVocab(format!(
-                "{what} = {id} but tokenizer.ggml.tokens has only {} entries",
-                self.tokens.len()
-            ))
-        })
+        self.tokens
+            .get(id as usize)
+            .map(String::as_str)
+            .ok_or_else(|| {
+                TextError::InvalidVocab(format!(
+                    "{what} = {id} but tokenizer.ggml.tokens has only {} entries",
+                    self.tokens.len()
+                ))
+            })
     }
 
     /// Checks that the arrays agree in length and that every special id names a token.
@@ -163,7 +166,8 @@ impl GgufVocab {
         self.validate()?;
         if self.merges.is_empty() {
             return Err(TextError::InvalidVocab(
-                "tokenizer.ggml.model is \"gpt2\" but tokenizer.ggml.merges is empty or missing".into(),
+                "tokenizer.ggml.model is \"gpt2\" but tokenizer.ggml.merges is empty or missing"
+                    .into(),
             ));
         }
 
@@ -184,9 +188,9 @@ impl GgufVocab {
             .map_err(|e| TextError::InvalidVocab(format!("cannot build the BPE model: {e}")))?;
 
         let mut tok = Tokenizer::new(bpe);
-        tok.with_normalizer(Some(NormalizerWrapper::Sequence(
-            NormalizerSequence::new(vec![]),
-        )));
+        tok.with_normalizer(Some(NormalizerWrapper::Sequence(NormalizerSequence::new(
+            vec![],
+        ))));
         tok.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
             false, false, true,
         ))));
@@ -203,14 +207,23 @@ impl GgufVocab {
             tok.add_special_tokens(&specials);
         }
 
-        let pick = |flag: Option<bool>, id: Option<u32>, name: &str| -> Result<Option<(String, u32)>> {
-            match (flag, id) {
-                (Some(true), Some(id)) => Ok(Some((self.token(id, name)?.to_string(), id))),
-                _ => Ok(None),
-            }
-        };
-        let bos = pick(self.add_bos_token, self.bos_token_id, "tokenizer.ggml.bos_token_id")?;
-        let eos = pick(self.add_eos_token, self.eos_token_id, "tokenizer.ggml.eos_token_id")?;
+        let pick =
+            |flag: Option<bool>, id: Option<u32>, name: &str| -> Result<Option<(String, u32)>> {
+                match (flag, id) {
+                    (Some(true), Some(id)) => Ok(Some((self.token(id, name)?.to_string(), id))),
+                    _ => Ok(None),
+                }
+            };
+        let bos = pick(
+            self.add_bos_token,
+            self.bos_token_id,
+            "tokenizer.ggml.bos_token_id",
+        )?;
+        let eos = pick(
+            self.add_eos_token,
+            self.eos_token_id,
+            "tokenizer.ggml.eos_token_id",
+        )?;
         tok.with_post_processor(Some(bos_eos_post_processor(bos, eos)?));
         Ok(tok)
     }
@@ -219,13 +232,15 @@ impl GgufVocab {
 /// The decoder transformers' `GGUFLlamaConverter` builds for non-`llama` GGUF tokenizers with
 /// `add_space_prefix = false`.
 fn gguf_llama3_decoder() -> Result<DecoderWrapper> {
-    let replace = Replace::new("▁", " ")
-        .map_err(|e| TextError::tokenizer("decoder construction", e))?;
+    let replace =
+        Replace::new("▁", " ").map_err(|e| TextError::tokenizer("decoder construction", e))?;
     Ok(DecoderWrapper::Sequence(DecoderSequence::new(vec![
         DecoderWrapper::ByteFallback(ByteFallback::new()),
         DecoderWrapper::Fuse(Fuse::new()),
         DecoderWrapper::Replace(replace),
-        DecoderWrapper::ByteLevel(ByteLevel::new(false, false, true)),
+        // transformers' Python `decoders.ByteLevel(..)` ignores its arguments and serialises the defaults
+        // (true, true, true); a decoder ignores them anyway. Defaults here keep the JSON identical.
+        DecoderWrapper::ByteLevel(ByteLevel::default()),
     ])))
 }
 
@@ -246,7 +261,9 @@ mod tests {
     fn tiny() -> GgufVocab {
         GgufVocab {
             model: "gpt2".into(),
-            tokens: ["<s>", "a", "b", "ab", "Ġ", "Ġab"].map(String::from).to_vec(),
+            tokens: ["<s>", "a", "b", "ab", "Ġ", "Ġab"]
+                .map(String::from)
+                .to_vec(),
             token_types: vec![3, 1, 1, 1, 1, 1],
             merges: vec!["a b".into(), "Ġ ab".into()],
             bos_token_id: Some(0),
@@ -266,24 +283,36 @@ mod tests {
     fn rejects_bad_metadata() {
         let mut v = tiny();
         v.model = "llama".into();
-        assert!(matches!(v.build_tokenizer(), Err(TextError::Unsupported(_))));
+        assert!(matches!(
+            v.build_tokenizer(),
+            Err(TextError::Unsupported(_))
+        ));
         let mut v = tiny();
         v.merges.push("a b c".into());
         let e = v.build_tokenizer().unwrap_err().to_string();
         assert!(e.contains("merges[2]"), "{e}");
         let mut v = tiny();
         v.merges.push("a x".into());
-        assert!(matches!(v.build_tokenizer(), Err(TextError::InvalidVocab(_))));
+        assert!(matches!(
+            v.build_tokenizer(),
+            Err(TextError::InvalidVocab(_))
+        ));
         let mut v = tiny();
         v.eos_token_id = Some(99);
         let e = v.build_tokenizer().unwrap_err().to_string();
         assert!(e.contains("eos_token_id = 99"), "{e}");
         let mut v = tiny();
         v.token_types.pop();
-        assert!(matches!(v.build_tokenizer(), Err(TextError::InvalidVocab(_))));
+        assert!(matches!(
+            v.build_tokenizer(),
+            Err(TextError::InvalidVocab(_))
+        ));
         let mut v = tiny();
         v.merges.clear();
-        assert!(matches!(v.build_tokenizer(), Err(TextError::InvalidVocab(_))));
+        assert!(matches!(
+            v.build_tokenizer(),
+            Err(TextError::InvalidVocab(_))
+        ));
     }
 
     #[test]

@@ -57,7 +57,9 @@ impl Writer<'_> {
     fn value(&mut self, v: &Value, level: usize) -> Result<(), String> {
         match v.kind() {
             ValueKind::None => self.out.push_str("null"),
-            ValueKind::Bool => self.out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Bool => self
+                .out
+                .push_str(if v.is_true() { "true" } else { "false" }),
             ValueKind::Number => {
                 if v.is_integer() {
                     self.out.push_str(&v.to_string());
@@ -113,7 +115,11 @@ impl Writer<'_> {
                 }
                 ValueKind::Bool => (if key.is_true() { "true" } else { "false" }).to_string(),
                 ValueKind::None => "null".to_string(),
-                other => return Err(format!("keys must be str, int, float, bool or None, not {other}")),
+                other => {
+                    return Err(format!(
+                        "keys must be str, int, float, bool or None, not {other}"
+                    ))
+                }
             };
             entries.push((k, val));
         }
@@ -173,7 +179,11 @@ pub(crate) fn py_float_repr(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+        return if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
     }
     let sign = if f.is_sign_negative() { "-" } else { "" };
     let sci = format!("{:e}", f.abs()); // e.g. "1.2345e3", "0e0"
@@ -187,7 +197,11 @@ pub(crate) fn py_float_repr(f: f64) -> String {
             if n <= int_len {
                 format!("{digits}{}.0", "0".repeat((int_len - n) as usize))
             } else {
-                format!("{}.{}", &digits[..int_len as usize], &digits[int_len as usize..])
+                format!(
+                    "{}.{}",
+                    &digits[..int_len as usize],
+                    &digits[int_len as usize..]
+                )
             }
         } else {
             format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
@@ -238,7 +252,10 @@ mod tests {
             ensure_ascii: true,
             ..Default::default()
         };
-        assert_eq!(py_json_dumps(&v, &o).unwrap(), "\"a\\\"\\\\\\u0001\\ud83d\\ude00\"");
+        assert_eq!(
+            py_json_dumps(&v, &o).unwrap(),
+            "\"a\\\"\\\\\\u0001\\ud83d\\ude00\""
+        );
         assert!(py_json_dumps(&Value::UNDEFINED, &o).is_err());
         let empty: Vec<Value> = vec![];
         let o = JsonOptions {

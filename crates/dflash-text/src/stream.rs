@@ -149,7 +149,10 @@ mod tests {
         for skip in [false, true] {
             let (s, chunks) = stream_all(&tok, &ids, skip);
             assert_eq!(s, tok.decode(&ids, skip).unwrap());
-            assert!(chunks.iter().all(|c| !c.contains(REPLACEMENT)), "{chunks:?}");
+            assert!(
+                chunks.iter().all(|c| !c.contains(REPLACEMENT)),
+                "{chunks:?}"
+            );
         }
         // The crab is 4 byte tokens: exactly one chunk holds it.
         let (_, chunks) = stream_all(&tok, &ids, false);

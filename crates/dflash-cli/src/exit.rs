@@ -1,0 +1,31 @@
+//! Maps an error chain to the process exit code: 2 when any error in the chain is the user's input.
+
+use dflash_core::CoreError;
+use dflash_decoding::DecodeError;
+use dflash_models::ModelError;
+use dflash_text::TextError;
+
+/// A problem with the command line or its inputs.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+pub fn code(e: &anyhow::Error) -> i32 {
+    for cause in e.chain() {
+        let bad = if cause.downcast_ref::<UsageError>().is_some() {
+            true
+        } else if let Some(m) = cause.downcast_ref::<ModelError>() {
+            m.is_bad_input()
+        } else if let Some(d) = cause.downcast_ref::<DecodeError>() {
+            d.is_bad_input()
+        } else if let Some(c) = cause.downcast_ref::<CoreError>() {
+            matches!(c, CoreError::InvalidInput(_))
+        } else {
+            cause.downcast_ref::<TextError>().is_some()
+        };
+        if bad {
+            return 2;
+        }
+    }
+    1
+}

@@ -1,0 +1,171 @@
+//! `dflash generate`: one prompt, one answer, streamed (or one JSON object with `--json`).
+
+use crate::exit::UsageError;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use clap::{Args, ValueEnum};
+use dflash_decoding::{generate_ar, GenerateConfig, SamplingConfig};
+use dflash_models::load_target;
+use dflash_text::{ChatMessage, RenderOptions, StreamDecoder};
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, ValueEnum, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// The target alone: the reference output.
+    Ar,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Target model: an HF directory (config.json, safetensors, tokenizer.json) or a .gguf file.
+    #[arg(long)]
+    target: PathBuf,
+    /// The prompt (a user message with --chat, raw text with --raw).
+    #[arg(long)]
+    prompt: String,
+    /// Render the prompt with the model's chat template (default when the model has one).
+    #[arg(long, conflicts_with = "raw")]
+    chat: bool,
+    /// Feed the prompt as raw text, no chat template.
+    #[arg(long)]
+    raw: bool,
+    /// System message for --chat (otherwise the template's default).
+    #[arg(long)]
+    system: Option<String>,
+    /// Chat templates that support it (Qwen3): turn thinking on.
+    #[arg(long)]
+    enable_thinking: bool,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 = no top-k filter.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value_t = Mode::Ar)]
+    mode: Mode,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    text: String,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    mode: Mode,
+    prefill_seconds: f64,
+    decode_seconds: f64,
+    tokens_per_second: f64,
+    steps: usize,
+    stop_reason: dflash_decoding::StopReason,
+    device: String,
+    dtype: String,
+}
+
+fn device_and_dtype(args: &GenerateArgs) -> Result<(Device, DType)> {
+    let device = dflash_core::parse_device(&args.device)?;
+    let dtype = match &args.dtype {
+        Some(d) => dflash_core::parse_dtype(d)?,
+        None if device.is_cuda() => DType::BF16,
+        None => DType::F32,
+    };
+    Ok((device, dtype))
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.max_new_tokens == 0 {
+        return Err(UsageError("--max-new-tokens must be at least 1".into()).into());
+    }
+    let (device, dtype) = device_and_dtype(&args)?;
+    let target = load_target(&args.target, &device, dtype)
+        .with_context(|| format!("loading target {}", args.target.display()))?;
+    let text = target.text.as_ref().ok_or_else(|| {
+        UsageError(format!("{}: no tokenizer (tokenizer.json) next to the model", args.target.display()))
+    })?;
+    let use_chat = !args.raw && (args.chat || text.chat_template.is_some());
+    let prompt_text = if use_chat {
+        let tpl = text.chat_template.as_ref().ok_or_else(|| {
+            UsageError(format!("{}: --chat asked for, but the model has no chat template", args.target.display()))
+        })?;
+        let mut msgs = vec![];
+        if let Some(s) = &args.system {
+            msgs.push(ChatMessage::new("system", s.clone()));
+        }
+        msgs.push(ChatMessage::new("user", args.prompt.clone()));
+        let opts = RenderOptions { add_generation_prompt: true, enable_thinking: Some(args.enable_thinking), tools: None };
+        tpl.render(&msgs, &opts)?
+    } else {
+        args.prompt.clone()
+    };
+    let mut prompt = text.tokenizer.encode(&prompt_text, false)?;
+    if text.add_bos && !use_chat {
+        if let Some(bos) = text.bos_token.as_deref().and_then(|b| text.tokenizer.token_to_id(b)) {
+            if prompt.first() != Some(&bos) {
+                prompt.insert(0, bos);
+            }
+        }
+    }
+    let cfg = GenerateConfig {
+        max_new_tokens: args.max_new_tokens,
+        stop_tokens: target.eos_token_ids.clone(),
+        sampling: SamplingConfig { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
+    };
+    let mut stream = StreamDecoder::new(&text.tokenizer, true);
+    let mut stdout = std::io::stdout();
+    let mut on_token = |id: u32| {
+        if !args.json {
+            if let Ok(Some(piece)) = stream.push(id) {
+                let _ = stdout.write_all(piece.as_bytes());
+                let _ = stdout.flush();
+            }
+        }
+    };
+    let generation = match args.mode {
+        Mode::Ar => generate_ar(target.model.as_ref(), &prompt, &cfg, &mut on_token)?,
+    };
+    let text_out = text.tokenizer.decode(&generation.tokens, true)?;
+    let n = generation.tokens.len();
+    let report = Report {
+        text: text_out,
+        prompt_tokens: generation.prompt_tokens,
+        output_tokens: n,
+        mode: args.mode,
+        prefill_seconds: generation.prefill_seconds,
+        decode_seconds: generation.decode_seconds,
+        tokens_per_second: if generation.decode_seconds > 0.0 { generation.steps as f64 / generation.decode_seconds } else { 0.0 },
+        steps: generation.steps,
+        stop_reason: generation.stop_reason,
+        device: args.device.clone(),
+        dtype: format!("{dtype:?}").to_lowercase(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        if let Ok(Some(rest)) = stream.finish() {
+            print!("{rest}");
+        }
+        println!();
+        let _ = std::io::stdout().flush();
+        eprintln!(
+            "[dflash] mode {:?}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s), stop: {:?}",
+            report.mode, report.prompt_tokens, n, report.prefill_seconds, report.decode_seconds, report.tokens_per_second, report.stop_reason
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! Plain autoregressive decoding with the target alone — the reference every other mode must equal.
+//!
+//! Invariants: the prompt is prefilled in one causal block; each step feeds exactly the last
+//! committed token at its position; generation stops right after a stop token is emitted (the stop
+//! token is part of the output, as in transformers) or when `max_new_tokens` tokens exist; the cache
+//! never grows past `prompt + max_new_tokens`.
+
+use crate::sampling::{Sampler, SamplingConfig};
+use crate::{DecodeError, Result};
+use dflash_models::{ForwardRequest, LogitRows, TargetModel};
+use serde::Serialize;
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct GenerateConfig {
+    pub max_new_tokens: usize,
+    pub stop_tokens: Vec<u32>,
+    pub sampling: SamplingConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// A stop token was generated.
+    Eos,
+    /// `max_new_tokens` reached.
+    MaxTokens,
+    /// The model's context is full.
+    ContextLength,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub stop_reason: StopReason,
+    pub prompt_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    /// Target forwards after the prefill.
+    pub steps: usize,
+}
+
+/// Checks the prompt against the context and returns how many tokens may be generated.
+pub fn token_budget(prompt: usize, max_new: usize, context: usize) -> Result<(usize, bool)> {
+    if prompt == 0 {
+        return Err(DecodeError::InvalidInput("empty prompt".into()));
+    }
+    if prompt >= context {
+        return Err(DecodeError::PromptTooLong { prompt, context });
+    }
+    let room = context - prompt;
+    Ok((max_new.min(room), max_new > room))
+}
+
+/// Autoregressive generation; `on_token` sees each new token as soon as it is chosen.
+pub fn generate_ar(
+    target: &dyn TargetModel,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    let (budget, context_bound) = token_budget(prompt.len(), cfg.max_new_tokens, target.info().max_position_embeddings)?;
+    let mut sampler = Sampler::new(cfg.sampling.clone())?;
+    let mut cache = target.new_cache(prompt.len() + budget)?;
+    let t0 = Instant::now();
+    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+    let out = target.forward(&ForwardRequest::causal(prompt, &positions, LogitRows::Last), &mut cache)?;
+    let mut next = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut tokens = Vec::with_capacity(budget);
+    let mut steps = 0;
+    let stop_reason = loop {
+        if budget == 0 {
+            break StopReason::MaxTokens;
+        }
+        tokens.push(next);
+        on_token(next);
+        if cfg.stop_tokens.contains(&next) {
+            break StopReason::Eos;
+        }
+        if tokens.len() >= budget {
+            break if context_bound { StopReason::ContextLength } else { StopReason::MaxTokens };
+        }
+        let pos = [(prompt.len() + tokens.len() - 1) as u32];
+        let out = target.forward(&ForwardRequest::causal(&[next], &pos, LogitRows::Last), &mut cache)?;
+        steps += 1;
+        next = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
+    };
+    Ok(Generation {
+        tokens,
+        stop_reason,
+        prompt_tokens: prompt.len(),
+        prefill_seconds,
+        decode_seconds: t1.elapsed().as_secs_f64(),
+        steps,
+    })
+}
