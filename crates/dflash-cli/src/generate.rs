@@ -21,8 +21,9 @@ pub enum Mode {
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     /// Target model: an HF directory (config.json, safetensors, tokenizer.json) or a .gguf file.
+    /// Default: $DFLASH_TARGET, else SmolLM2-135M-Instruct as fetched by scripts/fetch-smollm2.sh.
     #[arg(long)]
-    target: PathBuf,
+    target: Option<PathBuf>,
     /// The prompt (a user message with --chat, raw text with --raw).
     #[arg(long)]
     prompt: String,
@@ -93,15 +94,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         return Err(UsageError("--max-new-tokens must be at least 1".into()).into());
     }
     let (device, dtype) = device_and_dtype(&args)?;
-    let target = load_target(&args.target, &device, dtype)
-        .with_context(|| format!("loading target {}", args.target.display()))?;
+    let target_path = crate::defaults::target_path(args.target.as_deref())?;
+    let target = load_target(&target_path, &device, dtype)
+        .with_context(|| format!("loading target {}", target_path.display()))?;
     let text = target.text.as_ref().ok_or_else(|| {
-        UsageError(format!("{}: no tokenizer (tokenizer.json) next to the model", args.target.display()))
+        UsageError(format!("{}: no tokenizer (tokenizer.json) next to the model", target_path.display()))
     })?;
     let use_chat = !args.raw && (args.chat || text.chat_template.is_some());
     let prompt_text = if use_chat {
         let tpl = text.chat_template.as_ref().ok_or_else(|| {
-            UsageError(format!("{}: --chat asked for, but the model has no chat template", args.target.display()))
+            UsageError(format!("{}: --chat asked for, but the model has no chat template", target_path.display()))
         })?;
         let mut msgs = vec![];
         if let Some(s) = &args.system {

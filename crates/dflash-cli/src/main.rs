@@ -3,6 +3,7 @@
 //! Invariants: bad input (flags, files, prompts) exits with code 2 and a one-line message; internal
 //! failures exit 1; machine-readable output goes to stdout as JSON, human summaries to stderr.
 
+mod defaults;
 mod exit;
 mod generate;
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the CUDA `dflash` binary and the CUDA build of the reference-fixture tests, and packages
+# what the GPU machine needs into dist/cuda/ (xz-compressed; carry that folder to the GPU machine).
+# Needs scripts/setup-cuda-build.sh once. First build ~12 min on 2 cores; later ones relink.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x /opt/cuda13/bin/nvcc ] || bash scripts/setup-cuda-build.sh
+# keep these identical from build to build: they are rerun-if-env-changed triggers (9-minute rebuild)
+export CUDA_HOME=/opt/cuda13 PATH=/opt/cuda13/bin:$PATH CUDA_COMPUTE_CAP=90
+export LIBRARY_PATH=/opt/cuda13/lib64:/opt/cuda13/lib64/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+cargo build --release --features cuda -p dflash-cli
+tests=$(cargo test --release --features cuda -p dflash-models --test reference_fixtures --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    try: m=json.loads(l)
+    except Exception: continue
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="reference_fixtures": print(m["executable"])')
+mkdir -p dist/cuda
+cp "$CARGO_TARGET_DIR/release/dflash" dist/cuda/dflash
+cp "$tests" dist/cuda/reference_fixtures
+strip dist/cuda/dflash dist/cuda/reference_fixtures
+xz -T2 -6 -f dist/cuda/dflash dist/cuda/reference_fixtures
+ls -la dist/cuda
