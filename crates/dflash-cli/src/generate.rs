@@ -98,26 +98,40 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;
     let text = target.text.as_ref().ok_or_else(|| {
-        UsageError(format!("{}: no tokenizer (tokenizer.json) next to the model", target_path.display()))
+        UsageError(format!(
+            "{}: no tokenizer (tokenizer.json) next to the model",
+            target_path.display()
+        ))
     })?;
     let use_chat = !args.raw && (args.chat || text.chat_template.is_some());
     let prompt_text = if use_chat {
         let tpl = text.chat_template.as_ref().ok_or_else(|| {
-            UsageError(format!("{}: --chat asked for, but the model has no chat template", target_path.display()))
+            UsageError(format!(
+                "{}: --chat asked for, but the model has no chat template",
+                target_path.display()
+            ))
         })?;
         let mut msgs = vec![];
         if let Some(s) = &args.system {
             msgs.push(ChatMessage::new("system", s.clone()));
         }
         msgs.push(ChatMessage::new("user", args.prompt.clone()));
-        let opts = RenderOptions { add_generation_prompt: true, enable_thinking: Some(args.enable_thinking), tools: None };
+        let opts = RenderOptions {
+            add_generation_prompt: true,
+            enable_thinking: Some(args.enable_thinking),
+            tools: None,
+        };
         tpl.render(&msgs, &opts)?
     } else {
         args.prompt.clone()
     };
     let mut prompt = text.tokenizer.encode(&prompt_text, false)?;
     if text.add_bos && !use_chat {
-        if let Some(bos) = text.bos_token.as_deref().and_then(|b| text.tokenizer.token_to_id(b)) {
+        if let Some(bos) = text
+            .bos_token
+            .as_deref()
+            .and_then(|b| text.tokenizer.token_to_id(b))
+        {
             if prompt.first() != Some(&bos) {
                 prompt.insert(0, bos);
             }
@@ -126,7 +140,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let cfg = GenerateConfig {
         max_new_tokens: args.max_new_tokens,
         stop_tokens: target.eos_token_ids.clone(),
-        sampling: SamplingConfig { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
+        sampling: SamplingConfig {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed,
+        },
     };
     let mut stream = StreamDecoder::new(&text.tokenizer, true);
     let mut stdout = std::io::stdout();
@@ -150,7 +169,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         mode: args.mode,
         prefill_seconds: generation.prefill_seconds,
         decode_seconds: generation.decode_seconds,
-        tokens_per_second: if generation.decode_seconds > 0.0 { generation.steps as f64 / generation.decode_seconds } else { 0.0 },
+        tokens_per_second: if generation.decode_seconds > 0.0 {
+            generation.steps as f64 / generation.decode_seconds
+        } else {
+            0.0
+        },
         steps: generation.steps,
         stop_reason: generation.stop_reason,
         device: args.device.clone(),

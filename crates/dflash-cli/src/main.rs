@@ -10,7 +10,11 @@ mod generate;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "dflash", version, about = "Speculative decoding with DFlash block-diffusion drafters")]
+#[command(
+    name = "dflash",
+    version,
+    about = "Speculative decoding with DFlash block-diffusion drafters"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

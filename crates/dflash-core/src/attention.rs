@@ -133,14 +133,20 @@ mod tests {
     #[test]
     fn tree_mask_sees_ancestors_only() {
         // root 0, children 1 and 2 of 0, 3 child of 1
-        let m = AttentionMask::Tree { parents: vec![-1, 0, 0, 1] };
+        let m = AttentionMask::Tree {
+            parents: vec![-1, 0, 0, 1],
+        };
         let t = m.build(4, 6, &Device::Cpu).unwrap().unwrap();
         let v: Vec<Vec<f32>> = t.to_vec2().unwrap();
         let vis = |r: usize| -> Vec<usize> { (0..6).filter(|&j| v[r][j] == 0.0).collect() };
         assert_eq!(vis(0), vec![0, 1, 2]);
         assert_eq!(vis(2), vec![0, 1, 2, 4]);
         assert_eq!(vis(3), vec![0, 1, 2, 3, 5]);
-        assert!(AttentionMask::Tree { parents: vec![-1, 1] }.build(2, 2, &Device::Cpu).is_err());
+        assert!(AttentionMask::Tree {
+            parents: vec![-1, 1]
+        }
+        .build(2, 2, &Device::Cpu)
+        .is_err());
     }
 
     #[test]
@@ -155,10 +161,30 @@ mod tests {
             let kh = k.narrow(1, h / 2, 1).unwrap();
             let vh = v.narrow(1, h / 2, 1).unwrap();
             let qh = q.narrow(1, h, 1).unwrap();
-            let s: Vec<Vec<f32>> =
-                (qh.matmul(&kh.t().unwrap()).unwrap() * 0.3).unwrap().squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
-            let vv: Vec<Vec<f32>> = vh.squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
-            let got: Vec<Vec<f32>> = out.narrow(1, h, 1).unwrap().squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            let s: Vec<Vec<f32>> = (qh.matmul(&kh.t().unwrap()).unwrap() * 0.3)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            let vv: Vec<Vec<f32>> = vh
+                .squeeze(0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            let got: Vec<Vec<f32>> = out
+                .narrow(1, h, 1)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
             for i in 0..3 {
                 let vis = 2 + i + 1;
                 let mx = s[i][..vis].iter().cloned().fold(f32::MIN, f32::max);

@@ -21,7 +21,11 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(capacity: usize) -> Self {
-        Self { capacity, len: 0, buffers: None }
+        Self {
+            capacity,
+            len: 0,
+            buffers: None,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -42,7 +46,10 @@ impl KvCache {
         let n = k.dim(2)?;
         let needed = self.len + n;
         if needed > self.capacity {
-            return Err(CoreError::CacheOverflow { needed, capacity: self.capacity });
+            return Err(CoreError::CacheOverflow {
+                needed,
+                capacity: self.capacity,
+            });
         }
         if self.buffers.is_none() {
             let (b, h, _, d) = k.dims4()?;
@@ -86,8 +93,14 @@ impl KvCache {
             if let Some((kb, vb)) = &self.buffers {
                 let idx = Tensor::from_slice(rows, rows.len(), kb.device())?;
                 let tail = self.len - base;
-                let k = kb.narrow(2, base, tail)?.contiguous()?.index_select(&idx, 2)?;
-                let v = vb.narrow(2, base, tail)?.contiguous()?.index_select(&idx, 2)?;
+                let k = kb
+                    .narrow(2, base, tail)?
+                    .contiguous()?
+                    .index_select(&idx, 2)?;
+                let v = vb
+                    .narrow(2, base, tail)?
+                    .contiguous()?
+                    .index_select(&idx, 2)?;
                 kb.slice_set(&k, 2, base)?;
                 vb.slice_set(&v, 2, base)?;
             }
@@ -132,7 +145,9 @@ pub struct SequenceCache {
 impl SequenceCache {
     pub fn attention_only(num_layers: usize, capacity: usize, device: &Device) -> Self {
         Self {
-            layers: (0..num_layers).map(|_| LayerCache::Attention(KvCache::new(capacity))).collect(),
+            layers: (0..num_layers)
+                .map(|_| LayerCache::Attention(KvCache::new(capacity)))
+                .collect(),
             capacity,
             device: device.clone(),
         }
@@ -196,7 +211,10 @@ mod tests {
         assert!(c.keep_rows(0, &[5]).is_err());
         assert!(matches!(
             c.append(&rows(7, 0.0), &rows(7, 0.0)),
-            Err(CoreError::CacheOverflow { needed: 9, capacity: 8 })
+            Err(CoreError::CacheOverflow {
+                needed: 9,
+                capacity: 8
+            })
         ));
     }
 }

@@ -26,9 +26,8 @@ pub fn parse_device(s: &str) -> Result<Device> {
             "device '{s}' asked for, but this dflash binary was built without the `cuda` feature"
         )));
     }
-    Device::new_cuda(ordinal).map_err(|e| {
-        CoreError::InvalidInput(format!("cannot open CUDA device {ordinal}: {e}"))
-    })
+    Device::new_cuda(ordinal)
+        .map_err(|e| CoreError::InvalidInput(format!("cannot open CUDA device {ordinal}: {e}")))
 }
 
 /// `f32`, `bf16` or `f16`.

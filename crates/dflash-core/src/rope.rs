@@ -14,7 +14,12 @@ use candle_core::{DType, Device, Tensor, D};
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// Llama-3.1 frequency-dependent scaling.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
     /// Positions divided by `factor`.
     Linear { factor: f64 },
     /// YaRN (NTK-by-parts with attention temperature).
@@ -48,7 +53,9 @@ fn linear_ramp(min: f64, mut max: f64, n: usize) -> Vec<f64> {
     if min == max {
         max += 0.001;
     }
-    (0..n).map(|i| ((i as f64 - min) / (max - min)).clamp(0.0, 1.0)).collect()
+    (0..n)
+        .map(|i| ((i as f64 - min) / (max - min)).clamp(0.0, 1.0))
+        .collect()
 }
 
 impl RotaryEmbedding {
@@ -61,7 +68,9 @@ impl RotaryEmbedding {
             )));
         }
         let base = cfg.theta as f32;
-        let pos_freqs: Vec<f32> = (0..dim / 2).map(|i| base.powf((2 * i) as f32 / dim as f32)).collect();
+        let pos_freqs: Vec<f32> = (0..dim / 2)
+            .map(|i| base.powf((2 * i) as f32 / dim as f32))
+            .collect();
         let mut inv_freq: Vec<f32> = pos_freqs.iter().map(|p| 1.0 / p).collect();
         let mut attention_factor = 1.0f32;
         match &cfg.scaling {
@@ -77,13 +86,21 @@ impl RotaryEmbedding {
                 high_freq_factor,
                 original_max_position_embeddings: old,
             }) => {
-                let (factor, lo, hi, old) =
-                    (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32, *old as f32);
+                let (factor, lo, hi, old) = (
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
+                    *old as f32,
+                );
                 let low_wavelen = old / lo;
                 let high_wavelen = old / hi;
                 for f in &mut inv_freq {
                     let wavelen = 2.0 * std::f32::consts::PI / *f;
-                    let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                    let scaled = if wavelen > low_wavelen {
+                        *f / factor
+                    } else {
+                        *f
+                    };
                     let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
                     *f = if medium {
                         let smooth = (old / wavelen - lo) / (hi - lo);
@@ -119,15 +136,28 @@ impl RotaryEmbedding {
                     let extra_factor = 1.0 - ramp[i] as f32;
                     *f = interpolation * (1.0 - extra_factor) + extrapolation * extra_factor;
                 }
-                attention_factor = af.unwrap_or(if *factor > 1.0 { 0.1 * factor.ln() + 1.0 } else { 1.0 })
-                    as f32;
+                attention_factor = af.unwrap_or(if *factor > 1.0 {
+                    0.1 * factor.ln() + 1.0
+                } else {
+                    1.0
+                }) as f32;
             }
         }
-        Ok(Self { inv_freq, attention_factor, rotary_dim: dim, head_dim: cfg.head_dim })
+        Ok(Self {
+            inv_freq,
+            attention_factor,
+            rotary_dim: dim,
+            head_dim: cfg.head_dim,
+        })
     }
 
     /// `(cos, sin)`, each `[positions.len(), rotary_dim / 2]` in `dtype`.
-    pub fn cos_sin(&self, positions: &[u32], device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
+    pub fn cos_sin(
+        &self,
+        positions: &[u32],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
@@ -163,8 +193,12 @@ impl RotaryEmbedding {
                 let x1 = x.narrow(D::Minus1, 0, half)?;
                 let x2 = x.narrow(D::Minus1, half, half)?;
                 let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-                let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(0)?.unsqueeze(0)?;
-                let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(0)?.unsqueeze(0)?;
+                let cos = Tensor::cat(&[cos, cos], D::Minus1)?
+                    .unsqueeze(0)?
+                    .unsqueeze(0)?;
+                let sin = Tensor::cat(&[sin, sin], D::Minus1)?
+                    .unsqueeze(0)?
+                    .unsqueeze(0)?;
                 Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
             }
         }
@@ -177,19 +211,37 @@ mod tests {
 
     #[test]
     fn fused_and_differentiable_rope_agree() {
-        let cfg = RopeConfig { theta: 10000.0, head_dim: 8, rotary_dim: 8, scaling: None };
+        let cfg = RopeConfig {
+            theta: 10000.0,
+            head_dim: 8,
+            rotary_dim: 8,
+            scaling: None,
+        };
         let r = RotaryEmbedding::new(&cfg).unwrap();
         let x = Tensor::randn(0f32, 1.0, (1, 2, 3, 8), &Device::Cpu).unwrap();
         let (c, s) = r.cos_sin(&[5, 9, 100], &Device::Cpu, DType::F32).unwrap();
         let a = r.apply(&x, &c, &s, Grad::Off).unwrap();
         let b = r.apply(&x, &c, &s, Grad::On).unwrap();
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let d = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(d < 1e-5);
     }
 
     #[test]
     fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
-        let plain = RotaryEmbedding::new(&RopeConfig { theta: 500000.0, head_dim: 64, rotary_dim: 64, scaling: None }).unwrap();
+        let plain = RotaryEmbedding::new(&RopeConfig {
+            theta: 500000.0,
+            head_dim: 64,
+            rotary_dim: 64,
+            scaling: None,
+        })
+        .unwrap();
         let scaled = RotaryEmbedding::new(&RopeConfig {
             theta: 500000.0,
             head_dim: 64,

@@ -38,6 +38,48 @@ pub struct Generation {
     pub decode_seconds: f64,
     /// Target forwards after the prefill.
     pub steps: usize,
+    /// Speculative modes only: per-step acceptance and timings.
+    pub spec: Option<crate::spec::SpecStats>,
+}
+
+/// Collects emitted tokens and decides when generation stops, identically for every mode.
+pub(crate) struct Emitter<'a> {
+    tokens: Vec<u32>,
+    budget: usize,
+    context_bound: bool,
+    stop_tokens: &'a [u32],
+}
+
+impl<'a> Emitter<'a> {
+    pub(crate) fn new(budget: usize, context_bound: bool, stop_tokens: &'a [u32]) -> Self {
+        Self {
+            tokens: Vec::with_capacity(budget),
+            budget,
+            context_bound,
+            stop_tokens,
+        }
+    }
+
+    /// Emits `tok`; returns why generation must stop now, if it must.
+    pub(crate) fn push(&mut self, tok: u32, on_token: &mut dyn FnMut(u32)) -> Option<StopReason> {
+        self.tokens.push(tok);
+        on_token(tok);
+        if self.stop_tokens.contains(&tok) {
+            return Some(StopReason::Eos);
+        }
+        if self.tokens.len() >= self.budget {
+            return Some(if self.context_bound {
+                StopReason::ContextLength
+            } else {
+                StopReason::MaxTokens
+            });
+        }
+        None
+    }
+
+    pub(crate) fn finish(self, reason: StopReason) -> (Vec<u32>, StopReason) {
+        (self.tokens, reason)
+    }
 }
 
 /// Checks the prompt against the context and returns how many tokens may be generated.
@@ -59,34 +101,40 @@ pub fn generate_ar(
     cfg: &GenerateConfig,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
-    let (budget, context_bound) = token_budget(prompt.len(), cfg.max_new_tokens, target.info().max_position_embeddings)?;
+    let (budget, context_bound) = token_budget(
+        prompt.len(),
+        cfg.max_new_tokens,
+        target.info().max_position_embeddings,
+    )?;
     let mut sampler = Sampler::new(cfg.sampling.clone())?;
     let mut cache = target.new_cache(prompt.len() + budget)?;
     let t0 = Instant::now();
     let positions: Vec<u32> = (0..prompt.len() as u32).collect();
-    let out = target.forward(&ForwardRequest::causal(prompt, &positions, LogitRows::Last), &mut cache)?;
+    let out = target.forward(
+        &ForwardRequest::causal(prompt, &positions, LogitRows::Last),
+        &mut cache,
+    )?;
     let mut next = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let mut tokens = Vec::with_capacity(budget);
+    let mut emit = Emitter::new(budget, context_bound, &cfg.stop_tokens);
     let mut steps = 0;
     let stop_reason = loop {
         if budget == 0 {
             break StopReason::MaxTokens;
         }
-        tokens.push(next);
-        on_token(next);
-        if cfg.stop_tokens.contains(&next) {
-            break StopReason::Eos;
+        if let Some(reason) = emit.push(next, on_token) {
+            break reason;
         }
-        if tokens.len() >= budget {
-            break if context_bound { StopReason::ContextLength } else { StopReason::MaxTokens };
-        }
-        let pos = [(prompt.len() + tokens.len() - 1) as u32];
-        let out = target.forward(&ForwardRequest::causal(&[next], &pos, LogitRows::Last), &mut cache)?;
+        let pos = [(prompt.len() + steps) as u32];
+        let out = target.forward(
+            &ForwardRequest::causal(&[next], &pos, LogitRows::Last),
+            &mut cache,
+        )?;
         steps += 1;
         next = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
     };
+    let (tokens, stop_reason) = emit.finish(stop_reason);
     Ok(Generation {
         tokens,
         stop_reason,
@@ -94,5 +142,6 @@ pub fn generate_ar(
         prefill_seconds,
         decode_seconds: t1.elapsed().as_secs_f64(),
         steps,
+        spec: None,
     })
 }

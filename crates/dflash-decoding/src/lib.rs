@@ -7,7 +7,10 @@
 pub mod ar;
 pub mod error;
 pub mod sampling;
+pub mod spec;
+pub mod tree;
 
 pub use ar::{generate_ar, GenerateConfig, Generation, StopReason};
 pub use error::{DecodeError, Result};
 pub use sampling::{Sampler, SamplingConfig};
+pub use spec::{generate_speculative, BlockDrafter, DFlashRunner, SpecMode, SpecStats};

@@ -23,7 +23,12 @@ pub struct SamplingConfig {
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        Self { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
     }
 }
 
@@ -38,10 +43,16 @@ impl SamplingConfig {
 
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(DecodeError::InvalidInput(format!("temperature {} must be >= 0", self.temperature)));
+            return Err(DecodeError::InvalidInput(format!(
+                "temperature {} must be >= 0",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(DecodeError::InvalidInput(format!("top-p {} must be in (0, 1]", self.top_p)));
+            return Err(DecodeError::InvalidInput(format!(
+                "top-p {} must be in (0, 1]",
+                self.top_p
+            )));
         }
         Ok(())
     }
@@ -78,12 +89,19 @@ impl Sampler {
     pub fn distribution(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
         let t = self.cfg.temperature;
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        idx.sort_unstable_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
         if self.cfg.top_k > 0 && self.cfg.top_k < idx.len() {
             idx.truncate(self.cfg.top_k);
         }
         let max = logits[idx[0] as usize] / t;
-        let mut p: Vec<f32> = idx.iter().map(|&i| (logits[i as usize] / t - max).exp()).collect();
+        let mut p: Vec<f32> = idx
+            .iter()
+            .map(|&i| (logits[i as usize] / t - max).exp())
+            .collect();
         let z: f32 = p.iter().sum();
         p.iter_mut().for_each(|x| *x /= z);
         if self.cfg.top_p < 1.0 {
@@ -141,7 +159,12 @@ mod tests {
 
     #[test]
     fn seeded_sampling_is_reproducible_and_follows_the_distribution() {
-        let cfg = SamplingConfig { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 7 };
+        let cfg = SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 7,
+        };
         let logits = [0.0f32, (2.0f32).ln(), (5.0f32).ln()]; // p = 1/8, 2/8, 5/8
         let mut a = Sampler::new(cfg.clone()).unwrap();
         let mut b = Sampler::new(cfg).unwrap();
@@ -152,18 +175,43 @@ mod tests {
             counts[x as usize] += 1;
         }
         let want = [1000.0, 2000.0, 5000.0];
-        let chi2: f64 = counts.iter().zip(want).map(|(&c, w)| (c as f64 - w).powi(2) / w).sum();
+        let chi2: f64 = counts
+            .iter()
+            .zip(want)
+            .map(|(&c, w)| (c as f64 - w).powi(2) / w)
+            .sum();
         assert!(chi2 < 13.8, "chi2 {chi2} counts {counts:?}"); // p = 0.001, 2 dof
     }
 
     #[test]
     fn top_k_and_top_p_filter() {
-        let s = Sampler::new(SamplingConfig { temperature: 1.0, top_p: 0.7, top_k: 0, seed: 0 }).unwrap();
+        let s = Sampler::new(SamplingConfig {
+            temperature: 1.0,
+            top_p: 0.7,
+            top_k: 0,
+            seed: 0,
+        })
+        .unwrap();
         let (ids, _) = s.distribution(&[0.0, (2.0f32).ln(), (5.0f32).ln()]);
         assert_eq!(ids, vec![2, 1]);
-        let s = Sampler::new(SamplingConfig { temperature: 1.0, top_p: 1.0, top_k: 1, seed: 0 }).unwrap();
+        let s = Sampler::new(SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 1,
+            seed: 0,
+        })
+        .unwrap();
         assert_eq!(s.distribution(&[0.0, 1.0, 0.5]).0, vec![1]);
-        assert!(Sampler::new(SamplingConfig { temperature: -1.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingConfig { top_p: 0.0, temperature: 1.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingConfig {
+            temperature: -1.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingConfig {
+            top_p: 0.0,
+            temperature: 1.0,
+            ..Default::default()
+        })
+        .is_err());
     }
 }

@@ -81,7 +81,11 @@ pub struct DecoderConfig {
 pub fn token_ids(v: &Option<Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => vec![],
     }
 }
@@ -103,7 +107,11 @@ impl DecoderConfig {
                 _ => {}
             }
         }
-        Err(if t.is_empty() { self.architectures.join(",") } else { t })
+        Err(if t.is_empty() {
+            self.architectures.join(",")
+        } else {
+            t
+        })
     }
 
     pub fn num_kv_heads(&self) -> usize {
@@ -111,7 +119,8 @@ impl DecoderConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -159,13 +168,22 @@ impl DecoderConfig {
             None | Some(Value::Null) => None,
             Some(p) => rope_scaling(p, self.max_position_embeddings)?,
         };
-        Ok(RopeConfig { theta, head_dim: self.head_dim(), rotary_dim: self.head_dim(), scaling })
+        Ok(RopeConfig {
+            theta,
+            head_dim: self.head_dim(),
+            rotary_dim: self.head_dim(),
+            scaling,
+        })
     }
 }
 
 /// Parses a `rope_scaling` / `rope_parameters` object.
 pub fn rope_scaling(p: &Value, max_pos: usize) -> Result<Option<RopeScaling>, String> {
-    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|x| x.as_str()).unwrap_or("default");
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(|x| x.as_str())
+        .unwrap_or("default");
     let factor = f(p, "factor").unwrap_or(1.0);
     let need = |k: &str| f(p, k).ok_or_else(|| format!("rope scaling '{kind}' needs '{k}'"));
     Ok(match kind {

@@ -13,7 +13,10 @@ use candle_nn::{Embedding, Linear, VarBuilder};
 use dflash_core::{attention, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding, SequenceCache};
 
 fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
-    Ok(Linear::new(vb.get((out_dim, in_dim), &format!("{name}.weight"))?, None))
+    Ok(Linear::new(
+        vb.get((out_dim, in_dim), &format!("{name}.weight"))?,
+        None,
+    ))
 }
 
 struct Attention {
@@ -38,15 +41,29 @@ impl Attention {
             k_proj: linear(&vb, h, nkv * hd, "k_proj")?,
             v_proj: linear(&vb, h, nkv * hd, "v_proj")?,
             o_proj: linear(&vb, nh * hd, h, "o_proj")?,
-            q_norm: if norms { Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?) } else { None },
-            k_norm: if norms { Some(RmsNorm::load(vb.pp("k_norm"), hd, cfg.rms_norm_eps)?) } else { None },
+            q_norm: if norms {
+                Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?)
+            } else {
+                None
+            },
+            k_norm: if norms {
+                Some(RmsNorm::load(vb.pp("k_norm"), hd, cfg.rms_norm_eps)?)
+            } else {
+                None
+            },
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
         })
     }
 
-    fn forward(&self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>, cache: &mut KvCache) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
         let heads = |t: Tensor, nh: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let t = t.reshape((b, n, nh, self.head_dim))?;
@@ -64,7 +81,9 @@ impl Attention {
         let (k_all, v_all) = cache.append(&k, &v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?;
-        let o = o.transpose(1, 2)?.reshape((b, n, self.n_heads * self.head_dim))?;
+        let o = o
+            .transpose(1, 2)?
+            .reshape((b, n, self.n_heads * self.head_dim))?;
         Ok(self.o_proj.forward(&o)?)
     }
 }
@@ -125,7 +144,11 @@ impl Decoder {
             layers.push(DecoderLayer {
                 self_attn: Attention::new(cfg, arch, l.pp("self_attn"))?,
                 mlp: Mlp::new(cfg, l.pp("mlp"))?,
-                input_layernorm: RmsNorm::load(l.pp("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+                input_layernorm: RmsNorm::load(
+                    l.pp("input_layernorm"),
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
                 post_attention_layernorm: RmsNorm::load(
                     l.pp("post_attention_layernorm"),
                     cfg.hidden_size,
@@ -149,7 +172,14 @@ impl Decoder {
             dtype: vb.dtype(),
             device: vb.device().clone(),
         };
-        Ok(Self { embed_tokens, layers, norm, lm_head, rotary, info })
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+            info,
+        })
     }
 }
 
@@ -159,7 +189,11 @@ impl TargetModel for Decoder {
     }
 
     fn new_cache(&self, capacity: usize) -> Result<SequenceCache> {
-        Ok(SequenceCache::attention_only(self.layers.len(), capacity, &self.info.device))
+        Ok(SequenceCache::attention_only(
+            self.layers.len(),
+            capacity,
+            &self.info.device,
+        ))
     }
 
     fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput> {
@@ -172,13 +206,20 @@ impl TargetModel for Decoder {
             )));
         }
         if let Some(&t) = req.taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(ModelError::InvalidInput(format!("tap layer {t} >= {} layers", self.layers.len())));
+            return Err(ModelError::InvalidInput(format!(
+                "tap layer {t} >= {} layers",
+                self.layers.len()
+            )));
         }
         let dev = &self.info.device;
         let past = cache.len();
         let mask = req.mask.build(n, past + n, dev)?;
         let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
-        let rope = Rope { emb: &self.rotary, cos, sin };
+        let rope = Rope {
+            emb: &self.rotary,
+            cos,
+            sin,
+        };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let mut x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
         let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
@@ -197,12 +238,22 @@ impl TargetModel for Decoder {
         let logits = match req.logits {
             LogitRows::None => None,
             rows => {
-                let x = if rows == LogitRows::Last { x.narrow(1, n - 1, 1)? } else { x };
+                let x = if rows == LogitRows::Last {
+                    x.narrow(1, n - 1, 1)?
+                } else {
+                    x
+                };
                 let h = self.norm.forward(&x.squeeze(0)?, Grad::Off)?;
                 Some(self.lm_head(&h)?)
             }
         };
-        Ok(ForwardOutput { logits, taps: taps.into_iter().map(|t| t.expect("every tap layer ran")).collect() })
+        Ok(ForwardOutput {
+            logits,
+            taps: taps
+                .into_iter()
+                .map(|t| t.expect("every tap layer ran"))
+                .collect(),
+        })
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {

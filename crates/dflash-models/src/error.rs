@@ -14,7 +14,11 @@ pub enum ModelError {
     #[error("{}: bad config: {msg}", path.display())]
     Config { path: PathBuf, msg: String },
     #[error("{}: weight '{name}': {msg}", path.display())]
-    Weight { path: PathBuf, name: String, msg: String },
+    Weight {
+        path: PathBuf,
+        name: String,
+        msg: String,
+    },
     #[error("context overflow: {needed} positions needed but the model's context is {context}")]
     ContextOverflow { needed: usize, context: usize },
     #[error("drafter does not fit target: {0}")]
@@ -28,7 +32,10 @@ pub enum ModelError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 impl ModelError {
@@ -38,7 +45,8 @@ impl ModelError {
             ModelError::Candle(_) | ModelError::Io { .. } => false,
             ModelError::Core(e) => matches!(
                 e,
-                dflash_core::CoreError::InvalidInput(_) | dflash_core::CoreError::CacheOverflow { .. }
+                dflash_core::CoreError::InvalidInput(_)
+                    | dflash_core::CoreError::CacheOverflow { .. }
             ),
             _ => true,
         }

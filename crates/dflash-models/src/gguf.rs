@@ -38,10 +38,13 @@ impl GgufFile {
     }
 
     fn need_int(&self, key: &str) -> Result<usize> {
-        self.get(key).and_then(int).map(|x| x as usize).ok_or_else(|| ModelError::Config {
-            path: self.path.clone(),
-            msg: format!("GGUF metadata key '{key}' missing or not an integer"),
-        })
+        self.get(key)
+            .and_then(int)
+            .map(|x| x as usize)
+            .ok_or_else(|| ModelError::Config {
+                path: self.path.clone(),
+                msg: format!("GGUF metadata key '{key}' missing or not an integer"),
+            })
     }
 
     fn string(&self, key: &str) -> Option<String> {
@@ -53,12 +56,16 @@ impl GgufFile {
 
     /// The architecture named by `general.architecture`.
     pub fn architecture(&self) -> Result<Architecture> {
-        let arch = self.string("general.architecture").ok_or_else(|| ModelError::Config {
+        let arch = self
+            .string("general.architecture")
+            .ok_or_else(|| ModelError::Config {
+                path: self.path.clone(),
+                msg: "GGUF metadata key 'general.architecture' missing".into(),
+            })?;
+        Architecture::from_model_type(&arch).ok_or_else(|| ModelError::UnknownArchitecture {
             path: self.path.clone(),
-            msg: "GGUF metadata key 'general.architecture' missing".into(),
-        })?;
-        Architecture::from_model_type(&arch)
-            .ok_or_else(|| ModelError::UnknownArchitecture { path: self.path.clone(), arch })
+            arch,
+        })
     }
 
     /// The decoder config, as transformers' GGUF loader maps the metadata.
@@ -68,18 +75,18 @@ impl GgufFile {
         let key = |k: &str| format!("{a}.{k}");
         let n_heads = self.need_int(&key("attention.head_count"))?;
         let hidden = self.need_int(&key("embedding_length"))?;
-        let vocab = match self.get(&key("vocab_size")).and_then(int) {
-            Some(v) => v as usize,
-            None => match self.get("tokenizer.ggml.tokens") {
-                Some(Value::Array(t)) => t.len(),
-                _ => {
-                    return Err(ModelError::Config {
+        let vocab =
+            match self.get(&key("vocab_size")).and_then(int) {
+                Some(v) => v as usize,
+                None => match self.get("tokenizer.ggml.tokens") {
+                    Some(Value::Array(t)) => t.len(),
+                    _ => return Err(ModelError::Config {
                         path: self.path.clone(),
-                        msg: "no vocab size: neither '{arch}.vocab_size' nor tokenizer.ggml.tokens".into(),
-                    })
-                }
-            },
-        };
+                        msg: "no vocab size: neither '{arch}.vocab_size' nor tokenizer.ggml.tokens"
+                            .into(),
+                    }),
+                },
+            };
         let head_dim = self
             .get(&key("attention.key_length"))
             .or_else(|| self.get(&key("rope.dimension_count")))
@@ -95,18 +102,30 @@ impl GgufFile {
             intermediate_size: self.need_int(&key("feed_forward_length"))?,
             num_hidden_layers: self.need_int(&key("block_count"))?,
             num_attention_heads: n_heads,
-            num_key_value_heads: self.get(&key("attention.head_count_kv")).and_then(int).map(|x| x as usize),
+            num_key_value_heads: self
+                .get(&key("attention.head_count_kv"))
+                .and_then(int)
+                .map(|x| x as usize),
             head_dim: Some(head_dim),
-            rms_norm_eps: self.get(&key("attention.layer_norm_rms_epsilon")).and_then(float).unwrap_or(1e-6),
+            rms_norm_eps: self
+                .get(&key("attention.layer_norm_rms_epsilon"))
+                .and_then(float)
+                .unwrap_or(1e-6),
             rope_theta: self.get(&key("rope.freq_base")).and_then(float),
             rope_scaling: None,
             rope_parameters: None,
-            max_position_embeddings: self.get(&key("context_length")).and_then(int).unwrap_or(4096) as usize,
+            max_position_embeddings: self
+                .get(&key("context_length"))
+                .and_then(int)
+                .unwrap_or(4096) as usize,
             tie_word_embeddings: tied,
             attention_bias: false,
             hidden_act: None,
             bos_token_id: None,
-            eos_token_id: self.get("tokenizer.ggml.eos_token_id").and_then(int).map(|x| x.into()),
+            eos_token_id: self
+                .get("tokenizer.ggml.eos_token_id")
+                .and_then(int)
+                .map(|x| x.into()),
         })
     }
 
@@ -145,7 +164,9 @@ impl GgufFile {
             _ => None,
         };
         Ok(GgufVocab {
-            model: self.string("tokenizer.ggml.model").unwrap_or_else(|| "gpt2".into()),
+            model: self
+                .string("tokenizer.ggml.model")
+                .unwrap_or_else(|| "gpt2".into()),
             pre: self.string("tokenizer.ggml.pre"),
             tokens,
             token_types,

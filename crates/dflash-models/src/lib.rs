@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod drafter;
 pub mod error;
 pub mod gguf;
 pub mod loader;
@@ -14,6 +15,7 @@ pub mod weights;
 
 pub use config::{Architecture, DecoderConfig};
 pub use decoder::Decoder;
+pub use drafter::{load_drafter, DFlashConfig, DFlashDrafter, DraftCache};
 pub use error::{ModelError, Result};
 pub use loader::{load_target, LoadedTarget};
 pub use target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};

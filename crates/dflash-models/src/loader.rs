@@ -27,12 +27,23 @@ pub struct LoadedTarget {
 pub fn read_config(dir: &Path) -> Result<DecoderConfig> {
     let path = dir.join("config.json");
     if !path.is_file() {
-        return Err(ModelError::MissingFile { path, what: "model config".into() });
+        return Err(ModelError::MissingFile {
+            path,
+            what: "model config".into(),
+        });
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io { path: path.clone(), source: e })?;
-    let cfg: DecoderConfig =
-        serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.clone(), msg: e.to_string() })?;
-    cfg.validate().map_err(|msg| ModelError::Config { path: path.clone(), msg })?;
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
+        path: path.clone(),
+        source: e,
+    })?;
+    let cfg: DecoderConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+        path: path.clone(),
+        msg: e.to_string(),
+    })?;
+    cfg.validate().map_err(|msg| ModelError::Config {
+        path: path.clone(),
+        msg,
+    })?;
     Ok(cfg)
 }
 
@@ -54,12 +65,22 @@ fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget
     let cfg = read_config(dir)?;
     let arch = cfg
         .architecture()
-        .map_err(|arch| ModelError::UnknownArchitecture { path: dir.join("config.json"), arch })?;
+        .map_err(|arch| ModelError::UnknownArchitecture {
+            path: dir.join("config.json"),
+            arch,
+        })?;
     let files = safetensors_files(dir)?;
     let vb = safetensors_var_builder(&files, dtype, device)?;
     let model = build(&cfg, arch, vb, &files[0])?;
-    let text = if dir.join("tokenizer.json").is_file() { Some(TextAssets::from_hf_dir(dir)?) } else { None };
-    let mut eos = text.as_ref().map(|t| t.eos_token_ids.clone()).unwrap_or_default();
+    let text = if dir.join("tokenizer.json").is_file() {
+        Some(TextAssets::from_hf_dir(dir)?)
+    } else {
+        None
+    };
+    let mut eos = text
+        .as_ref()
+        .map(|t| t.eos_token_ids.clone())
+        .unwrap_or_default();
     eos.extend(crate::config::token_ids(&cfg.eos_token_id));
     finish(model, cfg, text, eos, dir)
 }
@@ -67,9 +88,18 @@ fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget
 fn load_gguf(path: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget> {
     let gguf = GgufFile::open(path)?;
     let cfg = gguf.decoder_config()?;
-    cfg.validate().map_err(|msg| ModelError::Config { path: path.to_path_buf(), msg })?;
+    cfg.validate().map_err(|msg| ModelError::Config {
+        path: path.to_path_buf(),
+        msg,
+    })?;
     let arch = gguf.architecture()?;
-    let tensors = gguf.hf_tensors(arch, cfg.num_attention_heads, cfg.num_kv_heads(), dtype, device)?;
+    let tensors = gguf.hf_tensors(
+        arch,
+        cfg.num_attention_heads,
+        cfg.num_kv_heads(),
+        dtype,
+        device,
+    )?;
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
     let model = build(&cfg, arch, vb, path)?;
     let text = TextAssets::from_gguf_vocab(&gguf.vocab()?)?;
@@ -78,15 +108,38 @@ fn load_gguf(path: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget>
     finish(model, cfg, Some(text), eos, path)
 }
 
-fn build(cfg: &DecoderConfig, arch: crate::config::Architecture, vb: VarBuilder, path: &Path) -> Result<Box<dyn TargetModel>> {
-    Decoder::new(cfg, arch, vb).map(|m| Box::new(m) as Box<dyn TargetModel>).map_err(|e| match e {
-        ModelError::Candle(c) => ModelError::Weight { path: path.to_path_buf(), name: "(see message)".into(), msg: c.to_string() },
-        other => other,
-    })
+fn build(
+    cfg: &DecoderConfig,
+    arch: crate::config::Architecture,
+    vb: VarBuilder,
+    path: &Path,
+) -> Result<Box<dyn TargetModel>> {
+    Decoder::new(cfg, arch, vb)
+        .map(|m| Box::new(m) as Box<dyn TargetModel>)
+        .map_err(|e| match e {
+            ModelError::Candle(c) => ModelError::Weight {
+                path: path.to_path_buf(),
+                name: "(see message)".into(),
+                msg: c.to_string(),
+            },
+            other => other,
+        })
 }
 
-fn finish(model: Box<dyn TargetModel>, config: DecoderConfig, text: Option<TextAssets>, mut eos: Vec<u32>, source: &Path) -> Result<LoadedTarget> {
+fn finish(
+    model: Box<dyn TargetModel>,
+    config: DecoderConfig,
+    text: Option<TextAssets>,
+    mut eos: Vec<u32>,
+    source: &Path,
+) -> Result<LoadedTarget> {
     let mut seen = std::collections::HashSet::new();
     eos.retain(|e| seen.insert(*e));
-    Ok(LoadedTarget { model, config, text, eos_token_ids: eos, source: source.to_path_buf() })
+    Ok(LoadedTarget {
+        model,
+        config,
+        text,
+        eos_token_ids: eos,
+        source: source.to_path_buf(),
+    })
 }

@@ -33,7 +33,13 @@ pub struct ForwardRequest<'a> {
 impl<'a> ForwardRequest<'a> {
     /// A causal block of `tokens` at consecutive positions from `start`.
     pub fn causal(tokens: &'a [u32], positions: &'a [u32], logits: LogitRows) -> Self {
-        Self { tokens, positions, mask: AttentionMask::Causal, taps: &[], logits }
+        Self {
+            tokens,
+            positions,
+            mask: AttentionMask::Causal,
+            taps: &[],
+            logits,
+        }
     }
 }
 

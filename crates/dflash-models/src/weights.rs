@@ -27,45 +27,74 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
             what: "model.safetensors or model.safetensors.index.json".into(),
         });
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| ModelError::Io { path: index.clone(), source: e })?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::Corrupt { path: index.clone(), msg: e.to_string() })?;
-    let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Corrupt {
+    let text = std::fs::read_to_string(&index).map_err(|e| ModelError::Io {
         path: index.clone(),
-        msg: "no weight_map object".into(),
+        source: e,
     })?;
-    let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
+        path: index.clone(),
+        msg: e.to_string(),
+    })?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| ModelError::Corrupt {
+            path: index.clone(),
+            msg: "no weight_map object".into(),
+        })?;
+    let mut files: Vec<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
     files.sort();
     files.dedup();
     let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
     for p in &paths {
         if !p.is_file() {
-            return Err(ModelError::MissingFile { path: p.clone(), what: "shard listed in the index".into() });
+            return Err(ModelError::MissingFile {
+                path: p.clone(),
+                what: "shard listed in the index".into(),
+            });
         }
     }
     Ok(paths)
 }
 
 /// A VarBuilder over memory-mapped safetensors; headers are validated up front.
-pub fn safetensors_var_builder(files: &[PathBuf], dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+pub fn safetensors_var_builder(
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<VarBuilder<'static>> {
     for p in files {
         check_safetensors(p)?;
     }
     // SAFETY: the files are not modified while mapped (we never write model files in place).
-    unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, device) }.map_err(|e| ModelError::Corrupt {
-        path: files.first().cloned().unwrap_or_default(),
-        msg: e.to_string(),
+    unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, device) }.map_err(|e| {
+        ModelError::Corrupt {
+            path: files.first().cloned().unwrap_or_default(),
+            msg: e.to_string(),
+        }
     })
 }
 
 /// Validates a safetensors header and that the data section is as long as the header says.
 pub fn check_safetensors(path: &Path) -> Result<()> {
-    let file = std::fs::File::open(path).map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
+    let file = std::fs::File::open(path).map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
     // SAFETY: read-only map of a file we do not modify.
-    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
     safetensors::SafeTensors::deserialize(&mmap)
         .map(|_| ())
-        .map_err(|e| ModelError::Corrupt { path: path.to_path_buf(), msg: e.to_string() })
+        .map_err(|e| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })
 }
 
 /// An opened GGUF file: metadata plus tensor directory.
@@ -77,14 +106,29 @@ pub struct GgufFile {
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         if !path.is_file() {
-            return Err(ModelError::MissingFile { path: path.to_path_buf(), what: "GGUF file".into() });
+            return Err(ModelError::MissingFile {
+                path: path.to_path_buf(),
+                what: "GGUF file".into(),
+            });
         }
-        let mut f = std::fs::File::open(path).map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
-        let content = gguf_file::Content::read(&mut f)
-            .map_err(|e| ModelError::Corrupt { path: path.to_path_buf(), msg: e.to_string() })?;
-        let len = f.metadata().map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?.len();
+        let mut f = std::fs::File::open(path).map_err(|e| ModelError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let content = gguf_file::Content::read(&mut f).map_err(|e| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        let len = f
+            .metadata()
+            .map_err(|e| ModelError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            })?
+            .len();
         for (name, info) in &content.tensor_infos {
-            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
+                * info.ggml_dtype.type_size();
             let end = content.tensor_data_offset + info.offset + bytes as u64;
             if end > len {
                 return Err(ModelError::Corrupt {
@@ -93,7 +137,10 @@ impl GgufFile {
                 });
             }
         }
-        Ok(Self { path: path.to_path_buf(), content })
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+        })
     }
 
     pub fn metadata(&self) -> &HashMap<String, gguf_file::Value> {
@@ -101,13 +148,29 @@ impl GgufFile {
     }
 
     /// Dequantises every tensor to `dtype` under its Hugging Face name.
-    pub fn hf_tensors(&self, arch: Architecture, n_heads: usize, n_kv_heads: usize, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
-        let mut f = std::fs::File::open(&self.path).map_err(|e| ModelError::Io { path: self.path.clone(), source: e })?;
+    pub fn hf_tensors(
+        &self,
+        arch: Architecture,
+        n_heads: usize,
+        n_kv_heads: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<HashMap<String, Tensor>> {
+        let mut f = std::fs::File::open(&self.path).map_err(|e| ModelError::Io {
+            path: self.path.clone(),
+            source: e,
+        })?;
         let mut out = HashMap::new();
         for name in self.content.tensor_infos.keys() {
             let Some(hf) = hf_name(name) else { continue };
-            let corrupt = |e: candle_core::Error| ModelError::Corrupt { path: self.path.clone(), msg: format!("tensor '{name}': {e}") };
-            let q = self.content.tensor(&mut f, name, &Device::Cpu).map_err(corrupt)?;
+            let corrupt = |e: candle_core::Error| ModelError::Corrupt {
+                path: self.path.clone(),
+                msg: format!("tensor '{name}': {e}"),
+            };
+            let q = self
+                .content
+                .tensor(&mut f, name, &Device::Cpu)
+                .map_err(corrupt)?;
             let mut t = q.dequantize(&Device::Cpu).map_err(corrupt)?;
             if arch == Architecture::Llama {
                 if name.ends_with("attn_q.weight") {
@@ -126,7 +189,10 @@ impl GgufFile {
 fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
     let (rows, cols) = w.dims2()?;
     let half = rows / heads / 2;
-    Ok(w.reshape((heads, half, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
+    Ok(w.reshape((heads, half, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
 }
 
 /// GGUF tensor name → Hugging Face checkpoint name.

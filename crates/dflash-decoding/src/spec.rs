@@ -1,0 +1,270 @@
+//! Speculative decoding: one drafter pass per step, then one target verify forward of a block
+//! (single-path DFlash) or of a token tree (DDTree), accept, bonus, commit.
+//!
+//! Invariants (spec.md §2–3):
+//! - Before a step the target cache holds exactly the committed positions `0..start`; the bonus
+//!   token (last emitted) sits at `start` and enters both models only inside the step.
+//! - The drafter receives the taps of exactly the newly committed tokens, in position order, and
+//!   keeps only committed context; block rows are never cached.
+//! - Every emitted token is the target's own choice (argmax, or a sample from the target's
+//!   distribution at that node) given its committed prefix, so greedy output equals AR output and
+//!   sampled output has AR's distribution. Drafts are argmax proposals only.
+//! - After verification the target cache is cropped (DFlash) or compacted to the accepted path
+//!   (DDTree); emission stops at the first stop token or the token budget, as AR does.
+
+use crate::ar::{token_budget, Emitter, GenerateConfig, Generation};
+use crate::sampling::{argmax, Sampler};
+use crate::tree::{build_tree, top_k_log_probs};
+use crate::Result;
+use candle_core::{DType, Device, Tensor};
+use dflash_core::AttentionMask;
+use dflash_models::{DFlashDrafter, DraftCache, ForwardRequest, LogitRows, TargetModel};
+use serde::Serialize;
+use std::time::Instant;
+
+/// Anything that proposes a block of `block_size() - 1` tokens after a bonus token.
+pub trait BlockDrafter {
+    fn block_size(&self) -> usize;
+    /// Target layers whose outputs (taps) the drafter consumes.
+    fn target_layers(&self) -> &[usize];
+    /// Forget any previous sequence; room for `capacity` positions.
+    fn reset(&mut self, capacity: usize) -> Result<()>;
+    /// `new_ctx`: `[m, T·H]` taps of the tokens committed since the last call (positions
+    /// `start−m..start`); `history`: every committed token (prompt + output, bonus last). Returns
+    /// logits `[block_size − 1, V]` for positions `start+1 ..`.
+    fn draft(
+        &mut self,
+        target: &dyn TargetModel,
+        new_ctx: &Tensor,
+        bonus: u32,
+        start: usize,
+        history: &[u32],
+    ) -> Result<Tensor>;
+}
+
+/// The DFlash drafter with its committed-context cache.
+pub struct DFlashRunner<'a> {
+    drafter: &'a DFlashDrafter,
+    cache: Option<DraftCache>,
+}
+
+impl<'a> DFlashRunner<'a> {
+    pub fn new(drafter: &'a DFlashDrafter) -> Self {
+        Self {
+            drafter,
+            cache: None,
+        }
+    }
+}
+
+impl BlockDrafter for DFlashRunner<'_> {
+    fn block_size(&self) -> usize {
+        self.drafter.block_size()
+    }
+    fn target_layers(&self) -> &[usize] {
+        self.drafter.target_layers()
+    }
+    fn reset(&mut self, capacity: usize) -> Result<()> {
+        self.cache = Some(self.drafter.new_cache(capacity));
+        Ok(())
+    }
+    fn draft(
+        &mut self,
+        target: &dyn TargetModel,
+        new_ctx: &Tensor,
+        bonus: u32,
+        start: usize,
+        _history: &[u32],
+    ) -> Result<Tensor> {
+        let cache = self.cache.as_mut().expect("reset before draft");
+        Ok(self.drafter.draft(target, cache, new_ctx, bonus, start)?)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecMode {
+    /// Verify the single drafted path.
+    DFlash,
+    /// Verify the best `budget`-node tree.
+    DdTree { budget: usize },
+}
+
+/// Per-step measurements of a speculative run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SpecStats {
+    /// τ of each step: accepted drafts + the bonus token.
+    pub acceptance: Vec<usize>,
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
+    pub tree_build_seconds: f64,
+    /// Drafter prefill (first draft call over the whole prompt), excluded from `draft_seconds`.
+    pub draft_prefill_seconds: f64,
+}
+
+impl SpecStats {
+    pub fn mean_acceptance(&self) -> f64 {
+        if self.acceptance.is_empty() {
+            return 0.0;
+        }
+        self.acceptance.iter().sum::<usize>() as f64 / self.acceptance.len() as f64
+    }
+    /// Count of steps per τ = 1..=max.
+    pub fn histogram(&self, max: usize) -> Vec<usize> {
+        let mut h = vec![0; max];
+        for &a in &self.acceptance {
+            h[a.clamp(1, max) - 1] += 1;
+        }
+        h
+    }
+}
+
+fn concat_taps(taps: &[Tensor]) -> Result<Tensor> {
+    Ok(Tensor::cat(taps, 1)?)
+}
+
+fn rows_f32(t: &Tensor) -> Result<Vec<Vec<f32>>> {
+    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2()?)
+}
+
+pub fn generate_speculative(
+    target: &dyn TargetModel,
+    drafter: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    mode: SpecMode,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    let context = target.info().max_position_embeddings;
+    let (budget, context_bound) = token_budget(prompt.len(), cfg.max_new_tokens, context)?;
+    let bs = drafter.block_size();
+    let verify_rows = match mode {
+        SpecMode::DFlash => bs,
+        SpecMode::DdTree { budget } => budget + 1,
+    };
+    let capacity = prompt.len() + budget + verify_rows;
+    let mut sampler = Sampler::new(cfg.sampling.clone())?;
+    let mut cache = target.new_cache(capacity)?;
+    drafter.reset(capacity)?;
+    let taps: Vec<usize> = drafter.target_layers().to_vec();
+    let mut stats = SpecStats::default();
+
+    let t0 = Instant::now();
+    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+    let req = ForwardRequest {
+        tokens: prompt,
+        positions: &positions,
+        mask: AttentionMask::Causal,
+        taps: &taps,
+        logits: LogitRows::Last,
+    };
+    let out = target.forward(&req, &mut cache)?;
+    let first = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
+    let mut new_ctx = concat_taps(&out.taps)?;
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    let mut history: Vec<u32> = prompt.to_vec();
+    let mut emit = Emitter::new(budget, context_bound, &cfg.stop_tokens);
+    let mut stop = if budget == 0 {
+        Some(crate::StopReason::MaxTokens)
+    } else {
+        emit.push(first, on_token)
+    };
+    history.push(first);
+    let mut steps = 0;
+    while stop.is_none() {
+        let start = history.len() - 1;
+        let bonus = history[start];
+        let td = Instant::now();
+        let draft_logits = drafter.draft(target, &new_ctx, bonus, start, &history)?;
+        let draft_rows = rows_f32(&draft_logits)?;
+        let dt = td.elapsed().as_secs_f64();
+        if steps == 0 {
+            stats.draft_prefill_seconds = dt;
+        } else {
+            stats.draft_seconds += dt;
+        }
+        let tv = Instant::now();
+        let (accepted_path, emitted, taps_out) = match mode {
+            SpecMode::DFlash => {
+                let mut block = vec![bonus];
+                block.extend(draft_rows.iter().map(|r| argmax(r)));
+                let pos: Vec<u32> = (start as u32..(start + block.len()) as u32).collect();
+                let req = ForwardRequest {
+                    tokens: &block,
+                    positions: &pos,
+                    mask: AttentionMask::Causal,
+                    taps: &taps,
+                    logits: LogitRows::All,
+                };
+                let out = target.forward(&req, &mut cache)?;
+                let y = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?;
+                let mut a = 0;
+                while a + 1 < block.len() && block[a + 1] == y[a] {
+                    a += 1;
+                }
+                cache.crop(start + a + 1);
+                let mut emitted = block[1..=a].to_vec();
+                emitted.push(y[a]);
+                ((0..=a as u32).collect::<Vec<u32>>(), emitted, out.taps)
+            }
+            SpecMode::DdTree { budget: nodes } => {
+                let tb = Instant::now();
+                let top = top_k_log_probs(&draft_rows, nodes.max(1));
+                let tree = build_tree(bonus, &top, nodes);
+                stats.tree_build_seconds += tb.elapsed().as_secs_f64();
+                let pos: Vec<u32> = tree.depths.iter().map(|d| (start + d) as u32).collect();
+                let req = ForwardRequest {
+                    tokens: &tree.tokens,
+                    positions: &pos,
+                    mask: AttentionMask::Tree {
+                        parents: tree.parents.clone(),
+                    },
+                    taps: &taps,
+                    logits: LogitRows::All,
+                };
+                let out = target.forward(&req, &mut cache)?;
+                let y = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?;
+                let mut cur = 0;
+                let mut path = vec![0u32];
+                let mut emitted = vec![];
+                while let Some(&child) = tree.children[cur].get(&y[cur]) {
+                    emitted.push(tree.tokens[child]);
+                    path.push(child as u32);
+                    cur = child;
+                }
+                emitted.push(y[cur]);
+                cache.keep_rows(start, &path)?;
+                (path, emitted, out.taps)
+            }
+        };
+        stats.verify_seconds += tv.elapsed().as_secs_f64();
+        steps += 1;
+        stats.acceptance.push(emitted.len());
+        for &tok in &emitted {
+            history.push(tok);
+            stop = emit.push(tok, on_token);
+            if stop.is_some() {
+                break;
+            }
+        }
+        if stop.is_none() {
+            let idx = Tensor::from_slice(&accepted_path, accepted_path.len(), cache.device())?;
+            let rows: Vec<Tensor> = taps_out
+                .iter()
+                .map(|t| t.index_select(&idx, 0))
+                .collect::<candle_core::Result<_>>()?;
+            new_ctx = concat_taps(&rows)?;
+        }
+    }
+    let (tokens, stop_reason) = emit.finish(stop.expect("loop ends on a stop"));
+    Ok(Generation {
+        tokens,
+        stop_reason,
+        prompt_tokens: prompt.len(),
+        prefill_seconds,
+        decode_seconds: t1.elapsed().as_secs_f64(),
+        steps,
+        spec: Some(stats),
+    })
+}

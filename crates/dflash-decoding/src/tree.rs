@@ -1,0 +1,160 @@
+//! DDTree construction: the `budget` most probable prefixes under the drafter's per-position
+//! marginals, found best-first with a heap (DDTree Alg. 1).
+//!
+//! Invariants: node order is pop order, so every parent index is smaller than its child's; node 0
+//! of the verify input is the root (the bonus token), tree nodes are `1..=n`; the tree is
+//! prefix-closed; a node's depth is its distance from the root (its position is `start + depth`).
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+
+/// Top-`k` (log-prob, token) per drafted position, best first.
+pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
+    logits
+        .iter()
+        .map(|row| {
+            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+            let k = k.min(row.len());
+            let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+            let cmp =
+                |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+            if k < idx.len() {
+                idx.select_nth_unstable_by(k, cmp);
+                idx.truncate(k);
+            }
+            idx.sort_unstable_by(cmp);
+            idx.into_iter()
+                .map(|i| (row[i as usize] - lse, i))
+                .collect()
+        })
+        .collect()
+}
+
+/// A token tree rooted at the bonus token (index 0).
+#[derive(Debug, Clone, Default)]
+pub struct DraftTree {
+    /// Token of each node; `tokens[0]` is the root.
+    pub tokens: Vec<u32>,
+    /// Parent index (−1 for the root).
+    pub parents: Vec<i64>,
+    /// Depth (root 0).
+    pub depths: Vec<usize>,
+    /// `children[i][token] = child index`.
+    pub children: Vec<HashMap<u32, usize>>,
+}
+
+#[derive(PartialEq)]
+struct Candidate {
+    score: f32,
+    seq: usize,
+    parent: usize,
+    depth: usize,
+    rank: usize,
+}
+impl Eq for Candidate {}
+impl Ord for Candidate {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.score.total_cmp(&o.score).then(o.seq.cmp(&self.seq))
+    }
+}
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+/// Builds the best-`budget`-node tree below `root` from `top[d]` = top-k of drafted position d.
+pub fn build_tree(root: u32, top: &[Vec<(f32, u32)>], budget: usize) -> DraftTree {
+    let mut t = DraftTree {
+        tokens: vec![root],
+        parents: vec![-1],
+        depths: vec![0],
+        children: vec![HashMap::new()],
+    };
+    if top.is_empty() || top[0].is_empty() || budget == 0 {
+        return t;
+    }
+    let mut heap = BinaryHeap::new();
+    let mut seq = 0;
+    heap.push(Candidate {
+        score: top[0][0].0,
+        seq,
+        parent: 0,
+        depth: 1,
+        rank: 0,
+    });
+    while let Some(c) = heap.pop() {
+        if t.tokens.len() > budget {
+            break;
+        }
+        let level = &top[c.depth - 1];
+        let token = level[c.rank].1;
+        let id = t.tokens.len();
+        t.tokens.push(token);
+        t.parents.push(c.parent as i64);
+        t.depths.push(c.depth);
+        t.children.push(HashMap::new());
+        t.children[c.parent].insert(token, id);
+        if c.rank + 1 < level.len() {
+            seq += 1;
+            let score = c.score - level[c.rank].0 + level[c.rank + 1].0;
+            heap.push(Candidate {
+                score,
+                seq,
+                parent: c.parent,
+                depth: c.depth,
+                rank: c.rank + 1,
+            });
+        }
+        if c.depth < top.len() && !top[c.depth].is_empty() {
+            seq += 1;
+            heap.push(Candidate {
+                score: c.score + top[c.depth][0].0,
+                seq,
+                parent: id,
+                depth: c.depth + 1,
+                rank: 0,
+            });
+        }
+        if t.tokens.len() > budget {
+            break;
+        }
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_first_tree_picks_the_most_probable_prefixes() {
+        let ln = |p: f32| p.ln();
+        // depth 1: A=.6 B=.4 ; depth 2: C=.9 D=.1
+        let top = vec![
+            vec![(ln(0.6), 1), (ln(0.4), 2)],
+            vec![(ln(0.9), 3), (ln(0.1), 4)],
+        ];
+        let t = build_tree(0, &top, 3);
+        // prefixes by probability: A .6, AC .54, B .4, BC .36, ...
+        assert_eq!(t.tokens, vec![0, 1, 3, 2]);
+        assert_eq!(t.parents, vec![-1, 0, 1, 0]);
+        assert_eq!(t.depths, vec![0, 1, 2, 1]);
+        assert_eq!(t.children[0][&2], 3);
+        let t = build_tree(0, &top, 100);
+        assert_eq!(t.tokens.len(), 7); // 2 + 4 prefixes + root
+        for (i, &p) in t.parents.iter().enumerate().skip(1) {
+            assert!((p as usize) < i);
+        }
+    }
+
+    #[test]
+    fn top_k_is_sorted_log_softmax() {
+        let rows = vec![vec![0.0f32, 2.0, 1.0, 2.0]];
+        let t = top_k_log_probs(&rows, 2);
+        assert_eq!(t[0].iter().map(|x| x.1).collect::<Vec<_>>(), vec![1, 3]);
+        let z: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|x| x.exp()).sum();
+        assert!((t[0][0].0 - (2.0f32.exp() / z).ln()).abs() < 1e-6);
+    }
+}

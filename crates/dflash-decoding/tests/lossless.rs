@@ -1,0 +1,278 @@
+//! Lossless decoding: every speculative mode reproduces autoregressive decoding — greedy tokens
+//! exactly (f32), and in sampled mode the target's exact distribution (chi-square).
+
+mod support;
+use dflash_decoding::{
+    generate_ar, generate_speculative, BlockDrafter, DFlashRunner, GenerateConfig, SamplingConfig,
+    SpecMode,
+};
+use dflash_models::TargetModel;
+use rand::{Rng, SeedableRng};
+use support::*;
+
+fn greedy(max_new: usize, stop: Vec<u32>) -> GenerateConfig {
+    GenerateConfig {
+        max_new_tokens: max_new,
+        stop_tokens: stop,
+        sampling: SamplingConfig::greedy(),
+    }
+}
+
+fn check_modes(
+    target: &dyn TargetModel,
+    drafter: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    budget: usize,
+    what: &str,
+) -> (f64, f64) {
+    let ar = generate_ar(target, prompt, cfg, &mut |_| {}).unwrap();
+    let d =
+        generate_speculative(target, drafter, prompt, cfg, SpecMode::DFlash, &mut |_| {}).unwrap();
+    assert_eq!(d.tokens, ar.tokens, "{what}: dflash != ar");
+    assert_eq!(d.stop_reason, ar.stop_reason, "{what}: dflash stop reason");
+    let t = generate_speculative(
+        target,
+        drafter,
+        prompt,
+        cfg,
+        SpecMode::DdTree { budget },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(t.tokens, ar.tokens, "{what}: ddtree(budget {budget}) != ar");
+    assert_eq!(t.stop_reason, ar.stop_reason, "{what}: ddtree stop reason");
+    let tau = |g: &dflash_decoding::Generation| g.spec.as_ref().unwrap().mean_acceptance();
+    (tau(&d), tau(&t))
+}
+
+#[test]
+fn greedy_random_drafters_equal_ar() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    for (i, name) in ["tiny-llama", "tiny-qwen3", "tiny-llama31"]
+        .iter()
+        .cycle()
+        .take(12)
+        .enumerate()
+    {
+        let t = tiny(name);
+        let block = rng.random_range(2..=16);
+        let budget = [1, 3, 8, 17, 64, 128][i % 6];
+        let drafter = random_drafter(&t, 1 + i % 3, block, i as u64);
+        let mut runner = DFlashRunner::new(&drafter);
+        let plen = rng.random_range(1..20);
+        let prompt: Vec<u32> = (0..plen).map(|_| rng.random_range(0..263)).collect();
+        let max_new = rng.random_range(1..40);
+        // stop on a token AR actually produces (sometimes), to test stops mid-block
+        let ar = generate_ar(
+            t.model.as_ref(),
+            &prompt,
+            &greedy(max_new, vec![]),
+            &mut |_| {},
+        )
+        .unwrap();
+        let stop = if i % 2 == 0 {
+            vec![ar.tokens[ar.tokens.len() / 2]]
+        } else {
+            vec![]
+        };
+        check_modes(
+            t.model.as_ref(),
+            &mut runner,
+            &prompt,
+            &greedy(max_new, stop),
+            budget,
+            &format!("{name} case {i} block {block}"),
+        );
+    }
+}
+
+#[test]
+fn greedy_oracle_drafters_accept_long_and_equal_ar() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
+    let mut full_blocks = 0;
+    for i in 0..10 {
+        let name = ["tiny-llama", "tiny-qwen3"][i % 2];
+        let t = tiny(name);
+        let block = [16, 4, 9, 2, 16][i % 5];
+        let noise = [0.0, 0.1, 0.3][i % 3];
+        let mut oracle = OracleDrafter::new(block, noise, i as u64);
+        let prompt: Vec<u32> = (0..rng.random_range(1..12))
+            .map(|_| rng.random_range(0..263))
+            .collect();
+        let max_new = rng.random_range(20..60);
+        let ar = generate_ar(
+            t.model.as_ref(),
+            &prompt,
+            &greedy(max_new, vec![]),
+            &mut |_| {},
+        )
+        .unwrap();
+        let stop = if i % 3 == 1 {
+            vec![ar.tokens[ar.tokens.len() * 2 / 3]]
+        } else {
+            vec![]
+        };
+        let budget = [4, 32, 128][i % 3];
+        let (tau_d, tau_t) = check_modes(
+            t.model.as_ref(),
+            &mut oracle,
+            &prompt,
+            &greedy(max_new, stop),
+            budget,
+            &format!("oracle case {i}"),
+        );
+        if noise == 0.0 && block == 16 {
+            assert!(
+                tau_d > 8.0,
+                "a perfect oracle must accept long blocks, tau {tau_d}"
+            );
+            full_blocks += 1;
+        }
+        assert!(tau_t + 1e-9 >= 1.0 && tau_d >= 1.0);
+    }
+    assert!(full_blocks > 0);
+}
+
+/// Exact probability of the first three generated tokens under the sampler's filtered distribution.
+fn exact_triples(
+    target: &dyn TargetModel,
+    prompt: &[u32],
+    s: &SamplingConfig,
+    vocab: usize,
+) -> Vec<f64> {
+    use dflash_models::{ForwardRequest, LogitRows};
+    let sampler = dflash_decoding::Sampler::new(s.clone()).unwrap();
+    let dist = |seq: &[u32]| -> Vec<f64> {
+        let mut c = target.new_cache(seq.len()).unwrap();
+        let pos: Vec<u32> = (0..seq.len() as u32).collect();
+        let l = target
+            .forward(&ForwardRequest::causal(seq, &pos, LogitRows::Last), &mut c)
+            .unwrap()
+            .logits
+            .unwrap();
+        let row: Vec<f32> = l.squeeze(0).unwrap().to_vec1().unwrap();
+        let (ids, p) = sampler.distribution(&row);
+        let mut full = vec![0.0; vocab];
+        for (i, q) in ids.iter().zip(p) {
+            full[*i as usize] = q as f64;
+        }
+        full
+    };
+    let p1 = dist(prompt);
+    let mut out = vec![0.0; vocab * vocab * vocab];
+    for a in 0..vocab {
+        if p1[a] == 0.0 {
+            continue;
+        }
+        let seq: Vec<u32> = prompt.iter().copied().chain([a as u32]).collect();
+        let p2 = dist(&seq);
+        for b in 0..vocab {
+            if p2[b] == 0.0 {
+                continue;
+            }
+            let seq: Vec<u32> = prompt.iter().copied().chain([a as u32, b as u32]).collect();
+            let p3 = dist(&seq);
+            for c in 0..vocab {
+                out[(a * vocab + b) * vocab + c] = p1[a] * p2[b] * p3[c];
+            }
+        }
+    }
+    out
+}
+
+/// Pearson chi-square against exact probabilities, pooling cells with expectation < 5.
+fn chi_square(counts: &[usize], probs: &[f64], n: usize) -> (f64, usize) {
+    let (mut chi, mut dof, mut pool_c, mut pool_e) = (0.0, 0usize, 0.0, 0.0);
+    for (&c, &p) in counts.iter().zip(probs) {
+        let e = p * n as f64;
+        if e < 5.0 {
+            pool_c += c as f64;
+            pool_e += e;
+            continue;
+        }
+        chi += (c as f64 - e).powi(2) / e;
+        dof += 1;
+    }
+    if pool_e > 0.0 {
+        chi += (pool_c - pool_e).powi(2) / pool_e.max(1e-9);
+        dof += 1;
+    }
+    (chi, dof.saturating_sub(1))
+}
+
+/// Upper 0.1 % quantile of chi-square (Wilson–Hilferty).
+fn chi2_crit(dof: usize) -> f64 {
+    let k = dof as f64;
+    let z = 3.09;
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+#[test]
+fn sampled_modes_have_the_targets_distribution() {
+    let vocab = 6;
+    let target = tiny_vocab_target(vocab, 3);
+    let prompt = [1u32, 4, 2];
+    let s = SamplingConfig {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 0,
+        seed: 0,
+    };
+    let exact = exact_triples(&target, &prompt, &s, vocab);
+    let n = 2000;
+    let run = |mode: Option<SpecMode>| -> Vec<usize> {
+        let mut counts = vec![0usize; vocab * vocab * vocab];
+        let mut oracle = OracleDrafter::new(4, 0.3, 9);
+        for seed in 0..n {
+            let cfg = GenerateConfig {
+                max_new_tokens: 3,
+                stop_tokens: vec![],
+                sampling: SamplingConfig {
+                    seed: seed as u64,
+                    ..s.clone()
+                },
+            };
+            let g = match mode {
+                None => generate_ar(&target, &prompt, &cfg, &mut |_| {}).unwrap(),
+                Some(m) => {
+                    generate_speculative(&target, &mut oracle, &prompt, &cfg, m, &mut |_| {})
+                        .unwrap()
+                }
+            };
+            counts[(g.tokens[0] as usize * vocab + g.tokens[1] as usize) * vocab
+                + g.tokens[2] as usize] += 1;
+        }
+        counts
+    };
+    let mut seen = vec![];
+    for (name, mode) in [
+        ("ar", None),
+        ("dflash", Some(SpecMode::DFlash)),
+        ("ddtree", Some(SpecMode::DdTree { budget: 6 })),
+    ] {
+        let counts = run(mode);
+        seen.push(counts.clone());
+        let (chi, dof) = chi_square(&counts, &exact, n);
+        assert!(
+            chi < chi2_crit(dof),
+            "{name}: chi2 {chi:.1} with {dof} dof exceeds {:.1}",
+            chi2_crit(dof)
+        );
+        eprintln!(
+            "{name}: chi2 {chi:.1} / crit {:.1} ({dof} dof)",
+            chi2_crit(dof)
+        );
+    }
+    assert_ne!(
+        seen[0], seen[1],
+        "dflash must draw differently from ar (rejections resample later)"
+    );
+    // the test can fail: a biased sampler (always the second-most-likely first token) is rejected
+    let mut biased = vec![0usize; vocab * vocab * vocab];
+    let mut order: Vec<usize> = (0..vocab * vocab * vocab).collect();
+    order.sort_by(|&a, &b| exact[b].total_cmp(&exact[a]));
+    biased[order[1]] = n;
+    let (chi, dof) = chi_square(&biased, &exact, n);
+    assert!(chi > chi2_crit(dof));
+}

@@ -1,0 +1,201 @@
+//! The z-lab DFlash drafter `config.json`, mirrored with serde (v1 top-level fields and the nested
+//! `dflash_config` both accepted), and the reference rule for choosing target layers.
+//!
+//! Invariants: `target_layer_ids()` is `dflash_config.target_layer_ids` when present, else
+//! `round(1 + i·(Nt−4)/(Nd−1))` with Python's round-half-to-even; `layer_attention(i)` resolves
+//! per-layer causality/window as the later z-lab reference and vLLM do.
+
+use crate::config::rope_scaling;
+use dflash_core::RopeConfig;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DFlashSection {
+    #[serde(default)]
+    pub mask_token_id: Option<u32>,
+    #[serde(default)]
+    pub target_layer_ids: Option<Vec<usize>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub causal: Option<bool>,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    1e6
+}
+fn default_block() -> usize {
+    16
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DFlashConfig {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default)]
+    pub auto_map: Option<Value>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    #[serde(default = "default_block")]
+    pub block_size: usize,
+    pub num_target_layers: usize,
+    pub num_hidden_layers: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<Value>,
+    pub max_position_embeddings: usize,
+    pub vocab_size: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_causal: Option<bool>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub dflash_config: DFlashSection,
+    /// v1 checkpoints carry these at top level.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_token_id: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_layer_ids: Option<Vec<usize>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+}
+
+/// Python's `round` (half to even) of a non-negative value.
+pub fn round_half_even(x: f64) -> usize {
+    let f = x.floor();
+    let diff = x - f;
+    let r = if (diff - 0.5).abs() < 1e-12 {
+        if (f as i64) % 2 == 0 {
+            f
+        } else {
+            f + 1.0
+        }
+    } else {
+        x.round()
+    };
+    r as usize
+}
+
+/// The reference rule: layers spread from the 2nd to the 3rd-to-last.
+pub fn default_target_layers(num_target_layers: usize, num_draft_layers: usize) -> Vec<usize> {
+    if num_draft_layers == 1 {
+        return vec![num_target_layers / 2];
+    }
+    let span = num_target_layers as f64 - 4.0;
+    (0..num_draft_layers)
+        .map(|i| round_half_even(1.0 + i as f64 * span / (num_draft_layers as f64 - 1.0)))
+        .collect()
+}
+
+/// Visibility of one drafter layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerAttention {
+    /// Block queries see only block keys at or before their own position.
+    pub causal: bool,
+    /// Key visible only if `q_pos - k_pos < window`.
+    pub window: Option<usize>,
+}
+
+impl DFlashConfig {
+    pub fn mask_token_id(&self) -> Option<u32> {
+        self.dflash_config.mask_token_id.or(self.mask_token_id)
+    }
+
+    pub fn target_layer_ids(&self) -> Vec<usize> {
+        self.dflash_config
+            .target_layer_ids
+            .clone()
+            .or_else(|| self.target_layer_ids.clone())
+            .unwrap_or_else(|| {
+                default_target_layers(self.num_target_layers, self.num_hidden_layers)
+            })
+    }
+
+    pub fn layer_attention(&self, i: usize) -> LayerAttention {
+        let sliding = self
+            .layer_types
+            .as_ref()
+            .and_then(|t| t.get(i))
+            .map(|t| t == "sliding_attention")
+            .unwrap_or(false);
+        let causal = self
+            .is_causal
+            .or(self.dflash_config.causal)
+            .unwrap_or(sliding);
+        LayerAttention {
+            causal,
+            window: if sliding { self.sliding_window } else { None },
+        }
+    }
+
+    pub fn rope(&self) -> Result<RopeConfig, String> {
+        let scaling = match &self.rope_scaling {
+            None | Some(Value::Null) => None,
+            Some(p) => rope_scaling(p, self.max_position_embeddings)?,
+        };
+        Ok(RopeConfig {
+            theta: self.rope_theta,
+            head_dim: self.head_dim,
+            rotary_dim: self.head_dim,
+            scaling,
+        })
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.block_size < 2 {
+            return Err(format!("block_size {} must be at least 2", self.block_size));
+        }
+        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        {
+            return Err("num_attention_heads must be a multiple of num_key_value_heads".into());
+        }
+        if self.mask_token_id().is_none() {
+            return Err("dflash_config.mask_token_id missing".into());
+        }
+        let ids = self.target_layer_ids();
+        if ids.is_empty() {
+            return Err("no target layers".into());
+        }
+        if let Some(&l) = ids.iter().find(|&&l| l >= self.num_target_layers) {
+            return Err(format!(
+                "target layer {l} >= num_target_layers {}",
+                self.num_target_layers
+            ));
+        }
+        self.rope().map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_layer_rule_rounds_half_to_even() {
+        assert_eq!(default_target_layers(30, 5), vec![1, 8, 14, 20, 27]);
+        assert_eq!(default_target_layers(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(default_target_layers(64, 5), vec![1, 16, 31, 46, 61]);
+        assert_eq!(default_target_layers(32, 5), vec![1, 8, 15, 22, 29]);
+        assert_eq!(default_target_layers(30, 1), vec![15]);
+        assert_eq!(round_half_even(7.5), 8);
+        assert_eq!(round_half_even(20.5), 20);
+        assert_eq!(round_half_even(23.5), 24);
+        assert_eq!(round_half_even(68.5), 68);
+    }
+}

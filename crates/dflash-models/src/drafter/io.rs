@@ -1,0 +1,218 @@
+//! Loading and saving drafters in the z-lab DFlash format: `config.json` plus `model.safetensors`,
+//! or shards `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json` when large.
+//!
+//! Invariants: every write goes to a temporary file in the destination directory and is renamed
+//! into place (a crash never leaves a half-written checkpoint); shards never exceed the requested
+//! byte limit unless one tensor alone does; tensor names are exactly the reference names.
+
+use super::config::{default_target_layers, DFlashConfig, DFlashSection};
+use super::model::DFlashDrafter;
+use crate::loader::LoadedTarget;
+use crate::weights::{safetensors_files, safetensors_var_builder};
+use crate::{ModelError, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Loads a drafter directory onto `device` in `dtype`.
+pub fn load_drafter(dir: &Path, device: &Device, dtype: DType) -> Result<DFlashDrafter> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(ModelError::MissingFile {
+            path,
+            what: "drafter config".into(),
+        });
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
+        path: path.clone(),
+        source: e,
+    })?;
+    let cfg: DFlashConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+        path: path.clone(),
+        msg: e.to_string(),
+    })?;
+    cfg.validate().map_err(|msg| ModelError::Config {
+        path: path.clone(),
+        msg,
+    })?;
+    let files = safetensors_files(dir)?;
+    let vb = safetensors_var_builder(&files, dtype, device)?;
+    DFlashDrafter::new(&cfg, vb).map_err(|e| match e {
+        ModelError::Candle(c) => ModelError::Weight {
+            path: dir.to_path_buf(),
+            name: "(see message)".into(),
+            msg: c.to_string(),
+        },
+        other => other,
+    })
+}
+
+/// Every parameter of a drafter with this config: (reference name, shape).
+pub fn parameter_shapes(cfg: &DFlashConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    let t = cfg.target_layer_ids().len();
+    let mut p = vec![
+        ("fc.weight".to_string(), vec![h, t * h]),
+        ("hidden_norm.weight".to_string(), vec![h]),
+        ("norm.weight".to_string(), vec![h]),
+    ];
+    for l in 0..cfg.num_hidden_layers {
+        let n = |s: &str| format!("layers.{l}.{s}");
+        p.extend([
+            (n("input_layernorm.weight"), vec![h]),
+            (n("post_attention_layernorm.weight"), vec![h]),
+            (n("self_attn.q_proj.weight"), vec![nh * hd, h]),
+            (n("self_attn.k_proj.weight"), vec![nkv * hd, h]),
+            (n("self_attn.v_proj.weight"), vec![nkv * hd, h]),
+            (n("self_attn.o_proj.weight"), vec![h, nh * hd]),
+            (n("self_attn.q_norm.weight"), vec![hd]),
+            (n("self_attn.k_norm.weight"), vec![hd]),
+            (n("mlp.gate_proj.weight"), vec![i, h]),
+            (n("mlp.up_proj.weight"), vec![i, h]),
+            (n("mlp.down_proj.weight"), vec![h, i]),
+        ]);
+    }
+    p
+}
+
+/// A drafter config sized for `target` (hidden size, heads, vocabulary from the target).
+pub fn config_for_target(
+    target: &LoadedTarget,
+    layers: usize,
+    block_size: usize,
+    mask_token_id: u32,
+) -> DFlashConfig {
+    let t = &target.config;
+    let heads = t.num_attention_heads;
+    DFlashConfig {
+        architectures: vec!["DFlashDraftModel".into()],
+        auto_map: Some(serde_json::json!({"AutoModel": "dflash.DFlashDraftModel"})),
+        model_type: Some("qwen3".into()),
+        block_size,
+        num_target_layers: t.num_hidden_layers,
+        num_hidden_layers: layers,
+        hidden_size: t.hidden_size,
+        intermediate_size: t.intermediate_size,
+        num_attention_heads: heads,
+        num_key_value_heads: t.num_kv_heads(),
+        head_dim: t.head_dim(),
+        rms_norm_eps: t.rms_norm_eps,
+        rope_theta: t.rope().map(|r| r.theta).unwrap_or(1e6),
+        rope_scaling: None,
+        max_position_embeddings: t.max_position_embeddings,
+        vocab_size: t.vocab_size,
+        tie_word_embeddings: false,
+        layer_types: Some(vec!["full_attention".into(); layers]),
+        sliding_window: None,
+        is_causal: None,
+        attention_bias: false,
+        dflash_config: DFlashSection {
+            mask_token_id: Some(mask_token_id),
+            target_layer_ids: Some(default_target_layers(t.num_hidden_layers, layers)),
+            causal: None,
+        },
+        mask_token_id: None,
+        target_layer_ids: None,
+        dtype: Some("float32".into()),
+    }
+}
+
+/// Random initial weights: N(0, 0.02²) matrices, unit norms; reproducible from `seed`.
+pub fn random_weights(cfg: &DFlashConfig, seed: u64) -> Result<BTreeMap<String, Tensor>> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut out = BTreeMap::new();
+    for (name, shape) in parameter_shapes(cfg) {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else {
+            (0..n)
+                .map(|_| {
+                    // Box–Muller from two uniforms
+                    let u1: f32 = rng.random::<f32>().max(1e-12);
+                    let u2: f32 = rng.random();
+                    0.02 * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+                })
+                .collect()
+        };
+        out.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
+    }
+    Ok(out)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).map_err(|e| ModelError::Io {
+        path: tmp.clone(),
+        source: e,
+    })?;
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
+}
+
+/// Saves config + weights in the z-lab layout, sharding above `shard_bytes`.
+pub fn save_drafter(
+    dir: &Path,
+    cfg: &DFlashConfig,
+    weights: &BTreeMap<String, Tensor>,
+    shard_bytes: usize,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::Io {
+        path: dir.to_path_buf(),
+        source: e,
+    })?;
+    let mut shards: Vec<Vec<(&String, &Tensor)>> = vec![vec![]];
+    let mut size = 0usize;
+    for (name, t) in weights {
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        if size > 0 && size + bytes > shard_bytes {
+            shards.push(vec![]);
+            size = 0;
+        }
+        shards.last_mut().expect("non-empty").push((name, t));
+        size += bytes;
+    }
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        };
+        let tmp = dir.join(format!("{file}.tmp"));
+        let map: std::collections::HashMap<String, Tensor> = shard
+            .iter()
+            .map(|(k, v)| ((*k).clone(), (*v).clone()))
+            .collect();
+        candle_core::safetensors::save(&map, &tmp)?;
+        std::fs::rename(&tmp, dir.join(&file)).map_err(|e| ModelError::Io {
+            path: dir.join(&file),
+            source: e,
+        })?;
+        for (name, _) in shard {
+            weight_map.insert((*name).clone(), file.clone().into());
+        }
+    }
+    if n > 1 {
+        let total: usize = weights
+            .values()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write_atomic(
+            &dir.join("model.safetensors.index.json"),
+            index.to_string().as_bytes(),
+        )?;
+    } else {
+        let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));
+    }
+    let cfg_json =
+        serde_json::to_string_pretty(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    write_atomic(&dir.join("config.json"), cfg_json.as_bytes())
+}

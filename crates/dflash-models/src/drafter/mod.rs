@@ -1,0 +1,10 @@
+//! The DFlash drafter: config (z-lab format), the one model used for inference and training, and
+//! checkpoint I/O.
+
+pub mod config;
+pub mod io;
+pub mod model;
+
+pub use config::{default_target_layers, DFlashConfig, LayerAttention};
+pub use io::{config_for_target, load_drafter, parameter_shapes, random_weights, save_drafter};
+pub use model::{DFlashDrafter, DraftCache};

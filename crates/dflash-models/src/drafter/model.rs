@@ -1,0 +1,392 @@
+//! The DFlash drafter: Qwen3-style layers whose queries come from a block `[anchor, mask × (B−1)]`
+//! and whose keys/values are the projected target context followed by the block (KV injection).
+//!
+//! One implementation serves inference and training:
+//! - [`DFlashDrafter::draft`] (inference) appends the newly committed context rows to a per-layer
+//!   cache of context K/V and runs one block; block K/V are never cached.
+//! - [`DFlashDrafter::forward_train`] runs many blocks of one sequence at once under the block mask
+//!   (a block sees context strictly before its anchor plus its own block), with differentiable ops.
+//! Both go through [`DFlashDrafter::blocks_forward`], so the same anchors give the same logits
+//! (tested). Slot 0 of a block is the anchor token's *target embedding*; the embedding and LM head
+//! are the target's (borrowed per call, never copied); positions are absolute token positions.
+
+use super::config::{DFlashConfig, LayerAttention};
+use crate::target::TargetModel;
+use crate::{ModelError, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use dflash_core::{attention, Grad, KvCache, RmsNorm, RotaryEmbedding};
+
+fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
+    Ok(Linear::new(
+        vb.get((out_dim, in_dim), &format!("{name}.weight"))?,
+        None,
+    ))
+}
+
+struct DraftLayer {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    attn: LayerAttention,
+}
+
+/// Context (or block) rows projected to one layer's keys and values, normed and rotated.
+struct Kv {
+    k: Tensor,
+    v: Tensor,
+}
+
+/// Query/key bookkeeping for the block mask: absolute position and block (None = context row).
+#[derive(Clone, Copy)]
+struct Slot {
+    pos: u32,
+    block: Option<usize>,
+}
+
+pub struct DFlashDrafter {
+    cfg: DFlashConfig,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<DraftLayer>,
+    norm: RmsNorm,
+    rotary: RotaryEmbedding,
+    taps: Vec<usize>,
+    device: Device,
+    dtype: DType,
+}
+
+/// Committed-context K/V for inference, one cache per drafter layer.
+pub struct DraftCache {
+    layers: Vec<KvCache>,
+}
+
+impl DraftCache {
+    pub fn len(&self) -> usize {
+        self.layers.first().map(|c| c.len()).unwrap_or(0)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DraftLayer {
+    fn new(cfg: &DFlashConfig, i: usize, vb: VarBuilder) -> Result<Self> {
+        let (h, hd, nh, nkv, eps) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.rms_norm_eps,
+        );
+        let a = vb.pp("self_attn");
+        let m = vb.pp("mlp");
+        Ok(Self {
+            q_proj: linear(&a, h, nh * hd, "q_proj")?,
+            k_proj: linear(&a, h, nkv * hd, "k_proj")?,
+            v_proj: linear(&a, h, nkv * hd, "v_proj")?,
+            o_proj: linear(&a, nh * hd, h, "o_proj")?,
+            q_norm: RmsNorm::load(a.pp("q_norm"), hd, eps)?,
+            k_norm: RmsNorm::load(a.pp("k_norm"), hd, eps)?,
+            input_layernorm: RmsNorm::load(vb.pp("input_layernorm"), h, eps)?,
+            post_attention_layernorm: RmsNorm::load(vb.pp("post_attention_layernorm"), h, eps)?,
+            gate_proj: linear(&m, h, cfg.intermediate_size, "gate_proj")?,
+            up_proj: linear(&m, h, cfg.intermediate_size, "up_proj")?,
+            down_proj: linear(&m, cfg.intermediate_size, h, "down_proj")?,
+            attn: cfg.layer_attention(i),
+        })
+    }
+}
+
+impl DFlashDrafter {
+    pub fn new(cfg: &DFlashConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()
+            .map_err(|m| ModelError::InvalidInput(format!("drafter config: {m}")))?;
+        let taps = cfg.target_layer_ids();
+        let h = cfg.hidden_size;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DraftLayer::new(cfg, i, vb.pp(format!("layers.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            fc: linear(&vb, taps.len() * h, h, "fc")?,
+            hidden_norm: RmsNorm::load(vb.pp("hidden_norm"), h, cfg.rms_norm_eps)?,
+            norm: RmsNorm::load(vb.pp("norm"), h, cfg.rms_norm_eps)?,
+            layers,
+            rotary: RotaryEmbedding::new(&cfg.rope().map_err(ModelError::InvalidInput)?)?,
+            taps,
+            device: vb.device().clone(),
+            dtype: vb.dtype(),
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &DFlashConfig {
+        &self.cfg
+    }
+    pub fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+    /// Target layers whose outputs feed the drafter, in concatenation order.
+    pub fn target_layers(&self) -> &[usize] {
+        &self.taps
+    }
+    pub fn mask_token_id(&self) -> u32 {
+        self.cfg.mask_token_id().expect("validated in new")
+    }
+
+    /// Refuses a target this drafter was not built for, naming both values.
+    pub fn check_target(&self, target: &dyn TargetModel) -> Result<()> {
+        let t = target.info();
+        let c = &self.cfg;
+        let mismatch = |what: &str, d: usize, tv: usize| {
+            Err(ModelError::Mismatch(format!(
+                "{what}: drafter {d}, target {tv}"
+            )))
+        };
+        if c.hidden_size != t.hidden_size {
+            return mismatch("hidden size", c.hidden_size, t.hidden_size);
+        }
+        if c.num_target_layers != t.num_layers {
+            return mismatch("number of target layers", c.num_target_layers, t.num_layers);
+        }
+        if c.vocab_size != t.vocab_size {
+            return mismatch("vocabulary size", c.vocab_size, t.vocab_size);
+        }
+        if self.mask_token_id() as usize >= t.vocab_size {
+            return mismatch(
+                "mask token id (must be < target embedding rows)",
+                self.mask_token_id() as usize,
+                t.vocab_size,
+            );
+        }
+        Ok(())
+    }
+
+    pub fn new_cache(&self, capacity: usize) -> DraftCache {
+        DraftCache {
+            layers: self.layers.iter().map(|_| KvCache::new(capacity)).collect(),
+        }
+    }
+
+    /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`.
+    fn project_context(&self, feats: &Tensor, grad: Grad) -> Result<Tensor> {
+        let x = self.fc.forward(&feats.to_dtype(self.dtype)?)?;
+        Ok(self.hidden_norm.forward(&x, grad)?.unsqueeze(0)?)
+    }
+
+    fn kv(&self, layer: &DraftLayer, x: &Tensor, positions: &[u32], grad: Grad) -> Result<Kv> {
+        let (b, n, _) = x.dims3()?;
+        let (nkv, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let k = layer.k_proj.forward(x)?.reshape((b, n, nkv, hd))?;
+        let k = layer
+            .k_norm
+            .forward(&k, grad)?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = layer
+            .v_proj
+            .forward(x)?
+            .reshape((b, n, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let (cos, sin) = self.rotary.cos_sin(positions, &self.device, self.dtype)?;
+        Ok(Kv {
+            k: self.rotary.apply(&k, &cos, &sin, grad)?,
+            v,
+        })
+    }
+
+    /// Additive mask for queries `q` over keys `[ctx..., block...]`, or None when all are visible.
+    fn block_mask(
+        &self,
+        attn: LayerAttention,
+        q: &[Slot],
+        keys: &[Slot],
+        anchors: &[u32],
+    ) -> Result<Option<Tensor>> {
+        let mut all = true;
+        let mut m = vec![0f32; q.len() * keys.len()];
+        for (i, qs) in q.iter().enumerate() {
+            let qb = qs.block.expect("queries are block rows");
+            for (j, ks) in keys.iter().enumerate() {
+                let mut visible = match ks.block {
+                    None => ks.pos < anchors[qb],
+                    Some(kb) => kb == qb && (!attn.causal || ks.pos <= qs.pos),
+                };
+                if let Some(w) = attn.window {
+                    visible &= (qs.pos as i64 - ks.pos as i64) < w as i64;
+                }
+                if !visible {
+                    m[i * keys.len() + j] = f32::NEG_INFINITY;
+                    all = false;
+                }
+            }
+        }
+        if all {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::from_vec(
+            m,
+            (q.len(), keys.len()),
+            &self.device,
+        )?))
+    }
+
+    /// The shared core: blocks (`tokens` `[nb·B]`, anchors `[nb]`) against per-layer context K/V
+    /// whose rows sit at `ctx_pos`. Returns the final hidden states `[nb·B, H]` (after `norm`).
+    fn blocks_forward(
+        &self,
+        target: &dyn TargetModel,
+        tokens: &[u32],
+        anchors: &[u32],
+        ctx_kv: &mut dyn FnMut(usize) -> Result<Kv>,
+        ctx_pos: &[u32],
+        grad: Grad,
+    ) -> Result<Tensor> {
+        let bs = self.cfg.block_size;
+        let (nh, hd) = (self.cfg.num_attention_heads, self.cfg.head_dim);
+        let q_slots: Vec<Slot> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, _)| Slot {
+                pos: anchors[i / bs] + (i % bs) as u32,
+                block: Some(i / bs),
+            })
+            .collect();
+        let q_pos: Vec<u32> = q_slots.iter().map(|s| s.pos).collect();
+        let keys: Vec<Slot> = ctx_pos
+            .iter()
+            .map(|&p| Slot {
+                pos: p,
+                block: None,
+            })
+            .chain(q_slots.iter().copied())
+            .collect();
+        let ids = Tensor::from_slice(tokens, tokens.len(), &self.device)?;
+        let mut x = target.embed(&ids)?.to_dtype(self.dtype)?.unsqueeze(0)?;
+        let n = tokens.len();
+        let (cos, sin) = self.rotary.cos_sin(&q_pos, &self.device, self.dtype)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_layernorm.forward(&x, grad)?;
+            let q = layer.q_proj.forward(&h)?.reshape((1, n, nh, hd))?;
+            let q = layer
+                .q_norm
+                .forward(&q, grad)?
+                .transpose(1, 2)?
+                .contiguous()?;
+            let q = self.rotary.apply(&q, &cos, &sin, grad)?;
+            let blk = self.kv(layer, &h, &q_pos, grad)?;
+            let ctx = ctx_kv(li)?;
+            let k = Tensor::cat(&[&ctx.k, &blk.k], 2)?;
+            let v = Tensor::cat(&[&ctx.v, &blk.v], 2)?;
+            let mask = self.block_mask(layer.attn, &q_slots, &keys, anchors)?;
+            let o = attention(&q, &k, &v, mask.as_ref(), scale, grad)?;
+            let o = o.transpose(1, 2)?.reshape((1, n, nh * hd))?;
+            x = (x + layer.o_proj.forward(&o)?)?;
+            let h = layer.post_attention_layernorm.forward(&x, grad)?;
+            let g = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
+            x = (&x
+                + layer
+                    .down_proj
+                    .forward(&(g * layer.up_proj.forward(&h)?)?)?)?;
+        }
+        Ok(self.norm.forward(&x.squeeze(0)?, grad)?)
+    }
+
+    /// Inference: commit `new_ctx` (`[m, T·H]` taps of the tokens at positions `start−m .. start`)
+    /// to `cache`, then draft the block `[bonus, mask × (B−1)]` at positions `start ..`. Returns the
+    /// logits `[B−1, V]` (f32) for block rows `1..B`.
+    pub fn draft(
+        &self,
+        target: &dyn TargetModel,
+        cache: &mut DraftCache,
+        new_ctx: &Tensor,
+        bonus: u32,
+        start: usize,
+    ) -> Result<Tensor> {
+        let m = new_ctx.dim(0)?;
+        if cache.len() + m != start {
+            return Err(ModelError::InvalidInput(format!(
+                "drafter cache holds {} rows + {m} new, but the block starts at {start}",
+                cache.len()
+            )));
+        }
+        let new_pos: Vec<u32> = (cache.len() as u32..start as u32).collect();
+        let ctx_pos: Vec<u32> = (0..start as u32).collect();
+        let projected = if m > 0 {
+            Some(self.project_context(new_ctx, Grad::Off)?)
+        } else {
+            None
+        };
+        let mut fill = |li: usize| -> Result<Kv> {
+            let c = &mut cache.layers[li];
+            let (k, v) = match &projected {
+                Some(p) => {
+                    let kv = self.kv(&self.layers[li], p, &new_pos, Grad::Off)?;
+                    c.append(&kv.k, &kv.v)?
+                }
+                None => c
+                    .view()?
+                    .ok_or_else(|| ModelError::InvalidInput("drafter has no context".into()))?,
+            };
+            Ok(Kv { k, v })
+        };
+        let mut tokens = vec![self.mask_token_id(); self.cfg.block_size];
+        tokens[0] = bonus;
+        let hidden = self.blocks_forward(
+            target,
+            &tokens,
+            &[start as u32],
+            &mut fill,
+            &ctx_pos,
+            Grad::Off,
+        )?;
+        target.lm_head(&hidden.narrow(0, 1, self.cfg.block_size - 1)?)
+    }
+
+    /// Training: all blocks of one sequence at once. `ctx` `[S, T·H]` are the taps of the whole
+    /// sequence (positions `0..S`), `tokens` `[S]` the sequence, `anchors` the block starts. Returns
+    /// logits `[nb, B, V]` (f32); row `k` of block `b` predicts the token at `anchors[b] + k`.
+    pub fn forward_train(
+        &self,
+        target: &dyn TargetModel,
+        ctx: &Tensor,
+        tokens: &[u32],
+        anchors: &[u32],
+        grad: Grad,
+    ) -> Result<Tensor> {
+        let s = ctx.dim(0)?;
+        if tokens.len() != s {
+            return Err(ModelError::InvalidInput(format!(
+                "{} tokens but {s} context rows",
+                tokens.len()
+            )));
+        }
+        let bs = self.cfg.block_size;
+        let mut block_tokens = vec![self.mask_token_id(); anchors.len() * bs];
+        for (b, &a) in anchors.iter().enumerate() {
+            let a = a as usize;
+            if a >= s {
+                return Err(ModelError::InvalidInput(format!(
+                    "anchor {a} outside the sequence of {s}"
+                )));
+            }
+            block_tokens[b * bs] = tokens[a];
+        }
+        let ctx_pos: Vec<u32> = (0..s as u32).collect();
+        let projected = self.project_context(ctx, grad)?;
+        let mut ctx_kv = |li: usize| self.kv(&self.layers[li], &projected, &ctx_pos, grad);
+        let hidden =
+            self.blocks_forward(target, &block_tokens, anchors, &mut ctx_kv, &ctx_pos, grad)?;
+        Ok(target.lm_head(&hidden)?.reshape((anchors.len(), bs, ()))?)
+    }
+}
