@@ -4,8 +4,10 @@ use crate::exit::UsageError;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
-use dflash_decoding::{generate_ar, GenerateConfig, SamplingConfig};
-use dflash_models::load_target;
+use dflash_decoding::{
+    generate_ar, generate_speculative, DFlashRunner, GenerateConfig, SamplingConfig, SpecMode,
+};
+use dflash_models::{load_drafter, load_target};
 use dflash_text::{ChatMessage, RenderOptions, StreamDecoder};
 use serde::Serialize;
 use std::io::Write;
@@ -16,6 +18,10 @@ use std::path::PathBuf;
 pub enum Mode {
     /// The target alone: the reference output.
     Ar,
+    /// Single-path DFlash speculative decoding.
+    Dflash,
+    /// DDTree: verify the best tree of drafted prefixes.
+    Ddtree,
 }
 
 #[derive(Args, Debug)]
@@ -53,6 +59,15 @@ pub struct GenerateArgs {
     seed: u64,
     #[arg(long, value_enum, default_value_t = Mode::Ar)]
     mode: Mode,
+    /// Drafter directory (z-lab DFlash format), for --mode dflash / ddtree.
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Block size at inference (default: the drafter's).
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// DDTree node budget (default: block size − 1).
+    #[arg(long)]
+    tree_budget: Option<usize>,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -75,6 +90,18 @@ struct Report {
     tokens_per_second: f64,
     steps: usize,
     stop_reason: dflash_decoding::StopReason,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    acceptance_length_mean: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    acceptance_histogram: Option<Vec<usize>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tree_build_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_prefill_seconds: Option<f64>,
     device: String,
     dtype: String,
 }
@@ -157,9 +184,47 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
         }
     };
-    let generation = match args.mode {
-        Mode::Ar => generate_ar(target.model.as_ref(), &prompt, &cfg, &mut on_token)?,
+    let drafter = match args.mode {
+        Mode::Ar => None,
+        Mode::Dflash | Mode::Ddtree => {
+            let dir = args
+                .draft
+                .as_ref()
+                .ok_or_else(|| UsageError("--mode dflash/ddtree needs --draft DIR".into()))?;
+            let mut d = load_drafter(dir, &device, dtype)
+                .with_context(|| format!("loading drafter {}", dir.display()))?;
+            d.check_target(target.model.as_ref())?;
+            if let Some(b) = args.block_size {
+                d.set_block_size(b)?;
+            }
+            Some(d)
+        }
     };
+    let generation = match (&drafter, args.mode) {
+        (Some(d), mode) => {
+            let spec_mode = if mode == Mode::Ddtree {
+                let budget = args.tree_budget.unwrap_or(d.block_size() - 1);
+                if budget == 0 {
+                    return Err(UsageError("--tree-budget must be at least 1".into()).into());
+                }
+                SpecMode::DdTree { budget }
+            } else {
+                SpecMode::DFlash
+            };
+            let mut runner = DFlashRunner::new(d);
+            generate_speculative(
+                target.model.as_ref(),
+                &mut runner,
+                &prompt,
+                &cfg,
+                spec_mode,
+                &mut on_token,
+            )?
+        }
+        (None, _) => generate_ar(target.model.as_ref(), &prompt, &cfg, &mut on_token)?,
+    };
+    let spec = generation.spec.clone();
+    let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
     let text_out = text.tokenizer.decode(&generation.tokens, true)?;
     let n = generation.tokens.len();
     let report = Report {
@@ -170,7 +235,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         prefill_seconds: generation.prefill_seconds,
         decode_seconds: generation.decode_seconds,
         tokens_per_second: if generation.decode_seconds > 0.0 {
-            generation.steps as f64 / generation.decode_seconds
+            n.saturating_sub(1) as f64 / generation.decode_seconds
         } else {
             0.0
         },
@@ -178,6 +243,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop_reason: generation.stop_reason,
         device: args.device.clone(),
         dtype: format!("{dtype:?}").to_lowercase(),
+        acceptance_length_mean: spec.as_ref().map(|s| s.mean_acceptance()),
+        acceptance_histogram: spec.as_ref().map(|s| s.histogram(block)),
+        draft_seconds: spec.as_ref().map(|s| s.draft_seconds),
+        verify_seconds: spec.as_ref().map(|s| s.verify_seconds),
+        tree_build_seconds: spec.as_ref().map(|s| s.tree_build_seconds),
+        draft_prefill_seconds: spec.as_ref().map(|s| s.draft_prefill_seconds),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -187,8 +258,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
         println!();
         let _ = std::io::stdout().flush();
+        let tau = report
+            .acceptance_length_mean
+            .map(|t| format!(", tau {t:.2} over {} steps", report.steps))
+            .unwrap_or_default();
         eprintln!(
-            "[dflash] mode {:?}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s), stop: {:?}",
+            "[dflash] mode {:?}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s){tau}, stop: {:?}",
             report.mode, report.prompt_tokens, n, report.prefill_seconds, report.decode_seconds, report.tokens_per_second, report.stop_reason
         );
     }

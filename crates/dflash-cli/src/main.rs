@@ -4,6 +4,7 @@
 //! failures exit 1; machine-readable output goes to stdout as JSON, human summaries to stderr.
 
 mod defaults;
+mod draft;
 mod exit;
 mod generate;
 
@@ -24,12 +25,16 @@ struct Cli {
 enum Command {
     /// Generate text from a target model (optionally with a drafter).
     Generate(generate::GenerateArgs),
+    /// Drafter checkpoints.
+    #[command(subcommand)]
+    Draft(draft::DraftCommand),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Draft(cmd) => draft::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

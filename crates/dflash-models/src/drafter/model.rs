@@ -134,6 +134,17 @@ impl DFlashDrafter {
     pub fn block_size(&self) -> usize {
         self.cfg.block_size
     }
+    /// Drafts blocks of `b` tokens at inference (`2 <= b`; a drafter trained at B is best used at
+    /// B or below).
+    pub fn set_block_size(&mut self, b: usize) -> Result<()> {
+        if b < 2 {
+            return Err(ModelError::InvalidInput(format!(
+                "block size {b} must be at least 2"
+            )));
+        }
+        self.cfg.block_size = b;
+        Ok(())
+    }
     /// Target layers whose outputs feed the drafter, in concatenation order.
     pub fn target_layers(&self) -> &[usize] {
         &self.taps

@@ -1,0 +1,155 @@
+//! The drafter's training-mode forward (many blocks, block mask) equals its inference forward
+//! (incremental context cache, one block) on the same anchors; gradients reach every parameter;
+//! a drafter that does not fit its target is refused naming both values.
+
+mod common;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use common::*;
+use dflash_core::Grad;
+use dflash_models::drafter::{config_for_target, load_drafter, random_weights, save_drafter};
+use dflash_models::{
+    load_target, DFlashConfig, DFlashDrafter, ForwardRequest, LogitRows, TargetModel,
+};
+
+fn sequence_taps(m: &dyn TargetModel, tokens: &[u32], layers: &[usize]) -> Tensor {
+    let mut cache = m.new_cache(tokens.len()).unwrap();
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let req = ForwardRequest {
+        tokens,
+        positions: &pos,
+        mask: dflash_core::AttentionMask::Causal,
+        taps: layers,
+        logits: LogitRows::None,
+    };
+    Tensor::cat(&m.forward(&req, &mut cache).unwrap().taps, 1).unwrap()
+}
+
+fn drafter_from(cfg: &DFlashConfig, seed: u64) -> (DFlashDrafter, VarMap) {
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap();
+        for (k, v) in random_weights(cfg, seed).unwrap() {
+            let v = if k.ends_with("norm.weight") {
+                v
+            } else {
+                (v * 4.0).unwrap()
+            };
+            data.insert(k, Var::from_tensor(&v).unwrap());
+        }
+    }
+    let d =
+        DFlashDrafter::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+    (d, vm)
+}
+
+fn parity(cfg: &DFlashConfig, target: &dyn TargetModel, what: &str) {
+    let (drafter, _) = drafter_from(cfg, 5);
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 263).collect();
+    let taps = sequence_taps(target, &tokens, drafter.target_layers());
+    let anchors = [4u32, 9, 15, 17];
+    let train = drafter
+        .forward_train(target, &taps, &tokens, &anchors, Grad::On)
+        .unwrap();
+    let bs = drafter.block_size();
+    // inference, context fed incrementally: [0,4) then [4,9) then [9,15) then [15,17)
+    let mut cache = drafter.new_cache(64);
+    let mut done = 0usize;
+    for (b, &a) in anchors.iter().enumerate() {
+        let a = a as usize;
+        let ctx = taps.narrow(0, done, a - done).unwrap();
+        let inf = drafter
+            .draft(target, &mut cache, &ctx, tokens[a], a)
+            .unwrap();
+        done = a;
+        let want = train.get(b).unwrap().narrow(0, 1, bs - 1).unwrap();
+        let err = max_abs_diff(&inf, &want);
+        assert!(
+            err < 1e-4,
+            "{what}: block {b} (anchor {a}) train vs inference err {err}"
+        );
+    }
+}
+
+#[test]
+fn training_and_inference_forwards_agree() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let mut cfg = config_for_target(&t, 2, 6, 262);
+    parity(&cfg, t.model.as_ref(), "full attention");
+    cfg.layer_types = Some(vec!["sliding_attention".into(), "full_attention".into()]);
+    cfg.sliding_window = Some(5);
+    parity(&cfg, t.model.as_ref(), "sliding window (causal) + full");
+    cfg.dflash_config.causal = Some(true);
+    cfg.layer_types = None;
+    parity(&cfg, t.model.as_ref(), "causal within block");
+}
+
+#[test]
+fn gradients_reach_every_drafter_parameter_and_slot_zero_is_the_anchor() {
+    let t = load_target(&fixtures().join("tiny-qwen3"), &Device::Cpu, DType::F32).unwrap();
+    let cfg = config_for_target(&t, 2, 4, 262);
+    let (drafter, vm) = drafter_from(&cfg, 7);
+    let tokens: Vec<u32> = (0..16).map(|i| (i * 53 + 3) % 263).collect();
+    let taps = sequence_taps(t.model.as_ref(), &tokens, drafter.target_layers());
+    let logits = drafter
+        .forward_train(t.model.as_ref(), &taps, &tokens, &[2, 7], Grad::On)
+        .unwrap();
+    let loss = logits.sqr().unwrap().mean_all().unwrap();
+    let grads = loss.backward().unwrap();
+    for (name, var) in vm.data().lock().unwrap().iter() {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient reaches {name}"));
+        let norm = g
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(norm > 0.0, "zero gradient for {name}");
+    }
+    // changing the anchor token changes the block: slot 0 is embed(anchor), not embed(mask)
+    let mut other = tokens.clone();
+    other[7] = (other[7] + 1) % 263;
+    let l2 = drafter
+        .forward_train(t.model.as_ref(), &taps, &other, &[2, 7], Grad::Off)
+        .unwrap();
+    assert!(max_abs_diff(&logits.get(1).unwrap(), &l2.get(1).unwrap()) > 1e-4);
+    assert!(
+        max_abs_diff(&logits.get(0).unwrap(), &l2.get(0).unwrap()) < 1e-5,
+        "block 0 must not see block 1"
+    );
+}
+
+#[test]
+fn save_load_round_trip_shards_and_mismatch_is_refused() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let cfg = config_for_target(&t, 2, 4, 262);
+    let w = random_weights(&cfg, 1).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    save_drafter(dir.path(), &cfg, &w, 40_000).unwrap();
+    assert!(
+        dir.path().join("model.safetensors.index.json").is_file(),
+        "small shard limit must shard"
+    );
+    let d = load_drafter(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    d.check_target(t.model.as_ref()).unwrap();
+    assert_eq!(d.target_layers(), cfg.target_layer_ids().as_slice());
+    let mut bad = cfg.clone();
+    bad.hidden_size = 96;
+    let dir2 = tempfile::tempdir().unwrap();
+    let w2 = random_weights(&bad, 1).unwrap();
+    save_drafter(dir2.path(), &bad, &w2, 1 << 30).unwrap();
+    let d2 = load_drafter(dir2.path(), &Device::Cpu, DType::F32).unwrap();
+    let err = d2.check_target(t.model.as_ref()).unwrap_err().to_string();
+    assert!(err.contains("hidden size: drafter 96, target 64"), "{err}");
+    let mut bad_mask = cfg.clone();
+    bad_mask.dflash_config.mask_token_id = Some(999);
+    let (d3, _) = drafter_from(&bad_mask, 1);
+    let err = d3.check_target(t.model.as_ref()).unwrap_err().to_string();
+    assert!(
+        err.contains("mask token id") && err.contains("999") && err.contains("263"),
+        "{err}"
+    );
+}
