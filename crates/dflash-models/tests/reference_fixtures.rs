@@ -262,3 +262,51 @@ fn smollm2_gguf_matches_transformers() {
     }
     eprintln!("SmolLM2 logits max abs err {err} ({dtype:?})");
 }
+
+#[test]
+fn sharded_safetensors_directory_loads_the_same_model() {
+    let src = fixtures().join("tiny-qwen3");
+    let tmp = tempfile::tempdir().unwrap();
+    let all =
+        candle_core::safetensors::load(src.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let mut names: Vec<&String> = all.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", a),
+        ("model-00002-of-00002.safetensors", b),
+    ] {
+        let m: HashMap<String, Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), all[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&m, tmp.path().join(file)).unwrap();
+        for n in part {
+            map.insert((*n).clone(), file.into());
+        }
+    }
+    std::fs::write(
+        tmp.path().join("model.safetensors.index.json"),
+        serde_json::json!({"weight_map": map}).to_string(),
+    )
+    .unwrap();
+    std::fs::copy(src.join("config.json"), tmp.path().join("config.json")).unwrap();
+    let (dev, dtype) = device_and_dtype();
+    let sharded = load_target(tmp.path(), &dev, dtype).unwrap();
+    let single = load_target(&src, &dev, dtype).unwrap();
+    let prompt = [3u32, 99, 7, 250];
+    let err = max_abs_diff(
+        &causal_logits(sharded.model.as_ref(), &prompt),
+        &causal_logits(single.model.as_ref(), &prompt),
+    );
+    assert_eq!(err, 0.0);
+    // a shard listed in the index but missing is an error naming it
+    std::fs::remove_file(tmp.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let e = load_target(tmp.path(), &dev, dtype)
+        .err()
+        .expect("missing shard must fail")
+        .to_string();
+    assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
+}

@@ -233,7 +233,8 @@ impl DFlashDrafter {
                     Some(kb) => kb == qb && (!attn.causal || ks.pos <= qs.pos),
                 };
                 if let Some(w) = attn.window {
-                    visible &= (qs.pos as i64 - ks.pos as i64) < w as i64;
+                    let d = qs.pos as i64 - ks.pos as i64;
+                    visible &= d < w as i64 && (attn.causal || -d < w as i64);
                 }
                 if !visible {
                     m[i * keys.len() + j] = f32::NEG_INFINITY;
