@@ -61,7 +61,7 @@ fn linear_ramp(min: f64, mut max: f64, n: usize) -> Vec<f64> {
 impl RotaryEmbedding {
     pub fn new(cfg: &RopeConfig) -> Result<Self> {
         let dim = cfg.rotary_dim;
-        if dim == 0 || dim % 2 != 0 || dim > cfg.head_dim {
+        if dim == 0 || !dim.is_multiple_of(2) || dim > cfg.head_dim {
             return Err(CoreError::InvalidInput(format!(
                 "rotary dim {dim} must be even, > 0 and <= head_dim {}",
                 cfg.head_dim
@@ -101,7 +101,7 @@ impl RotaryEmbedding {
                     } else {
                         *f
                     };
-                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                     *f = if medium {
                         let smooth = (old / wavelen - lo) / (hi - lo);
                         (1.0 - smooth) * scaled / factor + smooth * scaled

@@ -161,7 +161,10 @@ impl DFlashConfig {
         if self.block_size < 2 {
             return Err(format!("block_size {} must be at least 2", self.block_size));
         }
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        if self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             return Err("num_attention_heads must be a multiple of num_key_value_heads".into());
         }

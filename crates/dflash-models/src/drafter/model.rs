@@ -6,6 +6,7 @@
 //!   cache of context K/V and runs one block; block K/V are never cached.
 //! - [`DFlashDrafter::forward_train`] runs many blocks of one sequence at once under the block mask
 //!   (a block sees context strictly before its anchor plus its own block), with differentiable ops.
+//!
 //! Both go through [`DFlashDrafter::blocks_forward`], so the same anchors give the same logits
 //! (tested). Slot 0 of a block is the anchor token's *target embedding*; the embedding and LM head
 //! are the target's (borrowed per call, never copied); positions are absolute token positions.
