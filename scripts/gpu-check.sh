@@ -13,6 +13,8 @@ if [ "${SKIP_FIXTURES:-0}" != 1 ]; then
   python3 scripts/make_fixtures.py /tmp/fx --skip-tiny --gguf "$GGUF" 2>&1 | grep -v Warning | tail -3
   cp -r /tmp/fx/smollm2 $FX/ && (cd /tmp/fx && tar czf "$OUT/smollm2_fixtures.tgz" smollm2)
 fi
+echo "== z-lab reference (dflash 0.1.0)"
+python3 scripts/zlab_reference.py . "$OUT/zlab_reference.safetensors" 2>&1 | grep -v Warning | tail -4
 mkdir -p /tmp/bin && for f in dist/cuda/*.xz; do xz -dc "$f" > /tmp/bin/$(basename "$f" .xz); done; chmod +x /tmp/bin/*
 export DFLASH_FIXTURES=$FX DFLASH_SMOLLM2_GGUF=$GGUF DFLASH_REQUIRE_SMOLLM2=1 DFLASH_TEST_DEVICE=cuda
 for dt in f32 bf16; do
@@ -25,7 +27,7 @@ for dt in f32 bf16; do
   for p in "What is the capital of France?" "Write a haiku about Rust." "Explain in two sentences why the sky is blue."; do
     for m in ar dflash ddtree; do
       $D generate --target "$GGUF" --device cuda --dtype $dt --mode $m --draft /tmp/rd --tree-budget 64 \
-        --prompt "$p" --max-new-tokens 128 --json >> "$OUT/generate_$dt.jsonl" 2>>"$OUT/stderr.log"
+        --prompt "$p" --max-new-tokens 128 --json --ids >> "$OUT/generate_$dt.jsonl" 2>>"$OUT/stderr.log"
     done
   done
 done
@@ -36,7 +38,12 @@ for dt in ("f32", "bf16"):
     rows = [json.loads(l) for l in open(os.path.join(out, f"generate_{dt}.jsonl"))]
     for i in range(0, len(rows), 3):
         ar, df, tr = rows[i:i+3]
-        same = lambda r: "same" if r["text"] == ar["text"] else "DIFFERS"
+        def same(r):
+            if r["output_ids"] == ar["output_ids"]:
+                return "same"
+            k = next((j for j, (a, b) in enumerate(zip(r["output_ids"], ar["output_ids"])) if a != b), min(len(r["output_ids"]), len(ar["output_ids"])))
+            m = ar["logit_margins"][k] if k < len(ar["logit_margins"]) else float("nan")
+            return f"DIFFERS at token {k} (AR top1-top2 margin {m:.4f})"
         print(f"{dt} prompt{i//3}: ar {ar['tokens_per_second']:.1f} tok/s ({ar['output_tokens']} tok) | "
               f"dflash {df['tokens_per_second']:.1f} tok/s tau {df['acceptance_length_mean']:.2f} {same(df)} "
               f"draft {1e3*df['draft_seconds']/max(1,df['steps']-1):.2f} ms verify {1e3*df['verify_seconds']/df['steps']:.2f} ms | "

@@ -77,6 +77,10 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// With --json: include the output token ids (and, for --mode ar, each token's top-1 − top-2
+    /// logit margin, to diagnose near-tie flips between modes).
+    #[arg(long)]
+    ids: bool,
 }
 
 #[derive(Serialize)]
@@ -90,6 +94,10 @@ struct Report {
     tokens_per_second: f64,
     steps: usize,
     stop_reason: dflash_decoding::StopReason,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logit_margins: Option<Vec<f32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     acceptance_length_mean: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -243,6 +251,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop_reason: generation.stop_reason,
         device: args.device.clone(),
         dtype: format!("{dtype:?}").to_lowercase(),
+        output_ids: args.ids.then(|| generation.tokens.clone()),
+        logit_margins: (args.ids && args.mode == Mode::Ar).then(|| generation.margins.clone()),
         acceptance_length_mean: spec.as_ref().map(|s| s.mean_acceptance()),
         acceptance_histogram: spec.as_ref().map(|s| s.histogram(block)),
         draft_seconds: spec.as_ref().map(|s| s.draft_seconds),

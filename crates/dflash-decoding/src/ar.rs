@@ -38,6 +38,8 @@ pub struct Generation {
     pub decode_seconds: f64,
     /// Target forwards after the prefill.
     pub steps: usize,
+    /// AR only: top-1 − top-2 logit margin of each emitted token (to explain near-tie flips).
+    pub margins: Vec<f32>,
     /// Speculative modes only: per-step acceptance and timings.
     pub spec: Option<crate::spec::SpecStats>,
 }
@@ -114,7 +116,9 @@ pub fn generate_ar(
         &ForwardRequest::causal(prompt, &positions, LogitRows::Last),
         &mut cache,
     )?;
-    let mut next = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
+    let (first, m) = sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
+    let mut next = first[0];
+    let mut margins = vec![m[0]];
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut emit = Emitter::new(budget, context_bound, &cfg.stop_tokens);
@@ -132,9 +136,12 @@ pub fn generate_ar(
             &mut cache,
         )?;
         steps += 1;
-        next = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
+        let (t, m) = sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
+        next = t[0];
+        margins.push(m[0]);
     };
     let (tokens, stop_reason) = emit.finish(stop_reason);
+    margins.truncate(tokens.len());
     Ok(Generation {
         tokens,
         stop_reason,
@@ -143,5 +150,6 @@ pub fn generate_ar(
         decode_seconds: t1.elapsed().as_secs_f64(),
         steps,
         spec: None,
+        margins,
     })
 }

@@ -74,6 +74,20 @@ pub fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
+/// Largest minus second-largest value.
+pub fn top2_margin(xs: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in xs {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
 impl Sampler {
     pub fn new(cfg: SamplingConfig) -> Result<Self> {
         cfg.validate()?;
@@ -137,6 +151,14 @@ impl Sampler {
             }
         }
         *ids.last().expect("distribution is never empty")
+    }
+
+    /// One token per row plus each row's top-1 − top-2 logit margin (how near a tie it was).
+    pub fn sample_rows_with_margin(&mut self, logits: &Tensor) -> Result<(Vec<u32>, Vec<f32>)> {
+        let logits = logits.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        let margins = rows.iter().map(|r| top2_margin(r)).collect();
+        Ok((rows.iter().map(|r| self.sample(r)).collect(), margins))
     }
 
     /// One token per row of `[rows, vocab]` logits, rows in order.

@@ -266,5 +266,6 @@ pub fn generate_speculative(
         decode_seconds: t1.elapsed().as_secs_f64(),
         steps,
         spec: Some(stats),
+        margins: vec![],
     })
 }
