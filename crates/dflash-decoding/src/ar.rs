@@ -116,7 +116,8 @@ pub fn generate_ar(
         &ForwardRequest::causal(prompt, &positions, LogitRows::Last),
         &mut cache,
     )?;
-    let (first, m) = sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
+    let (first, m) =
+        sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
     let mut next = first[0];
     let mut margins = vec![m[0]];
     let prefill_seconds = t0.elapsed().as_secs_f64();
@@ -136,7 +137,8 @@ pub fn generate_ar(
             &mut cache,
         )?;
         steps += 1;
-        let (t, m) = sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
+        let (t, m) =
+            sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
         next = t[0];
         margins.push(m[0]);
     };

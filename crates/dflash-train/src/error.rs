@@ -1,0 +1,18 @@
+//! Errors of dflash-train.
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    #[error(transparent)]
+    Model(#[from] dflash_models::ModelError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, TrainError>;

@@ -1,0 +1,19 @@
+//! dflash-train: the pieces of DFlash drafter training (spec.md §4).
+//!
+//! Invariants: the target runs without a graph (its taps are detached); noise/mask tokens never
+//! enter the target; the drafter's forward is the one in dflash-models (`forward_train`), never a
+//! re-implementation; labels of block row k are the tokens at `anchor + k` (same position, not
+//! shifted) with weight `exp(−(k−1)/γ)` for k ≥ 1 and 0 for the anchor row; optimizer state is
+//! f32 and fully serialisable, so a resumed run continues bit-for-bit.
+
+pub mod anchors;
+pub mod error;
+pub mod loss;
+pub mod optim;
+pub mod step;
+
+pub use anchors::sample_anchors;
+pub use error::{Result, TrainError};
+pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
+pub use optim::{AdamW, AdamWConfig, LrSchedule};
+pub use step::{sequence_taps, TrainStep};

@@ -1,0 +1,181 @@
+//! A tiny drafter overfits target-generated text (loss falls, then decoding it accepts long
+//! blocks, output still equal to AR); gradients flow end to end; a resumed run continues
+//! bit-for-bit.
+
+use candle_core::{DType, Device, Var};
+use candle_nn::{VarBuilder, VarMap};
+use dflash_decoding::{
+    generate_ar, generate_speculative, DFlashRunner, GenerateConfig, SamplingConfig, SpecMode,
+};
+use dflash_models::drafter::{config_for_target, random_weights, save_drafter};
+use dflash_models::{load_drafter, load_target, DFlashConfig, DFlashDrafter, LoadedTarget};
+use dflash_train::{AdamW, AdamWConfig, LrSchedule, TrainStep};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+fn target() -> LoadedTarget {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    load_target(&p, &Device::Cpu, DType::F32).unwrap()
+}
+
+fn greedy(n: usize) -> GenerateConfig {
+    GenerateConfig {
+        max_new_tokens: n,
+        stop_tokens: vec![],
+        sampling: SamplingConfig::greedy(),
+    }
+}
+
+/// (prompt, prompt + target's greedy continuation, loss mask over the continuation).
+fn corpus(t: &LoadedTarget) -> Vec<(Vec<u32>, Vec<u32>, Vec<bool>)> {
+    (0..3u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..5).map(|j| (i * 71 + j * 13 + 5) % 263).collect();
+            let g = generate_ar(t.model.as_ref(), &prompt, &greedy(40), &mut |_| {}).unwrap();
+            let seq: Vec<u32> = prompt.iter().copied().chain(g.tokens).collect();
+            let mask = (0..seq.len()).map(|p| p >= prompt.len() - 1).collect();
+            (prompt, seq, mask)
+        })
+        .collect()
+}
+
+fn fresh(
+    cfg: &DFlashConfig,
+    weights: BTreeMap<String, candle_core::Tensor>,
+) -> (DFlashDrafter, VarMap) {
+    let vm = VarMap::new();
+    {
+        let mut d = vm.data().lock().unwrap();
+        for (k, v) in weights {
+            d.insert(k, Var::from_tensor(&v).unwrap());
+        }
+    }
+    (
+        DFlashDrafter::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap(),
+        vm,
+    )
+}
+
+fn optimizer(vm: &VarMap) -> AdamW {
+    let params: HashMap<String, Var> = vm.data().lock().unwrap().clone();
+    AdamW::new(
+        params,
+        AdamWConfig {
+            lr: 3e-3,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn train(
+    t: &LoadedTarget,
+    d: &DFlashDrafter,
+    opt: &mut AdamW,
+    data: &[(Vec<u32>, Vec<u32>, Vec<bool>)],
+    steps: std::ops::Range<usize>,
+    total: usize,
+) -> Vec<f32> {
+    let ts = TrainStep {
+        anchors_per_sequence: 16,
+        gamma: 4.0,
+        schedule: LrSchedule {
+            peak: 3e-3,
+            warmup: 10,
+            total,
+        },
+    };
+    steps
+        .map(|s| {
+            let (_, seq, mask) = &data[s % data.len()];
+            let mut rng = ChaCha8Rng::seed_from_u64(1000 + s as u64);
+            ts.run(t.model.as_ref(), d, opt, seq, mask, &mut rng)
+                .unwrap()
+                .0
+                .loss
+        })
+        .collect()
+}
+
+#[test]
+fn tiny_drafter_overfits_and_then_decodes_with_long_acceptance() {
+    let t = target();
+    let data = corpus(&t);
+    let cfg = config_for_target(&t, 2, 4, 262);
+    let (d, vm) = fresh(&cfg, random_weights(&cfg, 3).unwrap());
+    let (prompt, _, _) = &data[0];
+    let tau = |d: &DFlashDrafter| {
+        let mut r = DFlashRunner::new(d);
+        let g = generate_speculative(
+            t.model.as_ref(),
+            &mut r,
+            prompt,
+            &greedy(40),
+            SpecMode::DFlash,
+            &mut |_| {},
+        )
+        .unwrap();
+        let ar = generate_ar(t.model.as_ref(), prompt, &greedy(40), &mut |_| {}).unwrap();
+        assert_eq!(g.tokens, ar.tokens);
+        g.spec.unwrap().mean_acceptance()
+    };
+    let before = tau(&d);
+    let mut opt = optimizer(&vm);
+    let losses = train(&t, &d, &mut opt, &data, 0..240, 240);
+    let (first, last) = (
+        losses[..6].iter().sum::<f32>() / 6.0,
+        losses[losses.len() - 6..].iter().sum::<f32>() / 6.0,
+    );
+    eprintln!("loss {first:.3} -> {last:.3}");
+    assert!(
+        last < 0.25 * first,
+        "loss must fall a lot: {first} -> {last}"
+    );
+    let after = tau(&d);
+    eprintln!("tau {before:.2} -> {after:.2} (block 4)");
+    assert!(
+        after > 3.0,
+        "an overfit drafter must accept nearly full blocks on its corpus: tau {after}"
+    );
+}
+
+#[test]
+fn resume_continues_bit_for_bit() {
+    let t = target();
+    let data = corpus(&t);
+    let cfg = config_for_target(&t, 1, 4, 262);
+    let init = random_weights(&cfg, 9).unwrap();
+    let (d, vm) = fresh(&cfg, init.clone());
+    let mut opt = optimizer(&vm);
+    let straight = train(&t, &d, &mut opt, &data, 0..8, 8);
+
+    let (d1, vm1) = fresh(&cfg, init);
+    let mut opt1 = optimizer(&vm1);
+    let mut resumed = train(&t, &d1, &mut opt1, &data, 0..4, 8);
+    let dir = tempfile::tempdir().unwrap();
+    let weights: BTreeMap<String, candle_core::Tensor> = vm1
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    save_drafter(dir.path(), &cfg, &weights, 1 << 30).unwrap();
+    opt1.save(&dir.path().join("optimizer.safetensors"))
+        .unwrap();
+    drop((d1, vm1, opt1));
+    // a fresh process would do exactly this: load the checkpoint and the optimizer state
+    let loaded = load_drafter(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    drop(loaded);
+    let ckpt =
+        candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu).unwrap();
+    let (d2, vm2) = fresh(&cfg, ckpt.into_iter().collect());
+    let mut opt2 = optimizer(&vm2);
+    opt2.load(&dir.path().join("optimizer.safetensors"), 4)
+        .unwrap();
+    resumed.extend(train(&t, &d2, &mut opt2, &data, 4..8, 8));
+    assert_eq!(straight, resumed, "losses with and without an interruption");
+}
