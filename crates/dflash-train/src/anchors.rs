@@ -31,7 +31,7 @@ mod tests {
         assert_eq!(a, b);
         assert_eq!(a.len(), 8);
         assert!(a.windows(2).all(|w| w[0] < w[1]));
-        assert!(a.iter().all(|&p| p >= 10 && p < 39));
+        assert!(a.iter().all(|p| (10..39).contains(p)));
         assert_eq!(
             sample_anchors(&mask, 100, &mut ChaCha8Rng::seed_from_u64(2)).len(),
             29
