@@ -7,6 +7,7 @@ mod defaults;
 mod draft;
 mod exit;
 mod generate;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +29,11 @@ enum Command {
     /// Drafter checkpoints.
     #[command(subcommand)]
     Draft(draft::DraftCommand),
+    /// Train a drafter on regenerated data.
+    Train(train::TrainArgs),
+    /// Training data.
+    #[command(subcommand)]
+    Data(train::DataCommand),
 }
 
 fn main() {
@@ -35,6 +41,8 @@ fn main() {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Draft(cmd) => draft::run(cmd),
+        Command::Train(a) => train::train(a),
+        Command::Data(cmd) => train::data(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -7,13 +7,16 @@
 //! f32 and fully serialisable, so a resumed run continues bit-for-bit.
 
 pub mod anchors;
+pub mod data;
 pub mod error;
 pub mod loss;
 pub mod optim;
 pub mod step;
+pub mod trainer;
 
 pub use anchors::sample_anchors;
 pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use step::{sequence_taps, TrainStep};
+pub use trainer::{RunState, TrainConfig, Trainer, Validation};
