@@ -231,7 +231,9 @@ impl<'a> Trainer<'a> {
             });
             writeln!(log, "{line}").map_err(io(&log_path))?;
             progress(self.state.step, self.state.total_steps, report.loss);
-            if self.cfg.checkpoint_every > 0 && self.state.step % self.cfg.checkpoint_every == 0 {
+            if self.cfg.checkpoint_every > 0
+                && self.state.step.is_multiple_of(self.cfg.checkpoint_every)
+            {
                 self.checkpoint()?;
             }
         }
