@@ -8,27 +8,53 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
-/// Top-`k` (log-prob, token) per drafted position, best first.
+/// Top-`k` (log-prob, token) per drafted position, best first (ties: lower id first).
+///
+/// One pass per row with a size-`k` min-heap: most values are rejected by a single comparison
+/// against the heap's minimum, so this is O(V) per row in practice.
 pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
     logits
         .iter()
         .map(|row| {
+            let k = k.min(row.len());
             let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
-            let k = k.min(row.len());
-            let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-            let cmp =
-                |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
-            if k < idx.len() {
-                idx.select_nth_unstable_by(k, cmp);
-                idx.truncate(k);
+            // min-heap on (value, Reverse(id)): the root is the weakest kept entry
+            let mut heap: BinaryHeap<std::cmp::Reverse<(Ordered, std::cmp::Reverse<u32>)>> =
+                BinaryHeap::with_capacity(k + 1);
+            for (i, &x) in row.iter().enumerate() {
+                let item = (Ordered(x), std::cmp::Reverse(i as u32));
+                if heap.len() < k {
+                    heap.push(std::cmp::Reverse(item));
+                } else if let Some(min) = heap.peek() {
+                    if item > min.0 {
+                        heap.pop();
+                        heap.push(std::cmp::Reverse(item));
+                    }
+                }
             }
-            idx.sort_unstable_by(cmp);
-            idx.into_iter()
-                .map(|i| (row[i as usize] - lse, i))
-                .collect()
+            let mut v: Vec<(f32, u32)> = heap
+                .into_iter()
+                .map(|r| (r.0 .0 .0 - lse, r.0 .1 .0))
+                .collect();
+            v.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            v
         })
         .collect()
+}
+
+#[derive(Clone, Copy, PartialEq)]
+struct Ordered(f32);
+impl Eq for Ordered {}
+impl PartialOrd for Ordered {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Ordered {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.0.total_cmp(&o.0)
+    }
 }
 
 /// A token tree rooted at the bonus token (index 0).
@@ -147,6 +173,20 @@ mod tests {
         for (i, &p) in t.parents.iter().enumerate().skip(1) {
             assert!((p as usize) < i);
         }
+    }
+
+    #[test]
+    fn top_k_matches_a_full_sort() {
+        let row: Vec<f32> = (0..1000u32)
+            .map(|i| ((i * 7919) % 1009) as f32 * 0.01 - 3.0)
+            .collect();
+        let mut idx: Vec<u32> = (0..1000).collect();
+        idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        let got: Vec<u32> = top_k_log_probs(std::slice::from_ref(&row), 37)[0]
+            .iter()
+            .map(|x| x.1)
+            .collect();
+        assert_eq!(got, idx[..37].to_vec());
     }
 
     #[test]
