@@ -23,27 +23,34 @@ pub struct LoadedTarget {
     pub source: PathBuf,
 }
 
-/// Reads and validates `config.json` of an HF directory.
-pub fn read_config(dir: &Path) -> Result<DecoderConfig> {
+/// Reads `dir/config.json` as `T`; `what` names the file in errors.
+pub(crate) fn read_json_config<T: serde::de::DeserializeOwned>(
+    dir: &Path,
+    what: &str,
+) -> Result<(T, PathBuf)> {
     let path = dir.join("config.json");
     if !path.is_file() {
         return Err(ModelError::MissingFile {
             path,
-            what: "model config".into(),
+            what: what.into(),
         });
     }
     let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
         path: path.clone(),
         source: e,
     })?;
-    let cfg: DecoderConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+    let cfg = serde_json::from_str(&text).map_err(|e| ModelError::Config {
         path: path.clone(),
         msg: e.to_string(),
     })?;
-    cfg.validate().map_err(|msg| ModelError::Config {
-        path: path.clone(),
-        msg,
-    })?;
+    Ok((cfg, path))
+}
+
+/// Reads and validates `config.json` of an HF directory.
+pub fn read_config(dir: &Path) -> Result<DecoderConfig> {
+    let (cfg, path): (DecoderConfig, _) = read_json_config(dir, "model config")?;
+    cfg.validate()
+        .map_err(|msg| ModelError::Config { path, msg })?;
     Ok(cfg)
 }
 

@@ -17,25 +17,9 @@ use std::path::Path;
 
 /// Loads a drafter directory onto `device` in `dtype`.
 pub fn load_drafter(dir: &Path, device: &Device, dtype: DType) -> Result<DFlashDrafter> {
-    let path = dir.join("config.json");
-    if !path.is_file() {
-        return Err(ModelError::MissingFile {
-            path,
-            what: "drafter config".into(),
-        });
-    }
-    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
-        path: path.clone(),
-        source: e,
-    })?;
-    let cfg: DFlashConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-        path: path.clone(),
-        msg: e.to_string(),
-    })?;
-    cfg.validate().map_err(|msg| ModelError::Config {
-        path: path.clone(),
-        msg,
-    })?;
+    let (cfg, path): (DFlashConfig, _) = crate::loader::read_json_config(dir, "drafter config")?;
+    cfg.validate()
+        .map_err(|msg| ModelError::Config { path, msg })?;
     let files = safetensors_files(dir)?;
     let vb = safetensors_var_builder(&files, dtype, device)?;
     DFlashDrafter::new(&cfg, vb).map_err(|e| match e {
