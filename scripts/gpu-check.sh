@@ -51,3 +51,14 @@ for dt in ("f32", "bf16"):
               f"tree {1e3*tr['tree_build_seconds']/tr['steps']:.2f} ms verify {1e3*tr['verify_seconds']/tr['steps']:.2f} ms")
     print(f"{dt} ar[0] text: {rows[0]['text'][:200]!r}")
 PY
+if [ "${SMOKE_TRAIN:-1}" = 1 ]; then
+  echo "== regen + train smoke on cuda"
+  head -32 data/benchmarks/gsm8k_train.jsonl > /tmp/p.jsonl
+  t0=$(date +%s.%N)
+  $D data regen --target "$GGUF" --prompts /tmp/p.jsonl --out /tmp/rg --max-new-tokens 128 --device cuda 2>&1 | tail -1
+  t1=$(date +%s.%N)
+  $D train --target "$GGUF" --data /tmp/rg --out /tmp/run --epochs 3 --device cuda --checkpoint-every 1000 2>&1 | tail -4
+  t2=$(date +%s.%N)
+  echo "regen 32 prompts: $(echo "$t1 - $t0" | bc) s; train 93 steps + validate: $(echo "$t2 - $t1" | bc) s"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+fi
