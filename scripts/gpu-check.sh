@@ -59,6 +59,6 @@ if [ "${SMOKE_TRAIN:-1}" = 1 ]; then
   t1=$(date +%s.%N)
   $D train --target "$GGUF" --data /tmp/rg --out /tmp/run --epochs 3 --device cuda --checkpoint-every 1000 2>&1 | tail -4
   t2=$(date +%s.%N)
-  echo "regen 32 prompts: $(echo "$t1 - $t0" | bc) s; train 93 steps + validate: $(echo "$t2 - $t1" | bc) s"
+  echo "regen 32 prompts: $(python3 -c "print(round($t1-$t0,1))") s; train 93 steps + validate: $(python3 -c "print(round($t2-$t1,1))") s"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 fi
