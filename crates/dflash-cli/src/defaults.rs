@@ -27,3 +27,11 @@ pub fn target_path(flag: Option<&Path>) -> Result<PathBuf, UsageError> {
         "no --target given and the default target ({SMOLLM2_GGUF}) is not fetched: run scripts/fetch-smollm2.sh"
     )))
 }
+
+/// Writes `bytes` to `path` through a temporary file and a rename (never a half-written file).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+}

@@ -7,6 +7,8 @@ mod defaults;
 mod draft;
 mod exit;
 mod generate;
+mod progress;
+mod regen;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -33,7 +35,7 @@ enum Command {
     Train(train::TrainArgs),
     /// Training data.
     #[command(subcommand)]
-    Data(train::DataCommand),
+    Data(regen::DataCommand),
 }
 
 fn main() {
@@ -42,7 +44,7 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Draft(cmd) => draft::run(cmd),
         Command::Train(a) => train::train(a),
-        Command::Data(cmd) => train::data(cmd),
+        Command::Data(cmd) => regen::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -92,8 +92,9 @@ fn softmax_last(x: &Tensor, grad: Grad) -> Result<Tensor> {
     })
 }
 
-/// `q`: `[b, n_heads, q_len, d]`; `k`, `v`: `[b, kv_heads, kv_len, d]`; `mask`: additive
-/// `[q_len, kv_len]` f32 from [`AttentionMask::build`]. Returns `[b, n_heads, q_len, d]`.
+/// `q`: `[b, n_heads, q_len, d]`; `k`, `v`: `[b, kv_heads, kv_len, d]`; `mask`: additive f32,
+/// either `[q_len, kv_len]` shared by the batch (from [`AttentionMask::build`]) or `[b, q_len,
+/// kv_len]` per sequence (batched decoding of left-padded rows). Returns `[b, n_heads, q_len, d]`.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -115,10 +116,16 @@ pub fn attention(
     let scores = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
     let scores = (scores * scale)?;
     let scores = match mask {
-        Some(m) => scores
-            .reshape((b, kv_heads, rep, q_len, kv_len))?
-            .broadcast_add(m)?
-            .reshape((b, kv_heads, rep * q_len, kv_len))?,
+        Some(m) => {
+            let m = match m.rank() {
+                3 => m.reshape((b, 1, 1, q_len, kv_len))?,
+                _ => m.clone(),
+            };
+            scores
+                .reshape((b, kv_heads, rep, q_len, kv_len))?
+                .broadcast_add(&m)?
+                .reshape((b, kv_heads, rep * q_len, kv_len))?
+        }
         None => scores,
     };
     let probs = softmax_last(&scores, grad)?.to_dtype(dtype)?;

@@ -2,7 +2,8 @@
 //! rows of an accepted tree path).
 //!
 //! Invariants:
-//! - A [`KvCache`] owns `[1, kv_heads, capacity, head_dim]` buffers for keys and values, allocated
+//! - A [`KvCache`] owns `[b, kv_heads, capacity, head_dim]` buffers (b = 1 except in batched
+//!   decoding, where all sequences share one length and padding is masked) for keys and values, allocated
 //!   on first append; rows `0..len` are valid, rows past `len` are garbage and never read.
 //! - `crop(n)` and `keep_rows(base, idx)` never reallocate and never touch rows below `base`.
 //! - A [`SequenceCache`] holds one [`LayerCache`] per decoder layer; all layers always have the same
@@ -110,6 +111,24 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// Keeps batch rows `rows` (in that order) of a batched cache; used when finished sequences
+    /// leave a batch. Reallocates the buffers (the batch dimension shrinks).
+    pub fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
+        if let Some((kb, vb)) = &self.buffers {
+            let b = kb.dim(0)?;
+            if let Some(&r) = rows.iter().find(|&&r| r as usize >= b) {
+                return Err(CoreError::InvalidInput(format!(
+                    "select_batch: row {r} of a batch of {b}"
+                )));
+            }
+            let idx = Tensor::from_slice(rows, rows.len(), kb.device())?;
+            self.buffers = Some((kb.index_select(&idx, 0)?, vb.index_select(&idx, 0)?));
+        }
+        Ok(())
+    }
+}
+
 /// The state one decoder layer keeps between forwards.
 #[derive(Debug, Clone)]
 pub enum LayerCache {
@@ -130,6 +149,11 @@ impl LayerCache {
     fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
         match self {
             LayerCache::Attention(c) => c.keep_rows(base, rows),
+        }
+    }
+    fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
+        match self {
+            LayerCache::Attention(c) => c.select_batch(rows),
         }
     }
 }
@@ -179,6 +203,14 @@ impl SequenceCache {
     pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
         for l in &mut self.layers {
             l.keep_rows(base, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the given sequences of a batched cache (see [`KvCache::select_batch`]).
+    pub fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
+        for l in &mut self.layers {
+            l.select_batch(rows)?;
         }
         Ok(())
     }

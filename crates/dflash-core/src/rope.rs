@@ -193,12 +193,16 @@ impl RotaryEmbedding {
                 let x1 = x.narrow(D::Minus1, 0, half)?;
                 let x2 = x.narrow(D::Minus1, half, half)?;
                 let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-                let cos = Tensor::cat(&[cos, cos], D::Minus1)?
-                    .unsqueeze(0)?
-                    .unsqueeze(0)?;
-                let sin = Tensor::cat(&[sin, sin], D::Minus1)?
-                    .unsqueeze(0)?
-                    .unsqueeze(0)?;
+                // `[seq, d/2]` shared by the batch, or `[b, seq, d/2]` per sequence
+                let lift = |t: &Tensor| -> Result<Tensor> {
+                    let t = Tensor::cat(&[t, t], D::Minus1)?;
+                    Ok(if t.rank() == 3 {
+                        t.unsqueeze(1)?
+                    } else {
+                        t.unsqueeze(0)?.unsqueeze(0)?
+                    })
+                };
+                let (cos, sin) = (lift(cos)?, lift(sin)?);
                 Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
             }
         }

@@ -5,12 +5,14 @@
 //! way; timing excludes nothing silently (prefill and decode are reported apart).
 
 pub mod ar;
+pub mod batch;
 pub mod error;
 pub mod sampling;
 pub mod spec;
 pub mod tree;
 
 pub use ar::{generate_ar, GenerateConfig, Generation, StopReason};
+pub use batch::{generate_ar_batch, BatchConfig, BatchOutput};
 pub use error::{DecodeError, Result};
 pub use sampling::{Sampler, SamplingConfig};
 pub use spec::{generate_speculative, BlockDrafter, DFlashRunner, SpecMode, SpecStats};

@@ -3,10 +3,13 @@
 //!
 //! Invariants: modules mirror the HF checkpoint names (`model.layers.N.self_attn.q_proj` …); Qwen3
 //! differs from Llama only by per-head `q_norm`/`k_norm` applied before RoPE; a tied LM head reads
-//! `model.embed_tokens.weight` (one tensor, not a copy).
+//! `model.embed_tokens.weight`; the LM head always multiplies in f32 (an f32 view of that weight
+//! when the compute dtype is lower), so logits never carry bf16 ties.
 
 use crate::config::{Architecture, DecoderConfig};
-use crate::target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};
+use crate::target::{
+    BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
+};
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -157,11 +160,14 @@ impl Decoder {
             });
         }
         let norm = RmsNorm::load(m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
-        let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
-            Linear::new(embed_w, None)
+        let head_w = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            embed_w
         } else {
-            linear(&vb, cfg.hidden_size, cfg.vocab_size, "lm_head")?
+            vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")?
         };
+        // Logits are computed in f32 whatever the compute dtype: bf16 logits are so coarse (steps
+        // of 0.125 near 20) that greedy argmax meets exact ties on real prompts.
+        let lm_head = Linear::new(head_w.to_dtype(DType::F32)?, None);
         let rotary = RotaryEmbedding::new(&cfg.rope().map_err(ModelError::InvalidInput)?)?;
         let info = TargetInfo {
             architecture: arch.as_str(),
@@ -180,6 +186,38 @@ impl Decoder {
             rotary,
             info,
         })
+    }
+}
+
+impl Decoder {
+    /// The decoder stack over embeddings `x` `[b, n, hidden]`; returns the last residual stream and
+    /// the requested taps (`[n, hidden]` each, batch 1).
+    fn layers_forward(
+        &self,
+        mut x: Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &mut SequenceCache,
+        tap_layers: &[usize],
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut taps: Vec<Option<Tensor>> = vec![None; tap_layers.len()];
+        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let LayerCache::Attention(kv) = lc;
+            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
+            x = (x + layer.self_attn.forward(&h, rope, mask, kv)?)?;
+            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+            for (slot, &t) in taps.iter_mut().zip(tap_layers) {
+                if t == i {
+                    *slot = Some(x.squeeze(0)?);
+                }
+            }
+        }
+        let taps = taps
+            .into_iter()
+            .map(|t| t.expect("every tap layer ran"))
+            .collect();
+        Ok((x, taps))
     }
 }
 
@@ -221,20 +259,8 @@ impl TargetModel for Decoder {
             sin,
         };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
-        let mut x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
-        let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
-        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            let LayerCache::Attention(kv) = lc;
-            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
-            x = (x + layer.self_attn.forward(&h, &rope, mask.as_ref(), kv)?)?;
-            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
-            for (slot, &t) in taps.iter_mut().zip(req.taps) {
-                if t == i {
-                    *slot = Some(x.squeeze(0)?);
-                }
-            }
-        }
+        let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
+        let (x, taps) = self.layers_forward(x, &rope, mask.as_ref(), cache, req.taps)?;
         let logits = match req.logits {
             LogitRows::None => None,
             rows => {
@@ -247,13 +273,51 @@ impl TargetModel for Decoder {
                 Some(self.lm_head(&h)?)
             }
         };
-        Ok(ForwardOutput {
-            logits,
-            taps: taps
-                .into_iter()
-                .map(|t| t.expect("every tap layer ran"))
-                .collect(),
-        })
+        Ok(ForwardOutput { logits, taps })
+    }
+
+    fn forward_batch(
+        &self,
+        req: &BatchForwardRequest,
+        cache: &mut SequenceCache,
+    ) -> Result<Option<Tensor>> {
+        let b = req.batch;
+        let total = req.tokens.len();
+        if b == 0 || total == 0 || total % b != 0 || req.positions.len() != total {
+            return Err(ModelError::InvalidInput(format!(
+                "batched forward: {total} tokens, {} positions for a batch of {b}",
+                req.positions.len()
+            )));
+        }
+        let n = total / b;
+        let dev = &self.info.device;
+        let kv_len = cache.len() + n;
+        if req.mask.dims() != [b, n, kv_len] {
+            return Err(ModelError::InvalidInput(format!(
+                "batched forward: mask {:?}, expected [{b}, {n}, {kv_len}]",
+                req.mask.dims()
+            )));
+        }
+        let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
+        let half = cos.dim(1)?;
+        let rope = Rope {
+            emb: &self.rotary,
+            cos: cos.reshape((b, n, half))?,
+            sin: sin.reshape((b, n, half))?,
+        };
+        let ids = Tensor::from_slice(req.tokens, (b, n), dev)?;
+        let x = self.embed_tokens.forward(&ids)?;
+        let mask = req.mask.to_dtype(DType::F32)?;
+        let (x, _) = self.layers_forward(x, &rope, Some(&mask), cache, &[])?;
+        let x = match req.logits {
+            LogitRows::None => return Ok(None),
+            LogitRows::Last => x.narrow(1, n - 1, 1)?,
+            LogitRows::All => x,
+        };
+        let rows = x.dim(1)?;
+        let h = self.norm.forward(&x, Grad::Off)?;
+        let logits = self.lm_head(&h.reshape((b * rows, ()))?)?;
+        Ok(Some(logits.reshape((b, rows, ()))?))
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
@@ -261,6 +325,6 @@ impl TargetModel for Decoder {
     }
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+        Ok(self.lm_head.forward(&hidden.to_dtype(DType::F32)?)?)
     }
 }

@@ -18,4 +18,6 @@ pub use decoder::Decoder;
 pub use drafter::{load_drafter, DFlashConfig, DFlashDrafter, DraftCache};
 pub use error::{ModelError, Result};
 pub use loader::{load_target, LoadedTarget};
-pub use target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};
+pub use target::{
+    BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
+};

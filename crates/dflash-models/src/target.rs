@@ -43,6 +43,20 @@ impl<'a> ForwardRequest<'a> {
     }
 }
 
+/// One forward over `batch` sequences that each feed `tokens.len() / batch` new tokens (row-major),
+/// for batched decoding (data regeneration). All sequences share one cache length; shorter prompts
+/// are left-padded and their padding hidden by `mask`.
+#[derive(Debug, Clone)]
+pub struct BatchForwardRequest<'a> {
+    pub batch: usize,
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    /// Additive f32 mask `[batch, n, past + n]` (0 visible, -inf hidden); every row sees a key.
+    pub mask: Tensor,
+    /// `Last` or `All` (logits `[batch, rows, vocab]`), or `None`.
+    pub logits: LogitRows,
+}
+
 #[derive(Debug, Clone)]
 pub struct ForwardOutput {
     pub logits: Option<Tensor>,
@@ -66,6 +80,18 @@ pub trait TargetModel: Send {
     /// A fresh cache able to hold `capacity` positions.
     fn new_cache(&self, capacity: usize) -> Result<SequenceCache>;
     fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput>;
+    /// Batched forward; returns logits `[batch, rows, vocab]` f32 (`None` when not asked for).
+    fn forward_batch(
+        &self,
+        req: &BatchForwardRequest,
+        cache: &mut SequenceCache,
+    ) -> Result<Option<Tensor>> {
+        let _ = (req, cache);
+        Err(crate::ModelError::InvalidInput(format!(
+            "{} targets do not support batched forwards",
+            self.info().architecture
+        )))
+    }
     /// Token embeddings `[n] -> [n, hidden]`.
     fn embed(&self, tokens: &Tensor) -> Result<Tensor>;
     /// The LM head alone (no final norm): `[n, hidden] -> [n, vocab]` f32.

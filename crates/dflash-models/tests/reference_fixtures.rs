@@ -239,10 +239,10 @@ fn tree_forward_equals_causal_forward_of_each_path_and_compaction_keeps_the_path
 #[test]
 fn smollm2_gguf_matches_transformers() {
     let Some(gguf) = smollm2_gguf() else { return };
-    if !fixtures().join("smollm2/reference.safetensors").is_file() {
-        eprintln!("skipping: fixtures/smollm2/reference.safetensors not generated yet (scripts/gpu-check.sh)");
-        return;
-    }
+    assert!(
+        fixtures().join("smollm2/reference.safetensors").is_file(),
+        "fixtures/smollm2/reference.safetensors is missing (made by scripts/gpu-check.sh; it is committed)"
+    );
     let (dev, dtype) = device_and_dtype();
     let r = reference("smollm2");
     let t = load_target(&gguf, &dev, dtype).unwrap();

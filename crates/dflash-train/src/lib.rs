@@ -18,5 +18,5 @@ pub use anchors::sample_anchors;
 pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
-pub use step::{sequence_taps, TrainStep};
-pub use trainer::{RunState, TrainConfig, Trainer, Validation};
+pub use step::{compute_drafter, sequence_taps, Sequence, StepReport, TrainStep};
+pub use trainer::{plan_steps, RunState, StepLog, TrainConfig, Trainer, Validation};

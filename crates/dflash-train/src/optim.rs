@@ -122,6 +122,14 @@ impl AdamW {
         Ok(norm)
     }
 
+    /// The master tensors, in name order (the keys of a [`GradStore`]).
+    pub fn param_tensors(&self) -> Vec<Tensor> {
+        self.params
+            .values()
+            .map(|v| v.as_tensor().clone())
+            .collect()
+    }
+
     pub fn params(&self) -> &BTreeMap<String, Var> {
         &self.params
     }

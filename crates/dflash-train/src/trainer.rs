@@ -1,15 +1,17 @@
-//! The training run: epochs over tokenised conversations, one sequence per optimizer step,
-//! checkpoints every N steps (z-lab drafter + optimizer moments + run state, each written
-//! atomically), JSONL metrics, held-out validation (teacher-forced streak and DDTree-N streak).
+//! The training run: epochs over tokenised conversations packed into steps of about
+//! `batch_tokens` tokens, checkpoints every N steps (z-lab drafter + optimizer moments + run
+//! state, each written atomically), JSONL metrics, held-out validation (teacher-forced streak and
+//! DDTree-N streak).
 //!
-//! Invariants: step `s` draws its anchors from an RNG seeded by `(seed, s)` and visits the
-//! example chosen by the epoch's seeded permutation, so a run resumed from the checkpoint at step
-//! `s` computes exactly what an uninterrupted run computes; the target is frozen and never saved.
+//! Invariants: the step plan ([`plan_steps`]) is a pure function of the data lengths and the
+//! config, and step `s` draws its anchors from an RNG seeded by `(seed, s)`, so a run resumed from
+//! the checkpoint at step `s` computes exactly what an uninterrupted run computes; master weights
+//! and optimizer moments are f32 whatever the compute dtype; the target is frozen and never saved.
 
 use crate::data::Example;
 use crate::loss::{block_labels, block_loss};
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
-use crate::step::{sequence_taps, TrainStep};
+use crate::step::{compute_drafter, sequence_taps, Sequence, TrainStep};
 use crate::{Result, TrainError};
 use candle_core::{DType, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -38,6 +40,54 @@ pub struct TrainConfig {
     pub seed: u64,
     pub tree_budget: usize,
     pub adamw: AdamWConfig,
+    /// Tokens per optimizer step: whole sequences are packed until they reach this (0: one each).
+    #[serde(default)]
+    pub batch_tokens: usize,
+}
+
+/// Every optimizer step of the run: example indices, per epoch a seeded permutation packed in
+/// order into groups of about `batch_tokens` tokens (each sequence counted up to `max_length`).
+pub fn plan_steps(lengths: &[usize], cfg: &TrainConfig) -> Vec<Vec<usize>> {
+    let mut steps = vec![];
+    for epoch in 0..cfg.epochs {
+        let mut order: Vec<usize> = (0..lengths.len()).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(
+            cfg.seed ^ (0x5eed_0000 + epoch as u64),
+        ));
+        let mut group = vec![];
+        let mut tokens = 0;
+        for i in order {
+            group.push(i);
+            tokens += lengths[i].min(cfg.max_length);
+            if tokens >= cfg.batch_tokens {
+                steps.push(std::mem::take(&mut group));
+                tokens = 0;
+            }
+        }
+        if !group.is_empty() {
+            steps.push(group);
+        }
+    }
+    steps
+}
+
+/// One line of `log.jsonl` (also handed to the progress callback).
+#[derive(Debug, Clone, Serialize)]
+pub struct StepLog {
+    pub step: usize,
+    pub total_steps: usize,
+    pub loss: f32,
+    /// Argmax accuracy of block rows 1..B.
+    pub accuracy: Vec<f32>,
+    pub streak: f32,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub sequences: usize,
+    pub blocks: usize,
+    pub tokens_per_second: f64,
+    /// Drafter matmul FLOPs per second (forward + backward, LM head included) over `peak_flops`.
+    pub drafter_mfu: f64,
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -65,6 +115,9 @@ pub struct Trainer<'a> {
     opt: AdamW,
     pub state: RunState,
     dir: PathBuf,
+    compute_dtype: DType,
+    /// Peak FLOP/s of the device, for MFU (0: not reported).
+    pub peak_flops: f64,
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
@@ -83,6 +136,7 @@ impl<'a> Trainer<'a> {
         dir: &Path,
         total_steps: usize,
         resume: bool,
+        compute_dtype: DType,
     ) -> Result<Self> {
         let ckpt = dir.join("checkpoint");
         let state_path = ckpt.join("state.json");
@@ -136,6 +190,8 @@ impl<'a> Trainer<'a> {
             opt,
             state,
             dir: dir.to_path_buf(),
+            compute_dtype,
+            peak_flops: 0.0,
         })
     }
 
@@ -146,16 +202,6 @@ impl<'a> Trainer<'a> {
             warmup: ((total as f64 * self.cfg.warmup_ratio) as usize).max(1),
             total,
         }
-    }
-
-    /// Which example step `s` trains on.
-    fn example_for(&self, s: usize, n: usize) -> usize {
-        let epoch = s / n;
-        let mut order: Vec<usize> = (0..n).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(
-            self.cfg.seed ^ (0x5eed_0000 + epoch as u64),
-        ));
-        order[s % n]
     }
 
     /// Writes the checkpoint (drafter, optimizer, state) atomically-per-file, state last.
@@ -181,14 +227,44 @@ impl<'a> Trainer<'a> {
         std::fs::rename(&tmp, &p).map_err(io(&p))
     }
 
-    /// Trains until `total_steps`, logging to `dir/log.jsonl`; `progress(step, total, loss)`.
+    /// Matmul FLOPs of the drafter for `rows` block rows, forward and backward: 6 per parameter
+    /// per row for the drafter's own weights, 4 per LM-head weight (no weight gradient), plus the
+    /// fc projection over `ctx_rows` context rows.
+    fn drafter_flops(&self, rows: usize, ctx_rows: usize) -> f64 {
+        let c = &self.draft_cfg;
+        let h = c.hidden_size as f64;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as f64,
+            c.num_key_value_heads as f64,
+            c.head_dim as f64,
+        );
+        let per_layer = h * hd * (2.0 * nh + 2.0 * nkv) + 3.0 * h * c.intermediate_size as f64;
+        let layers = c.num_hidden_layers as f64;
+        let fc = c.target_layer_ids().len() as f64 * h * h;
+        let block =
+            6.0 * rows as f64 * layers * per_layer + 4.0 * rows as f64 * h * c.vocab_size as f64;
+        // context rows go through fc and each layer's k/v projections
+        let ctx = 6.0 * ctx_rows as f64 * (fc + layers * h * hd * 2.0 * nkv);
+        block + ctx
+    }
+
+    /// Trains until `total_steps` along `plan` (from [`plan_steps`]), logging to `dir/log.jsonl`.
     pub fn run(
         &mut self,
         data: &[Example],
-        progress: &mut dyn FnMut(usize, usize, f32),
+        plan: &[Vec<usize>],
+        progress: &mut dyn FnMut(&StepLog),
     ) -> Result<()> {
         if data.is_empty() {
             return Err(TrainError::InvalidInput("no training examples".into()));
+        }
+        if plan.len() != self.state.total_steps {
+            return Err(TrainError::InvalidInput(format!(
+                "the step plan has {} steps but the run was opened for {} (data or flags changed \
+                 since the checkpoint?)",
+                plan.len(),
+                self.state.total_steps
+            )));
         }
         std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
         let log_path = self.dir.join("log.jsonl");
@@ -202,11 +278,19 @@ impl<'a> Trainer<'a> {
             gamma: self.cfg.gamma,
             schedule: self.schedule(),
         };
+        let masks: Vec<Vec<bool>> = data.iter().map(|e| e.mask()).collect();
         while self.state.step < self.state.total_steps {
             let s = self.state.step;
-            let ex = &data[self.example_for(s, data.len())];
-            let len = ex.tokens.len().min(self.cfg.max_length);
-            let (tokens, mask) = (&ex.tokens[..len], &ex.mask()[..len]);
+            let group: Vec<Sequence> = plan[s]
+                .iter()
+                .map(|&i| {
+                    let len = data[i].tokens.len().min(self.cfg.max_length);
+                    Sequence {
+                        tokens: &data[i].tokens[..len],
+                        loss_mask: &masks[i][..len],
+                    }
+                })
+                .collect();
             let t0 = Instant::now();
             let mut rng = ChaCha8Rng::seed_from_u64(
                 self.cfg
@@ -215,22 +299,50 @@ impl<'a> Trainer<'a> {
                     .wrapping_add(s as u64),
             );
             let lr = ts.schedule.at(s);
-            let (report, grad_norm) = ts.run(
+            let drafter = if self.compute_dtype == DType::F32 {
+                None
+            } else {
+                Some(compute_drafter(
+                    &self.draft_cfg,
+                    &self.varmap,
+                    self.compute_dtype,
+                )?)
+            };
+            let r = ts.run(
                 self.target,
-                &self.drafter,
+                drafter.as_ref().unwrap_or(&self.drafter),
                 &mut self.opt,
-                tokens,
-                mask,
+                &group,
                 &mut rng,
             )?;
             self.state.step += 1;
             let secs = t0.elapsed().as_secs_f64();
-            let line = serde_json::json!({
-                "step": self.state.step, "epoch": s / data.len(), "loss": report.loss, "accuracy": report.accuracy,
-                "streak": report.streak, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": len as f64 / secs,
-            });
-            writeln!(log, "{line}").map_err(io(&log_path))?;
-            progress(self.state.step, self.state.total_steps, report.loss);
+            let flops = self.drafter_flops(r.blocks * self.draft_cfg.block_size, r.tokens);
+            let entry = StepLog {
+                step: self.state.step,
+                total_steps: self.state.total_steps,
+                loss: r.loss.loss,
+                accuracy: r.loss.accuracy,
+                streak: r.loss.streak,
+                lr,
+                grad_norm: r.grad_norm,
+                sequences: group.len(),
+                blocks: r.blocks,
+                tokens_per_second: r.tokens as f64 / secs,
+                drafter_mfu: if self.peak_flops > 0.0 {
+                    flops / secs / self.peak_flops
+                } else {
+                    0.0
+                },
+                seconds: secs,
+            };
+            writeln!(
+                log,
+                "{}",
+                serde_json::to_string(&entry).expect("log serialises")
+            )
+            .map_err(io(&log_path))?;
+            progress(&entry);
             if self.cfg.checkpoint_every > 0
                 && self.state.step.is_multiple_of(self.cfg.checkpoint_every)
             {

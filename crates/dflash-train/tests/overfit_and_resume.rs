@@ -9,7 +9,7 @@ use dflash_decoding::{
 };
 use dflash_models::drafter::{config_for_target, random_weights, save_drafter};
 use dflash_models::{load_drafter, load_target, DFlashConfig, DFlashDrafter, LoadedTarget};
-use dflash_train::{AdamW, AdamWConfig, LrSchedule, TrainStep};
+use dflash_train::{AdamW, AdamWConfig, LrSchedule, Sequence, TrainStep};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, HashMap};
@@ -92,9 +92,13 @@ fn train(
         .map(|s| {
             let (_, seq, mask) = &data[s % data.len()];
             let mut rng = ChaCha8Rng::seed_from_u64(1000 + s as u64);
-            ts.run(t.model.as_ref(), d, opt, seq, mask, &mut rng)
+            let group = [Sequence {
+                tokens: seq,
+                loss_mask: mask,
+            }];
+            ts.run(t.model.as_ref(), d, opt, &group, &mut rng)
                 .unwrap()
-                .0
+                .loss
                 .loss
         })
         .collect()

@@ -288,6 +288,8 @@ impl DFlashDrafter {
         let n = tokens.len();
         let (cos, sin) = self.rotary.cos_sin(&q_pos, &self.device, self.dtype)?;
         let scale = 1.0 / (hd as f64).sqrt();
+        // one mask per distinct layer visibility (layers usually share it)
+        let mut masks: Vec<(LayerAttention, Option<Tensor>)> = vec![];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x, grad)?;
             let q = layer.q_proj.forward(&h)?.reshape((1, n, nh, hd))?;
@@ -301,7 +303,14 @@ impl DFlashDrafter {
             let ctx = ctx_kv(li)?;
             let k = Tensor::cat(&[&ctx.k, &blk.k], 2)?;
             let v = Tensor::cat(&[&ctx.v, &blk.v], 2)?;
-            let mask = self.block_mask(layer.attn, &q_slots, &keys, anchors)?;
+            let mask = match masks.iter().find(|(a, _)| *a == layer.attn) {
+                Some((_, m)) => m.clone(),
+                None => {
+                    let m = self.block_mask(layer.attn, &q_slots, &keys, anchors)?;
+                    masks.push((layer.attn, m.clone()));
+                    m
+                }
+            };
             let o = attention(&q, &k, &v, mask.as_ref(), scale, grad)?;
             let o = o.transpose(1, 2)?.reshape((1, n, nh * hd))?;
             x = (x + layer.o_proj.forward(&o)?)?;
