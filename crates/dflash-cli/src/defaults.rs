@@ -35,3 +35,45 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
 }
+
+/// The shipped drafter for SmolLM2-135M-Instruct (trained by `dflash train`, z-lab format).
+pub const SMOLLM2_DRAFTER: &str = "drafters/smollm2-135m-instruct";
+
+/// `rel` under the current directory or one of its parents, else under this source tree.
+pub fn find_upwards(rel: &str) -> Option<PathBuf> {
+    let mut dir = std::env::current_dir().ok();
+    while let Some(d) = dir {
+        let candidate = d.join(rel);
+        if candidate.exists() {
+            return Some(candidate);
+        }
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel);
+    built.exists().then_some(built)
+}
+
+/// `--draft` if given, else `$DFLASH_DRAFT`, else the drafter shipped for this target.
+pub fn drafter_path(flag: Option<&Path>, target: &Path) -> Result<PathBuf, UsageError> {
+    if let Some(p) = flag {
+        return Ok(p.to_path_buf());
+    }
+    if let Ok(p) = std::env::var("DFLASH_DRAFT") {
+        return Ok(PathBuf::from(p));
+    }
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
+    if name.contains("smollm2-135m-instruct") {
+        if let Some(p) = find_upwards(SMOLLM2_DRAFTER) {
+            return Ok(p);
+        }
+    }
+    Err(UsageError(format!(
+        "no --draft given and no drafter ships for {}: pass --draft DIR (dflash draft init or dflash train make one)",
+        target.display()
+    )))
+}

@@ -4,7 +4,7 @@ use crate::exit::UsageError;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, Subcommand};
-use dflash_models::drafter::{config_for_target, random_weights, save_drafter};
+use dflash_models::drafter::{config_for_target, init_weights_for_target, save_drafter};
 use dflash_models::{load_target, LoadedTarget};
 use std::path::PathBuf;
 
@@ -87,7 +87,7 @@ fn init(a: InitArgs) -> Result<()> {
         .into());
     }
     let cfg = config_for_target(&target, a.layers, a.block_size, mask);
-    let weights = random_weights(&cfg, a.seed)?;
+    let weights = init_weights_for_target(&cfg, target.model.as_ref(), a.seed)?;
     save_drafter(&a.out, &cfg, &weights, a.shard_mib << 20)?;
     let params: usize = weights.values().map(|t| t.elem_count()).sum();
     eprintln!(

@@ -59,7 +59,8 @@ pub struct GenerateArgs {
     seed: u64,
     #[arg(long, value_enum, default_value_t = Mode::Ar)]
     mode: Mode,
-    /// Drafter directory (z-lab DFlash format), for --mode dflash / ddtree.
+    /// Drafter directory (z-lab DFlash format), for --mode dflash / ddtree (default: the drafter
+    /// shipped for the target, e.g. drafters/smollm2-135m-instruct for SmolLM2).
     #[arg(long)]
     draft: Option<PathBuf>,
     /// Block size at inference (default: the drafter's).
@@ -195,10 +196,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let drafter = match args.mode {
         Mode::Ar => None,
         Mode::Dflash | Mode::Ddtree => {
-            let dir = args
-                .draft
-                .as_ref()
-                .ok_or_else(|| UsageError("--mode dflash/ddtree needs --draft DIR".into()))?;
+            let dir = crate::defaults::drafter_path(args.draft.as_deref(), &target_path)?;
+            let dir = &dir;
             let mut d = load_drafter(dir, &device, dtype)
                 .with_context(|| format!("loading drafter {}", dir.display()))?;
             d.check_target(target.model.as_ref())?;

@@ -5,6 +5,7 @@
 
 mod defaults;
 mod draft;
+mod eval;
 mod exit;
 mod generate;
 mod progress;
@@ -31,6 +32,8 @@ enum Command {
     /// Drafter checkpoints.
     #[command(subcommand)]
     Draft(draft::DraftCommand),
+    /// Acceptance length, speed-up and losslessness on benchmark prompts.
+    Eval(eval::EvalArgs),
     /// Train a drafter on regenerated data.
     Train(train::TrainArgs),
     /// Training data.
@@ -44,6 +47,7 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Draft(cmd) => draft::run(cmd),
         Command::Train(a) => train::train(a),
+        Command::Eval(a) => eval::run(a),
         Command::Data(cmd) => regen::run(cmd),
     };
     if let Err(e) = result {

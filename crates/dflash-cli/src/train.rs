@@ -63,6 +63,15 @@ pub struct TrainArgs {
     /// the H200's dense bf16 peak; 0 on CPU = not reported).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Dtype of the exported drafter in RUN/drafter (the checkpoint keeps f32 masters).
+    #[arg(long, default_value = "bf16")]
+    export_dtype: String,
+    /// Stop after this many steps of the plan (the LR schedule then spans these steps).
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Stop after this many seconds of training (checkpointed; continue with --resume).
+    #[arg(long)]
+    time_limit: Option<f64>,
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -100,7 +109,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
         batch_tokens: a.batch_tokens,
     };
     let lengths: Vec<usize> = train.iter().map(|e| e.tokens.len()).collect();
-    let plan = plan_steps(&lengths, &cfg);
+    let mut plan = plan_steps(&lengths, &cfg);
+    if let Some(m) = a.max_steps {
+        plan.truncate(m.max(1));
+    }
+    let export_dtype = dflash_core::parse_dtype(&a.export_dtype)?;
     let total = plan.len();
     if total == 0 {
         return Err(UsageError("nothing to train on (no examples or --epochs 0)".into()).into());
@@ -117,6 +130,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
     trainer.peak_flops = 1e12
         * a.peak_tflops
             .unwrap_or(if device.is_cuda() { 989.0 } else { 0.0 });
+    trainer.time_limit = a.time_limit.map(std::time::Duration::from_secs_f64);
+    if device.is_cuda() {
+        // TF32 for the f32 GEMMs of training (the f32 LM head over the vocabulary)
+        candle_core::cuda::set_gemm_reduced_precision_f32(true);
+    }
     let start = trainer.state.step;
     eprintln!(
         "[dflash] training on {} examples × {} epochs = {total} steps (from step {start}), {} held out, {dtype:?} compute",
@@ -127,7 +145,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let pb = crate::progress::bar(total as u64, "steps");
     pb.set_position(start as u64);
     let quiet = pb.is_hidden();
-    trainer.run(train, &plan, &mut |l| {
+    let finished = trainer.run(train, &plan, &mut |l| {
         pb.set_position(l.step as u64);
         pb.set_message(format!(
             "loss {:.3} acc1 {:.2} streak {:.2} {:.0} tok/s mfu {:.1}%",
@@ -151,6 +169,18 @@ pub fn train(a: TrainArgs) -> Result<()> {
         }
     })?;
     pb.finish_and_clear();
+    trainer.export(&a.out.join("drafter"), export_dtype)?;
+    eprintln!(
+        "[dflash] drafter written to {}",
+        a.out.join("drafter").display()
+    );
+    if !finished {
+        eprintln!(
+            "[dflash] time limit reached at step {}/{total}; checkpoint written, continue with --resume",
+            trainer.state.step
+        );
+        return Ok(());
+    }
     let v = trainer.validate(if val.is_empty() { train } else { val })?;
     let json = serde_json::to_string_pretty(&v)?;
     crate::defaults::write_atomic(&a.out.join("validation.json"), json.as_bytes())?;

@@ -320,6 +320,10 @@ impl TargetModel for Decoder {
         Ok(Some(logits.reshape((b, rows, ()))?))
     }
 
+    fn final_norm_weight(&self) -> Option<Tensor> {
+        Some(self.norm.weight().clone())
+    }
+
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
         Ok(self.embed_tokens.forward(tokens)?)
     }

@@ -92,6 +92,10 @@ pub trait TargetModel: Send {
             self.info().architecture
         )))
     }
+    /// The final norm's weight `[hidden]`, if the model has one (a drafter starts from it).
+    fn final_norm_weight(&self) -> Option<Tensor> {
+        None
+    }
     /// Token embeddings `[n] -> [n, hidden]`.
     fn embed(&self, tokens: &Tensor) -> Result<Tensor>;
     /// The LM head alone (no final norm): `[n, hidden] -> [n, vocab]` f32.

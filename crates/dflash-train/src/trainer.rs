@@ -17,7 +17,7 @@ use candle_core::{DType, Var};
 use candle_nn::{VarBuilder, VarMap};
 use dflash_core::Grad;
 use dflash_decoding::tree::{build_tree, top_k_log_probs};
-use dflash_models::drafter::{random_weights, save_drafter};
+use dflash_models::drafter::{init_weights_for_target, save_drafter};
 use dflash_models::{DFlashConfig, DFlashDrafter, TargetModel};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -118,6 +118,8 @@ pub struct Trainer<'a> {
     compute_dtype: DType,
     /// Peak FLOP/s of the device, for MFU (0: not reported).
     pub peak_flops: f64,
+    /// Stop (after a checkpoint) once a call to [`Trainer::run`] has run this long.
+    pub time_limit: Option<std::time::Duration>,
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
@@ -153,7 +155,7 @@ impl<'a> Trainer<'a> {
             (w, state)
         } else {
             (
-                random_weights(&draft_cfg, cfg.seed)?,
+                init_weights_for_target(&draft_cfg, target, cfg.seed)?,
                 RunState {
                     step: 0,
                     total_steps,
@@ -192,6 +194,7 @@ impl<'a> Trainer<'a> {
             dir: dir.to_path_buf(),
             compute_dtype,
             peak_flops: 0.0,
+            time_limit: None,
         })
     }
 
@@ -227,6 +230,30 @@ impl<'a> Trainer<'a> {
         std::fs::rename(&tmp, &p).map_err(io(&p))
     }
 
+    /// Writes the current drafter (z-lab format, shards ≤ 16 MiB) in `dtype` to `dir`: the
+    /// deliverable of a run (z-lab's released drafters are bf16).
+    pub fn export(&self, dir: &Path, dtype: DType) -> Result<()> {
+        let weights: BTreeMap<String, candle_core::Tensor> = self
+            .varmap
+            .data()
+            .lock()
+            .expect("varmap")
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(dtype)?)))
+            .collect::<Result<_>>()?;
+        let mut cfg = self.draft_cfg.clone();
+        cfg.dtype = Some(
+            match dtype {
+                DType::BF16 => "bfloat16",
+                DType::F16 => "float16",
+                _ => "float32",
+            }
+            .into(),
+        );
+        save_drafter(dir, &cfg, &weights, 16 << 20)?;
+        Ok(())
+    }
+
     /// Matmul FLOPs of the drafter for `rows` block rows, forward and backward: 6 per parameter
     /// per row for the drafter's own weights, 4 per LM-head weight (no weight gradient), plus the
     /// fc projection over `ctx_rows` context rows.
@@ -249,12 +276,15 @@ impl<'a> Trainer<'a> {
     }
 
     /// Trains until `total_steps` along `plan` (from [`plan_steps`]), logging to `dir/log.jsonl`.
+    /// Returns false when it stopped early at [`Trainer::time_limit`] (checkpointed; `--resume`
+    /// continues the same plan).
     pub fn run(
         &mut self,
         data: &[Example],
         plan: &[Vec<usize>],
         progress: &mut dyn FnMut(&StepLog),
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        let started = Instant::now();
         if data.is_empty() {
             return Err(TrainError::InvalidInput("no training examples".into()));
         }
@@ -348,8 +378,15 @@ impl<'a> Trainer<'a> {
             {
                 self.checkpoint()?;
             }
+            if self.time_limit.is_some_and(|l| started.elapsed() >= l)
+                && self.state.step < self.state.total_steps
+            {
+                self.checkpoint()?;
+                return Ok(false);
+            }
         }
-        self.checkpoint()
+        self.checkpoint()?;
+        Ok(true)
     }
 
     /// Held-out streaks with a fixed set of anchors per example.

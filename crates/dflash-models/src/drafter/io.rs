@@ -126,6 +126,26 @@ pub fn random_weights(cfg: &DFlashConfig, seed: u64) -> Result<BTreeMap<String, 
     Ok(out)
 }
 
+/// Fresh weights for training or a random drafter: [`random_weights`], with the final `norm`
+/// starting from the target's final norm (the drafter's output feeds the target's LM head, as the
+/// target's normed last layer does; a unit norm there starts training at a very large loss).
+pub fn init_weights_for_target(
+    cfg: &DFlashConfig,
+    target: &dyn crate::TargetModel,
+    seed: u64,
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut w = random_weights(cfg, seed)?;
+    if let Some(norm) = target.final_norm_weight() {
+        if norm.dims() == [cfg.hidden_size] {
+            w.insert(
+                "norm.weight".into(),
+                norm.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+            );
+        }
+    }
+    Ok(w)
+}
+
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| ModelError::Io {

@@ -6,5 +6,8 @@ pub mod io;
 pub mod model;
 
 pub use config::{default_target_layers, DFlashConfig, LayerAttention};
-pub use io::{config_for_target, load_drafter, parameter_shapes, random_weights, save_drafter};
+pub use io::{
+    config_for_target, init_weights_for_target, load_drafter, parameter_shapes, random_weights,
+    save_drafter,
+};
 pub use model::{DFlashDrafter, DraftCache};

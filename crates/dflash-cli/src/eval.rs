@@ -1,0 +1,353 @@
+//! `dflash eval`: acceptance length τ, speed-up over autoregressive decoding and losslessness on
+//! benchmark prompt sets, per benchmark and mode, as JSON and a table.
+//!
+//! Invariants: every prompt runs in `ar` first (the reference); each other mode is compared with
+//! it token for token, and a difference is reported with the AR logit margin at the first
+//! differing token (never hidden); speed-up is Σ AR decode time / Σ mode decode time over the same
+//! prompts in one process; prompts are formatted as in the DFlash paper's harness.
+
+use crate::exit::UsageError;
+use crate::generate::Mode;
+use anyhow::{Context, Result};
+use clap::Args;
+use dflash_decoding::{
+    generate_ar, generate_speculative, DFlashRunner, GenerateConfig, Generation, SamplingConfig,
+    SpecMode,
+};
+use dflash_models::{load_drafter, load_target};
+use dflash_text::{ChatMessage, RenderOptions};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Drafter directory (default: the shipped drafter of the target, if any).
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Benchmarks: gsm8k, humaneval, mt_bench (from --bench-dir) or paths to .jsonl files.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gsm8k,humaneval,mt_bench"
+    )]
+    bench: Vec<String>,
+    /// Directory of the benchmark files (default: data/benchmarks of this repository).
+    #[arg(long)]
+    bench_dir: Option<PathBuf>,
+    /// Prompts per benchmark (the first N).
+    #[arg(long, default_value_t = 20)]
+    limit: usize,
+    #[arg(long, value_delimiter = ',', default_value = "ar,dflash,ddtree")]
+    modes: Vec<Mode>,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    #[arg(long)]
+    block_size: Option<usize>,
+    #[arg(long, default_value_t = 64)]
+    tree_budget: usize,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Write the full results (per prompt too) here as JSON.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Serialize, Default, Clone)]
+struct ModeSummary {
+    mode: String,
+    prompts: usize,
+    output_tokens: usize,
+    steps: usize,
+    decode_seconds: f64,
+    tokens_per_second: f64,
+    /// Σ (accepted + bonus) / Σ steps over the benchmark.
+    acceptance_length_mean: Option<f64>,
+    acceptance_histogram: Option<Vec<usize>>,
+    speedup_vs_ar: Option<f64>,
+    identical_to_ar: Option<usize>,
+    /// (prompt index, first differing token, AR top1 − top2 logit margin there)
+    divergences: Vec<(usize, usize, f32)>,
+}
+
+#[derive(Serialize)]
+struct BenchResult {
+    bench: String,
+    modes: Vec<ModeSummary>,
+}
+
+fn bench_file(name: &str, dir: Option<&Path>) -> Result<PathBuf> {
+    let p = PathBuf::from(name);
+    if p.extension().is_some_and(|e| e == "jsonl") {
+        return Ok(p);
+    }
+    let file = match name {
+        "gsm8k" => "gsm8k_test.jsonl",
+        "humaneval" => "humaneval.jsonl",
+        "mt_bench" => "mt_bench.jsonl",
+        other => {
+            return Err(UsageError(format!(
+                "unknown benchmark {other:?} (gsm8k, humaneval, mt_bench or a .jsonl path)"
+            ))
+            .into())
+        }
+    };
+    let dir = match dir {
+        Some(d) => d.to_path_buf(),
+        None => crate::defaults::find_upwards("data/benchmarks")
+            .ok_or_else(|| UsageError("data/benchmarks not found: pass --bench-dir".into()))?,
+    };
+    Ok(dir.join(file))
+}
+
+/// One benchmark row as the paper's harness phrases it: a list of user turns.
+fn turns(bench: &str, v: &serde_json::Value) -> Option<Vec<String>> {
+    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(String::from);
+    if bench == "gsm8k" {
+        return s("question").map(|q| {
+            vec![format!(
+                "{q}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+            )]
+        });
+    }
+    if bench == "humaneval" {
+        return s("prompt").map(|p| {
+            vec![format!(
+                "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{p}\n```"
+            )]
+        });
+    }
+    if let Some(t) = v.get("turns").and_then(|t| t.as_array()) {
+        return Some(
+            t.iter()
+                .filter_map(|x| x.as_str().map(String::from))
+                .collect(),
+        );
+    }
+    s("prompt").or_else(|| s("question")).map(|p| vec![p])
+}
+
+pub fn run(a: EvalArgs) -> Result<()> {
+    if a.max_new_tokens == 0 || a.limit == 0 {
+        return Err(UsageError("--max-new-tokens and --limit must be at least 1".into()).into());
+    }
+    if a.modes.first() != Some(&Mode::Ar) {
+        return Err(UsageError("--modes must start with ar (the reference)".into()).into());
+    }
+    let device = dflash_core::parse_device(&a.device)?;
+    let dtype = match &a.dtype {
+        Some(d) => dflash_core::parse_dtype(d)?,
+        None if device.is_cuda() => candle_core::DType::BF16,
+        None => candle_core::DType::F32,
+    };
+    let target_path = crate::defaults::target_path(a.target.as_deref())?;
+    let target = load_target(&target_path, &device, dtype)
+        .with_context(|| format!("loading target {}", target_path.display()))?;
+    let text = target
+        .text
+        .as_ref()
+        .ok_or_else(|| UsageError("target has no tokenizer".into()))?;
+    let tpl = text
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| UsageError("target has no chat template".into()))?;
+    let needs_draft = a.modes.iter().any(|m| *m != Mode::Ar);
+    let drafter = if needs_draft {
+        let dir = crate::defaults::drafter_path(a.draft.as_deref(), &target_path)?;
+        let mut d = load_drafter(&dir, &device, dtype)
+            .with_context(|| format!("loading drafter {}", dir.display()))?;
+        d.check_target(target.model.as_ref())?;
+        if let Some(b) = a.block_size {
+            d.set_block_size(b)?;
+        }
+        Some(d)
+    } else {
+        None
+    };
+    let cfg = GenerateConfig {
+        max_new_tokens: a.max_new_tokens,
+        stop_tokens: target.eos_token_ids.clone(),
+        sampling: SamplingConfig::greedy(),
+    };
+    let opts = RenderOptions {
+        add_generation_prompt: true,
+        enable_thinking: Some(false),
+        tools: None,
+    };
+    let run_mode = |mode: Mode, prompt: &[u32]| -> Result<Generation> {
+        Ok(match (mode, &drafter) {
+            (Mode::Ar, _) | (_, None) => {
+                generate_ar(target.model.as_ref(), prompt, &cfg, &mut |_| {})?
+            }
+            (m, Some(d)) => {
+                let spec = if m == Mode::Ddtree {
+                    SpecMode::DdTree {
+                        budget: a.tree_budget.max(1),
+                    }
+                } else {
+                    SpecMode::DFlash
+                };
+                let mut r = DFlashRunner::new(d);
+                generate_speculative(
+                    target.model.as_ref(),
+                    &mut r,
+                    prompt,
+                    &cfg,
+                    spec,
+                    &mut |_| {},
+                )?
+            }
+        })
+    };
+    // warm up (CUDA kernels load on first use) outside every timing
+    let warm = text.tokenizer.encode("Hello", false)?;
+    for &m in &a.modes {
+        let _ = run_mode(m, &warm)?;
+    }
+    let mut results = vec![];
+    let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
+    for bench in &a.bench {
+        let path = bench_file(bench, a.bench_dir.as_deref())?;
+        let raw = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let rows: Vec<Vec<String>> = raw
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .take(a.limit)
+            .enumerate()
+            .map(|(i, l)| {
+                let v: serde_json::Value = serde_json::from_str(l)
+                    .map_err(|e| UsageError(format!("{}:{}: {e}", path.display(), i + 1)))?;
+                turns(bench, &v).ok_or_else(|| {
+                    UsageError(format!(
+                        "{}:{}: no prompt in this row",
+                        path.display(),
+                        i + 1
+                    ))
+                    .into()
+                })
+            })
+            .collect::<Result<_>>()?;
+        let mut sums: Vec<ModeSummary> = a
+            .modes
+            .iter()
+            .map(|m| ModeSummary {
+                mode: format!("{m:?}").to_lowercase(),
+                ..Default::default()
+            })
+            .collect();
+        let mut accepted: Vec<Vec<usize>> = vec![vec![]; a.modes.len()];
+        let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} prompts"));
+        let mut idx = 0;
+        for user_turns in rows {
+            let mut history: Vec<ChatMessage> = vec![];
+            for turn in user_turns {
+                history.push(ChatMessage::new("user", turn));
+                let prompt = text
+                    .tokenizer
+                    .encode(&tpl.render(&history, &opts)?, false)?;
+                let mut ar: Option<Generation> = None;
+                for (mi, &m) in a.modes.iter().enumerate() {
+                    let g = run_mode(m, &prompt)?;
+                    let s = &mut sums[mi];
+                    s.prompts += 1;
+                    s.output_tokens += g.tokens.len();
+                    s.steps += g.steps;
+                    s.decode_seconds += g.decode_seconds;
+                    if let Some(spec) = &g.spec {
+                        accepted[mi].extend(&spec.acceptance);
+                    }
+                    match &ar {
+                        None => ar = Some(g),
+                        Some(r) => {
+                            if g.tokens == r.tokens {
+                                *s.identical_to_ar.get_or_insert(0) += 1;
+                            } else {
+                                s.identical_to_ar.get_or_insert(0);
+                                let k = g
+                                    .tokens
+                                    .iter()
+                                    .zip(&r.tokens)
+                                    .position(|(x, y)| x != y)
+                                    .unwrap_or(g.tokens.len().min(r.tokens.len()));
+                                s.divergences.push((
+                                    idx,
+                                    k,
+                                    r.margins.get(k).copied().unwrap_or(f32::NAN),
+                                ));
+                            }
+                        }
+                    }
+                }
+                let answer = ar.expect("ar ran first");
+                history.push(ChatMessage::new(
+                    "assistant",
+                    text.tokenizer.decode(&answer.tokens, true)?,
+                ));
+                idx += 1;
+            }
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+        let ar_secs = sums[0].decode_seconds;
+        for (s, acc) in sums.iter_mut().zip(&accepted) {
+            s.tokens_per_second = s.output_tokens as f64 / s.decode_seconds.max(1e-9);
+            if s.mode != "ar" {
+                s.speedup_vs_ar = Some(ar_secs / s.decode_seconds.max(1e-9));
+                if !acc.is_empty() {
+                    s.acceptance_length_mean =
+                        Some(acc.iter().sum::<usize>() as f64 / acc.len() as f64);
+                    let mut h = vec![0usize; block];
+                    for &x in acc {
+                        h[x.clamp(1, block) - 1] += 1;
+                    }
+                    s.acceptance_histogram = Some(h);
+                }
+            }
+        }
+        results.push(BenchResult {
+            bench: bench.clone(),
+            modes: sums,
+        });
+    }
+    eprintln!(
+        "{:<12} {:<7} {:>7} {:>8} {:>9} {:>7} {:>8} {:>10}",
+        "bench", "mode", "prompts", "tokens", "tok/s", "tau", "speedup", "same-as-AR"
+    );
+    for r in &results {
+        for s in &r.modes {
+            eprintln!(
+                "{:<12} {:<7} {:>7} {:>8} {:>9.1} {:>7} {:>8} {:>10}",
+                r.bench,
+                s.mode,
+                s.prompts,
+                s.output_tokens,
+                s.tokens_per_second,
+                s.acceptance_length_mean
+                    .map(|t| format!("{t:.2}"))
+                    .unwrap_or("-".into()),
+                s.speedup_vs_ar
+                    .map(|t| format!("{t:.2}x"))
+                    .unwrap_or("-".into()),
+                s.identical_to_ar
+                    .map(|n| format!("{n}/{}", s.prompts))
+                    .unwrap_or("-".into()),
+            );
+        }
+    }
+    let json = serde_json::json!({
+        "target": target_path.display().to_string(),
+        "device": a.device, "dtype": format!("{dtype:?}").to_lowercase(),
+        "max_new_tokens": a.max_new_tokens, "block_size": block, "tree_budget": a.tree_budget,
+        "results": results,
+    });
+    let text = serde_json::to_string_pretty(&json)?;
+    if let Some(p) = &a.out {
+        crate::defaults::write_atomic(p, text.as_bytes())?;
+    }
+    println!("{text}");
+    Ok(())
+}
