@@ -283,7 +283,7 @@ impl TargetModel for Decoder {
     ) -> Result<Option<Tensor>> {
         let b = req.batch;
         let total = req.tokens.len();
-        if b == 0 || total == 0 || total % b != 0 || req.positions.len() != total {
+        if b == 0 || total == 0 || !total.is_multiple_of(b) || req.positions.len() != total {
             return Err(ModelError::InvalidInput(format!(
                 "batched forward: {total} tokens, {} positions for a batch of {b}",
                 req.positions.len()
