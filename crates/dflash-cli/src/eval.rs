@@ -137,12 +137,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if a.modes.first() != Some(&Mode::Ar) {
         return Err(UsageError("--modes must start with ar (the reference)".into()).into());
     }
-    let device = dflash_core::parse_device(&a.device)?;
-    let dtype = match &a.dtype {
-        Some(d) => dflash_core::parse_dtype(d)?,
-        None if device.is_cuda() => candle_core::DType::BF16,
-        None => candle_core::DType::F32,
-    };
+    let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
     let target_path = crate::defaults::target_path(a.target.as_deref())?;
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;

@@ -2,7 +2,6 @@
 
 use crate::exit::UsageError;
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use dflash_decoding::{
     generate_ar, generate_speculative, DFlashRunner, GenerateConfig, SamplingConfig, SpecMode,
@@ -115,21 +114,11 @@ struct Report {
     dtype: String,
 }
 
-fn device_and_dtype(args: &GenerateArgs) -> Result<(Device, DType)> {
-    let device = dflash_core::parse_device(&args.device)?;
-    let dtype = match &args.dtype {
-        Some(d) => dflash_core::parse_dtype(d)?,
-        None if device.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
-    Ok((device, dtype))
-}
-
 pub fn run(args: GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         return Err(UsageError("--max-new-tokens must be at least 1".into()).into());
     }
-    let (device, dtype) = device_and_dtype(&args)?;
+    let (device, dtype) = crate::defaults::device_and_dtype(&args.device, args.dtype.as_deref())?;
     let target_path = crate::defaults::target_path(args.target.as_deref())?;
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;

@@ -121,12 +121,7 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         seed: a.seed,
     };
     sampling.validate().map_err(|e| UsageError(e.to_string()))?;
-    let device = dflash_core::parse_device(&a.device)?;
-    let dtype = match &a.dtype {
-        Some(d) => dflash_core::parse_dtype(d)?,
-        None if device.is_cuda() => candle_core::DType::BF16,
-        None => candle_core::DType::F32,
-    };
+    let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
     let mut prompts = read_prompts(&a.prompts, a.suffix.as_deref())?;
     if let Some(l) = a.limit {
         prompts.truncate(l);
@@ -211,17 +206,15 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         examples.sort_by_key(|(i, _)| *i);
         let rows: Vec<Example> = examples.into_iter().map(|(_, e)| e).collect();
         write_shard(&a.out, k, &rows)?;
-        pb.println(format!(
-            "[dflash] wrote shard {k} ({} examples, prompts {lo}..{hi}) {:.0} new tok/s",
+        let line = format!(
+            "[dflash] wrote shard {k} ({} examples, prompts {lo}..{hi}), {new_tokens} new tokens in {:.1} s",
             rows.len(),
-            new_tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)
-        ));
+            t0.elapsed().as_secs_f64()
+        );
         if pb.is_hidden() {
-            eprintln!(
-                "[dflash] wrote shard {k} ({} examples, prompts {lo}..{hi}), {new_tokens} new tokens in {:.1} s",
-                rows.len(),
-                t0.elapsed().as_secs_f64()
-            );
+            eprintln!("{line}");
+        } else {
+            pb.println(line);
         }
     }
     pb.finish_and_clear();

@@ -75,12 +75,7 @@ pub struct TrainArgs {
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
-    let device = dflash_core::parse_device(&a.device)?;
-    let dtype = match &a.dtype {
-        Some(d) => dflash_core::parse_dtype(d)?,
-        None if device.is_cuda() => candle_core::DType::BF16,
-        None => candle_core::DType::F32,
-    };
+    let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
     let path = crate::defaults::target_path(a.target.as_deref())?;
     let target = load_target(&path, &device, dtype)
         .with_context(|| format!("loading target {}", path.display()))?;

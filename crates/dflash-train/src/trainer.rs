@@ -207,18 +207,21 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// Writes the checkpoint (drafter, optimizer, state) atomically-per-file, state last.
-    pub fn checkpoint(&self) -> Result<()> {
-        let ckpt = self.dir.join("checkpoint");
-        let weights: BTreeMap<String, candle_core::Tensor> = self
-            .varmap
+    /// The master weights by checkpoint name, in `dtype` (f32: the masters themselves).
+    fn weights(&self, dtype: DType) -> Result<BTreeMap<String, candle_core::Tensor>> {
+        self.varmap
             .data()
             .lock()
             .expect("varmap")
             .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
-        save_drafter(&ckpt, &self.draft_cfg, &weights, 16 << 20)?;
+            .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(dtype)?)))
+            .collect()
+    }
+
+    /// Writes the checkpoint (drafter, optimizer, state) atomically-per-file, state last.
+    pub fn checkpoint(&self) -> Result<()> {
+        let ckpt = self.dir.join("checkpoint");
+        save_drafter(&ckpt, &self.draft_cfg, &self.weights(DType::F32)?, 16 << 20)?;
         self.opt.save(&ckpt.join("optimizer.safetensors"))?;
         let p = ckpt.join("state.json");
         let tmp = p.with_extension("tmp");
@@ -233,14 +236,7 @@ impl<'a> Trainer<'a> {
     /// Writes the current drafter (z-lab format, shards ≤ 16 MiB) in `dtype` to `dir`: the
     /// deliverable of a run (z-lab's released drafters are bf16).
     pub fn export(&self, dir: &Path, dtype: DType) -> Result<()> {
-        let weights: BTreeMap<String, candle_core::Tensor> = self
-            .varmap
-            .data()
-            .lock()
-            .expect("varmap")
-            .iter()
-            .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(dtype)?)))
-            .collect::<Result<_>>()?;
+        let weights = self.weights(dtype)?;
         let mut cfg = self.draft_cfg.clone();
         cfg.dtype = Some(
             match dtype {
