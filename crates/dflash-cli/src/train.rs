@@ -29,6 +29,9 @@ pub struct TrainArgs {
     /// Tokens per optimizer step (whole sequences are packed; 0 = one sequence per step).
     #[arg(long, default_value_t = 0)]
     batch_tokens: usize,
+    /// Padded tokens per batched forward inside a step (memory cap; 0 = --batch-tokens).
+    #[arg(long, default_value_t = 0)]
+    micro_batch_tokens: usize,
     #[arg(long, default_value_t = 7.0)]
     gamma: f64,
     #[arg(long, default_value_t = 6e-4)]
@@ -102,6 +105,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
             ..Default::default()
         },
         batch_tokens: a.batch_tokens,
+        micro_batch_tokens: a.micro_batch_tokens,
     };
     let lengths: Vec<usize> = train.iter().map(|e| e.tokens.len()).collect();
     let mut plan = plan_steps(&lengths, &cfg);

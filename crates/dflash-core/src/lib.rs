@@ -5,6 +5,7 @@
 //! differentiable twin, selected by [`Grad`], so training code can never silently lose gradients.
 
 pub mod attention;
+pub mod block_attention;
 pub mod cache;
 pub mod device;
 pub mod error;
@@ -12,6 +13,7 @@ pub mod norm;
 pub mod rope;
 
 pub use attention::{attention, AttentionMask};
+pub use block_attention::block_attention;
 pub use cache::{KvCache, LayerCache, SequenceCache};
 pub use device::{parse_device, parse_dtype};
 pub use error::{CoreError, Result};

@@ -108,13 +108,14 @@ pub fn generate_ar_batch(
             tokens: &toks,
             positions: &pos,
             mask: Tensor::from_vec(mask, (rows.len(), n, c1), &dev)?,
+            taps: &[],
             logits: if c1 == width {
                 LogitRows::Last
             } else {
                 LogitRows::None
             },
         };
-        logits = target.forward_batch(&req, &mut cache)?;
+        logits = target.forward_batch(&req, &mut cache)?.logits;
         c0 = c1;
     }
     let mut logits = logits.expect("the last prefill chunk asks for logits");
@@ -172,10 +173,12 @@ pub fn generate_ar_batch(
             tokens: &toks,
             positions: &pos,
             mask,
+            taps: &[],
             logits: LogitRows::Last,
         };
         logits = target
             .forward_batch(&req, &mut cache)?
+            .logits
             .expect("asked for logits");
         step += 1;
     }

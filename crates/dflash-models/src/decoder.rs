@@ -191,7 +191,7 @@ impl Decoder {
 
 impl Decoder {
     /// The decoder stack over embeddings `x` `[b, n, hidden]`; returns the last residual stream and
-    /// the requested taps (`[n, hidden]` each, batch 1).
+    /// the requested taps (`[b, n, hidden]` each).
     fn layers_forward(
         &self,
         mut x: Tensor,
@@ -209,7 +209,7 @@ impl Decoder {
             x = (&x + layer.mlp.forward(&h)?)?;
             for (slot, &t) in taps.iter_mut().zip(tap_layers) {
                 if t == i {
-                    *slot = Some(x.squeeze(0)?);
+                    *slot = Some(x.clone());
                 }
             }
         }
@@ -261,6 +261,10 @@ impl TargetModel for Decoder {
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
         let (x, taps) = self.layers_forward(x, &rope, mask.as_ref(), cache, req.taps)?;
+        let taps = taps
+            .iter()
+            .map(|t| t.squeeze(0))
+            .collect::<candle_core::Result<_>>()?;
         let logits = match req.logits {
             LogitRows::None => None,
             rows => {
@@ -280,7 +284,7 @@ impl TargetModel for Decoder {
         &self,
         req: &BatchForwardRequest,
         cache: &mut SequenceCache,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<ForwardOutput> {
         let b = req.batch;
         let total = req.tokens.len();
         if b == 0 || total == 0 || !total.is_multiple_of(b) || req.positions.len() != total {
@@ -308,16 +312,25 @@ impl TargetModel for Decoder {
         let ids = Tensor::from_slice(req.tokens, (b, n), dev)?;
         let x = self.embed_tokens.forward(&ids)?;
         let mask = req.mask.to_dtype(DType::F32)?;
-        let (x, _) = self.layers_forward(x, &rope, Some(&mask), cache, &[])?;
+        if let Some(&t) = req.taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(ModelError::InvalidInput(format!(
+                "tap layer {t} >= {} layers",
+                self.layers.len()
+            )));
+        }
+        let (x, taps) = self.layers_forward(x, &rope, Some(&mask), cache, req.taps)?;
         let x = match req.logits {
-            LogitRows::None => return Ok(None),
+            LogitRows::None => return Ok(ForwardOutput { logits: None, taps }),
             LogitRows::Last => x.narrow(1, n - 1, 1)?,
             LogitRows::All => x,
         };
         let rows = x.dim(1)?;
         let h = self.norm.forward(&x, Grad::Off)?;
         let logits = self.lm_head(&h.reshape((b * rows, ()))?)?;
-        Ok(Some(logits.reshape((b, rows, ()))?))
+        Ok(ForwardOutput {
+            logits: Some(logits.reshape((b, rows, ()))?),
+            taps,
+        })
     }
 
     fn final_norm_weight(&self) -> Option<Tensor> {

@@ -53,6 +53,8 @@ pub struct BatchForwardRequest<'a> {
     pub positions: &'a [u32],
     /// Additive f32 mask `[batch, n, past + n]` (0 visible, -inf hidden); every row sees a key.
     pub mask: Tensor,
+    /// Decoder layers whose outputs come back, as `[batch, n, hidden]` each (training taps).
+    pub taps: &'a [usize],
     /// `Last` or `All` (logits `[batch, rows, vocab]`), or `None`.
     pub logits: LogitRows,
 }
@@ -80,12 +82,13 @@ pub trait TargetModel: Send {
     /// A fresh cache able to hold `capacity` positions.
     fn new_cache(&self, capacity: usize) -> Result<SequenceCache>;
     fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput>;
-    /// Batched forward; returns logits `[batch, rows, vocab]` f32 (`None` when not asked for).
+    /// Batched forward; logits `[batch, rows, vocab]` f32 (`None` when not asked for) and taps
+    /// `[batch, n, hidden]`.
     fn forward_batch(
         &self,
         req: &BatchForwardRequest,
         cache: &mut SequenceCache,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<ForwardOutput> {
         let _ = (req, cache);
         Err(crate::ModelError::InvalidInput(format!(
             "{} targets do not support batched forwards",

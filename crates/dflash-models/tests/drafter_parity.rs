@@ -153,3 +153,59 @@ fn save_load_round_trip_shards_and_mismatch_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn batched_training_forward_equals_each_sequence_alone() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let mut cfg = config_for_target(&t, 2, 4, 262);
+    cfg.layer_types = Some(vec!["sliding_attention".into(), "full_attention".into()]);
+    cfg.sliding_window = Some(6);
+    let (drafter, _) = drafter_from(&cfg, 9);
+    let (m, bs) = (t.model.as_ref(), drafter.block_size());
+    let long: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 263).collect();
+    let short: Vec<u32> = (0..11).map(|i| (i * 29 + 5) % 263).collect();
+    let (a_long, a_short) = ([3u32, 8, 15], [2u32, 6]);
+    let s = long.len();
+    // right-pad the short sequence (tokens and taps) to the long one's length
+    let mut tokens = long.clone();
+    tokens.extend(&short);
+    tokens.extend(std::iter::repeat_n(7u32, s - short.len()));
+    let taps_long = sequence_taps(m, &long, drafter.target_layers());
+    let taps_short = sequence_taps(m, &short, drafter.target_layers());
+    let pad = Tensor::full(
+        123.0f32,
+        (s - short.len(), taps_short.dim(1).unwrap()),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let padded = Tensor::cat(&[&taps_short, &pad], 0).unwrap();
+    let ctx = Tensor::stack(&[&taps_long, &padded], 0).unwrap();
+    // the short sequence has 2 real blocks; its third repeats an anchor (no loss weight)
+    let anchors = [
+        a_long[0], a_long[1], a_long[2], a_short[0], a_short[1], a_short[0],
+    ];
+    let hidden = drafter
+        .forward_train_batch(m, &ctx, &tokens, &anchors, Grad::Off)
+        .unwrap();
+    let batched = m
+        .lm_head(&hidden)
+        .unwrap()
+        .reshape((anchors.len(), bs, ()))
+        .unwrap();
+    let alone_long = drafter
+        .forward_train(m, &taps_long, &long, &a_long, Grad::Off)
+        .unwrap();
+    let alone_short = drafter
+        .forward_train(m, &taps_short, &short, &a_short, Grad::Off)
+        .unwrap();
+    let err_long = max_abs_diff(&batched.narrow(0, 0, 3).unwrap(), &alone_long);
+    let err_short = max_abs_diff(&batched.narrow(0, 3, 2).unwrap(), &alone_short);
+    assert!(
+        err_long < 1e-4,
+        "long sequence: batched vs alone err {err_long}"
+    );
+    assert!(
+        err_short < 1e-4,
+        "padded short sequence: batched vs alone err {err_short} (padding leaked?)"
+    );
+}

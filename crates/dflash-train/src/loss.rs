@@ -63,57 +63,166 @@ pub fn block_loss(logits: &Tensor, l: &BlockLabels) -> Result<(Tensor, LossRepor
     let total: f32 = l.weights.iter().sum();
     let loss = ((picked * &w)?.sum_all()?.neg()? / total.max(1e-6) as f64)?;
     let pred: Vec<u32> = flat.argmax(D::Minus1)?.to_device(&Device::Cpu)?.to_vec1()?;
-    let mut correct = vec![0f32; bs];
-    let mut count = vec![0f32; bs];
-    let mut streak_sum = 0f32;
-    let mut blocks = 0f32;
-    for b in 0..nb {
-        let mut run = 0;
-        let mut running = true;
-        let mut any = false;
-        for k in 1..bs {
-            let i = b * bs + k;
-            if l.weights[i] == 0.0 {
-                running = false;
-                continue;
+    let stats = BlockStats::of(&pred, l, bs);
+    let report = stats.report(loss.to_device(&Device::Cpu)?.to_scalar::<f32>()?);
+    Ok((loss, report))
+}
+
+/// Argmax hits per block row and leading runs, summable over micro-batches.
+#[derive(Debug, Clone, Default)]
+pub struct BlockStats {
+    /// `[B]` weighted rows and hits per block row (row 0 unused).
+    pub count: Vec<f64>,
+    pub correct: Vec<f64>,
+    /// Sum of leading runs over blocks with at least one weighted row, and how many such blocks.
+    pub run_sum: f64,
+    pub blocks: f64,
+}
+
+impl BlockStats {
+    /// `pred` `[nb·B]` argmax ids (any value where the weight is 0).
+    pub fn of(pred: &[u32], l: &BlockLabels, bs: usize) -> Self {
+        let mut st = BlockStats {
+            count: vec![0.0; bs],
+            correct: vec![0.0; bs],
+            ..Default::default()
+        };
+        for b in 0..pred.len() / bs {
+            let (mut run, mut running, mut any) = (0, true, false);
+            for k in 1..bs {
+                let i = b * bs + k;
+                if l.weights[i] == 0.0 {
+                    running = false;
+                    continue;
+                }
+                any = true;
+                st.count[k] += 1.0;
+                let ok = pred[i] == l.labels[i];
+                if ok {
+                    st.correct[k] += 1.0;
+                }
+                if running && ok {
+                    run += 1;
+                } else {
+                    running = false;
+                }
             }
-            any = true;
-            count[k] += 1.0;
-            let ok = pred[i] == l.labels[i];
-            if ok {
-                correct[k] += 1.0;
-            }
-            if running && ok {
-                run += 1;
-            } else {
-                running = false;
+            if any {
+                st.run_sum += run as f64;
+                st.blocks += 1.0;
             }
         }
-        if any {
-            streak_sum += run as f32;
-            blocks += 1.0;
+        st
+    }
+
+    pub fn add(&mut self, o: &BlockStats) {
+        if self.count.is_empty() {
+            *self = o.clone();
+            return;
+        }
+        for k in 0..self.count.len() {
+            self.count[k] += o.count[k];
+            self.correct[k] += o.correct[k];
+        }
+        self.run_sum += o.run_sum;
+        self.blocks += o.blocks;
+    }
+
+    pub fn report(&self, loss: f32) -> LossReport {
+        LossReport {
+            loss,
+            accuracy: (1..self.count.len())
+                .map(|k| {
+                    if self.count[k] > 0.0 {
+                        (self.correct[k] / self.count[k]) as f32
+                    } else {
+                        0.0
+                    }
+                })
+                .collect(),
+            streak: 1.0
+                + if self.blocks > 0.0 {
+                    (self.run_sum / self.blocks) as f32
+                } else {
+                    0.0
+                },
         }
     }
-    let accuracy = (1..bs)
-        .map(|k| {
-            if count[k] > 0.0 {
-                correct[k] / count[k]
-            } else {
-                0.0
-            }
-        })
+}
+
+/// The loss of hidden rows through the target's LM head, computed in row chunks so the f32 logits
+/// never exceed `max_logits` elements. `hidden` `[nb·B, H]` (graph attached), `labels` its layout,
+/// `norm` the divisor of the weighted sum (the whole step's label weight). Returns
+/// `(surrogate, loss, pred)`: `surrogate.backward()` gives exactly the gradients of
+/// `Σ w·CE / norm` (the LM head's input gradient is computed chunk by chunk, then pushed through the
+/// drafter once); `pred` holds argmax ids (`u32::MAX` on unweighted rows).
+pub fn chunked_block_loss(
+    lm_head: &dyn Fn(&Tensor) -> Result<Tensor>,
+    hidden: &Tensor,
+    labels: &BlockLabels,
+    norm: f32,
+    max_logits: usize,
+) -> Result<(Option<Tensor>, f64, Vec<u32>)> {
+    let rows = hidden.dim(0)?;
+    if labels.labels.len() != rows {
+        return Err(TrainError::InvalidInput(format!(
+            "{} labels for {rows} rows",
+            labels.labels.len()
+        )));
+    }
+    let dev = hidden.device();
+    let mut pred = vec![u32::MAX; rows];
+    let picked: Vec<u32> = (0..rows as u32)
+        .filter(|&i| labels.weights[i as usize] > 0.0)
         .collect();
-    let report = LossReport {
-        loss: loss.to_device(&Device::Cpu)?.to_scalar::<f32>()?,
-        accuracy,
-        streak: 1.0
-            + if blocks > 0.0 {
-                streak_sum / blocks
-            } else {
-                0.0
-            },
-    };
-    Ok((loss, report))
+    if picked.is_empty() {
+        return Ok((None, 0.0, pred));
+    }
+    let idx = Tensor::from_slice(&picked, picked.len(), dev)?;
+    let sel = hidden.index_select(&idx, 0)?;
+    let leaf = candle_core::Var::from_tensor(&sel.detach())?;
+    let probe = lm_head(&leaf.as_tensor().narrow(0, 0, 1)?)?;
+    let vocab = probe.dim(1)?;
+    let chunk = (max_logits / vocab).max(1);
+    let mut grad: Option<Tensor> = None;
+    let mut loss = 0f64;
+    for (c, rows_c) in picked.chunks(chunk).enumerate() {
+        let x = leaf.as_tensor().narrow(0, c * chunk, rows_c.len())?;
+        let logits = lm_head(&x)?.to_dtype(DType::F32)?;
+        let max = logits.max_keepdim(D::Minus1)?.detach();
+        let lse = (logits
+            .broadcast_sub(&max)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?
+            + max)?
+            .squeeze(1)?;
+        let lab: Vec<u32> = rows_c.iter().map(|&i| labels.labels[i as usize]).collect();
+        let w: Vec<f32> = rows_c.iter().map(|&i| labels.weights[i as usize]).collect();
+        let lab = Tensor::from_vec(lab, (rows_c.len(), 1), dev)?;
+        let target_logit = logits.gather(&lab, 1)?.squeeze(1)?;
+        let w = Tensor::from_vec(w, rows_c.len(), dev)?;
+        let part = (((lse - target_logit)? * w)?.sum_all()? / norm.max(1e-6) as f64)?;
+        loss += part.to_device(&Device::Cpu)?.to_scalar::<f32>()? as f64;
+        let am: Vec<u32> = logits
+            .argmax(D::Minus1)?
+            .to_device(&Device::Cpu)?
+            .to_vec1()?;
+        for (&i, p) in rows_c.iter().zip(am) {
+            pred[i as usize] = p;
+        }
+        let g = part.backward()?;
+        let g = g.get(leaf.as_tensor()).cloned().ok_or_else(|| {
+            TrainError::InvalidInput("no gradient reaches the LM head input".into())
+        })?;
+        grad = Some(match grad {
+            Some(acc) => (acc + g)?,
+            None => g,
+        });
+    }
+    let grad = grad.expect("at least one chunk").detach();
+    let surrogate = (sel * grad.to_dtype(hidden.dtype())?)?.sum_all()?;
+    Ok((Some(surrogate), loss, pred))
 }
 
 #[cfg(test)]
@@ -147,5 +256,63 @@ mod tests {
         assert!((loss.to_scalar::<f32>().unwrap() - want).abs() < 1e-5);
         assert_eq!(r.accuracy, vec![1.0, 0.0]);
         assert_eq!(r.streak, 2.0);
+    }
+
+    #[test]
+    fn chunked_loss_matches_the_whole_loss_and_its_gradients() {
+        let dev = Device::Cpu;
+        let (nb, bs, h, v) = (3usize, 4usize, 5usize, 7usize);
+        let hv: Vec<f32> = (0..nb * bs * h)
+            .map(|i| ((i * 7919) % 23) as f32 / 7.0 - 1.5)
+            .collect();
+        let wv: Vec<f32> = (0..v * h)
+            .map(|i| ((i * 104729) % 19) as f32 / 9.0 - 1.0)
+            .collect();
+        let hidden =
+            candle_core::Var::from_tensor(&Tensor::from_vec(hv, (nb * bs, h), &dev).unwrap())
+                .unwrap();
+        let head = Tensor::from_vec(wv, (v, h), &dev).unwrap();
+        let lm_head = |x: &Tensor| Ok(x.matmul(&head.t()?)?);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 3 + 1) % v as u32).collect();
+        let mask = [
+            false, true, true, true, true, true, true, true, true, false, true, true,
+        ];
+        let l = block_labels(&tokens, &mask, &[0, 4, 9], bs, 2.0);
+        let logits = lm_head(hidden.as_tensor())
+            .unwrap()
+            .reshape((nb, bs, v))
+            .unwrap();
+        let (whole, report) = block_loss(&logits, &l).unwrap();
+        let g_whole = whole.backward().unwrap();
+        let total: f32 = l.weights.iter().sum();
+        // 2 rows per chunk: several chunks, one partial
+        let (sur, loss, pred) =
+            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v).unwrap();
+        let g_chunk = sur.unwrap().backward().unwrap();
+        assert!((loss as f32 - whole.to_scalar::<f32>().unwrap()).abs() < 1e-5);
+        let stats = BlockStats::of(&pred, &l, bs).report(loss as f32);
+        assert_eq!(stats.accuracy, report.accuracy);
+        assert_eq!(stats.streak, report.streak);
+        let a = g_whole.get(hidden.as_tensor()).unwrap();
+        let b = g_chunk.get(hidden.as_tensor()).unwrap();
+        let err = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let scale = a
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(
+            scale > 1e-3 && err < 1e-5,
+            "gradient err {err} (scale {scale})"
+        );
     }
 }

@@ -1,20 +1,24 @@
-//! One optimizer step over a group of sequences: frozen target taps (no graph), anchors, the
-//! drafter's training forward, decay-weighted loss, backward per sequence with gradients summed
-//! (accumulation), one clipped AdamW update.
+//! One optimizer step over a group of sequences: anchors per sequence, then micro-batches of
+//! length-sorted, right-padded sequences, each with one batched frozen-target forward for the taps
+//! (no graph), one batched drafter training forward, the decay-weighted loss through the target's
+//! LM head in row chunks, and one backward; gradients summed over micro-batches (accumulation);
+//! one clipped AdamW update.
 //!
 //! Invariants: the step's loss is the label-weight-weighted mean over its sequences (a group of one
 //! is exactly the single-sequence loss); gradients reach the f32 master weights through the
 //! compute-dtype casts of [`compute_drafter`]; the target is never differentiated.
 
 use crate::anchors::sample_anchors;
-use crate::loss::{block_labels, block_loss, LossReport};
+use crate::loss::{block_labels, chunked_block_loss, BlockLabels, BlockStats, LossReport};
 use crate::optim::{AdamW, LrSchedule};
 use crate::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use dflash_core::{AttentionMask, Grad};
-use dflash_models::{DFlashConfig, DFlashDrafter, ForwardRequest, LogitRows, TargetModel};
+use dflash_models::{
+    BatchForwardRequest, DFlashConfig, DFlashDrafter, ForwardRequest, LogitRows, TargetModel,
+};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 
@@ -31,6 +35,36 @@ pub fn sequence_taps(target: &dyn TargetModel, tokens: &[u32], layers: &[usize])
     };
     let out = target.forward(&req, &mut cache)?;
     Ok(Tensor::cat(&out.taps, 1)?.detach())
+}
+
+/// Target taps of `b` right-padded sequences in one batched forward: `tokens` `[b·S]` row-major
+/// (positions `0..S` in every row) → `[b, S, T·H]`, detached. Padding sits after each sequence, so
+/// under the causal mask no real row ever sees it; padded rows are garbage the caller never reads.
+pub fn batch_taps(
+    target: &dyn TargetModel,
+    b: usize,
+    tokens: &[u32],
+    layers: &[usize],
+) -> Result<Tensor> {
+    let s = tokens.len() / b.max(1);
+    let dev = target.info().device.clone();
+    let mut causal = vec![0f32; s * s];
+    for i in 0..s {
+        causal[i * s + i + 1..(i + 1) * s].fill(f32::NEG_INFINITY);
+    }
+    let mask = Tensor::from_vec(causal, (1, s, s), &dev)?.broadcast_as((b, s, s))?;
+    let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();
+    let mut cache = target.new_cache(s)?;
+    let req = BatchForwardRequest {
+        batch: b,
+        tokens,
+        positions: &pos,
+        mask,
+        taps: layers,
+        logits: LogitRows::None,
+    };
+    let out = target.forward_batch(&req, &mut cache)?;
+    Ok(Tensor::cat(&out.taps, 2)?.detach())
 }
 
 /// The drafter that computes in `dtype` over the f32 masters in `varmap`: each weight is a cast of
@@ -63,7 +97,13 @@ pub struct TrainStep {
     pub anchors_per_sequence: usize,
     pub gamma: f64,
     pub schedule: LrSchedule,
+    /// Padded sequence tokens per micro-batch (one batched target + drafter forward); a step's
+    /// sequences are sorted by length and cut into micro-batches under this cap.
+    pub micro_batch_tokens: usize,
 }
+
+/// The largest f32 logits tensor the loss materialises at once (rows × vocab elements).
+pub const MAX_LOGITS: usize = 1 << 28;
 
 /// What one step did.
 #[derive(Debug, Clone, Default)]
@@ -95,6 +135,32 @@ fn add_grads(acc: &mut Option<GradStore>, g: GradStore, params: &[Tensor]) -> Re
     Ok(())
 }
 
+/// Cuts `lengths` (indices sorted longest first) into groups whose padded size `count × longest`
+/// stays within `cap` (a group always takes at least one sequence).
+fn micro_batches(lengths: &[usize], cap: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut out: Vec<Vec<usize>> = vec![];
+    let mut cur: Vec<usize> = vec![];
+    for i in order {
+        let longest = cur.first().map(|&j| lengths[j]).unwrap_or(lengths[i]);
+        if !cur.is_empty() && (cur.len() + 1) * longest > cap {
+            out.push(std::mem::take(&mut cur));
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+struct Planned<'a> {
+    seq: &'a Sequence<'a>,
+    anchors: Vec<u32>,
+    labels: BlockLabels,
+}
+
 impl TrainStep {
     /// Runs one step over `group` with `drafter` (from [`compute_drafter`] over the optimizer's
     /// masters). Sequences without a supervised anchor are skipped; a group with none is an error.
@@ -106,23 +172,24 @@ impl TrainStep {
         group: &[Sequence],
         rng: &mut ChaCha8Rng,
     ) -> Result<StepReport> {
+        let bs = drafter.block_size();
         let mut planned = vec![];
         for seq in group {
             let anchors = sample_anchors(seq.loss_mask, self.anchors_per_sequence, rng);
             if anchors.is_empty() {
                 continue;
             }
-            let labels = block_labels(
-                seq.tokens,
-                seq.loss_mask,
-                &anchors,
-                drafter.block_size(),
-                self.gamma,
-            );
-            let weight: f32 = labels.weights.iter().sum();
-            planned.push((seq, anchors, labels, weight));
+            let labels = block_labels(seq.tokens, seq.loss_mask, &anchors, bs, self.gamma);
+            planned.push(Planned {
+                seq,
+                anchors,
+                labels,
+            });
         }
-        let total_weight: f32 = planned.iter().map(|p| p.3).sum();
+        let total_weight: f32 = planned
+            .iter()
+            .map(|p| p.labels.weights.iter().sum::<f32>())
+            .sum();
         if planned.is_empty() || total_weight <= 0.0 {
             return Err(crate::TrainError::InvalidInput(
                 "no sequence of the step has a supervised anchor".into(),
@@ -131,31 +198,65 @@ impl TrainStep {
         let params = opt.param_tensors();
         let mut grads: Option<GradStore> = None;
         let mut report = StepReport::default();
-        let (mut loss_sum, mut streak_sum) = (0f64, 0f64);
-        let mut acc_sum = vec![0f64; drafter.block_size() - 1];
-        for (seq, anchors, labels, weight) in &planned {
-            let taps = sequence_taps(target, seq.tokens, drafter.target_layers())?;
-            let logits = drafter.forward_train(target, &taps, seq.tokens, anchors, Grad::On)?;
-            let (loss, r) = block_loss(&logits, labels)?;
-            let share = (*weight / total_weight) as f64;
-            add_grads(&mut grads, (loss * share)?.backward()?, &params)?;
-            loss_sum += r.loss as f64 * share;
-            let nb = anchors.len() as f64;
-            streak_sum += r.streak as f64 * nb;
-            for (a, x) in acc_sum.iter_mut().zip(&r.accuracy) {
-                *a += *x as f64 * nb;
+        let mut stats = BlockStats::default();
+        let mut loss = 0f64;
+        let lengths: Vec<usize> = planned.iter().map(|p| p.seq.tokens.len()).collect();
+        for mb in micro_batches(&lengths, self.micro_batch_tokens) {
+            let b = mb.len();
+            let s = lengths[mb[0]];
+            let n = mb
+                .iter()
+                .map(|&i| planned[i].anchors.len())
+                .max()
+                .unwrap_or(1);
+            let mut tokens = vec![0u32; b * s];
+            let mut anchors = Vec::with_capacity(b * n);
+            let mut labels = BlockLabels {
+                labels: vec![0; b * n * bs],
+                weights: vec![0.0; b * n * bs],
+            };
+            for (r, &i) in mb.iter().enumerate() {
+                let p = &planned[i];
+                tokens[r * s..r * s + p.seq.tokens.len()].copy_from_slice(p.seq.tokens);
+                let k = p.anchors.len();
+                anchors.extend_from_slice(&p.anchors);
+                anchors.extend(std::iter::repeat_n(p.anchors[0], n - k));
+                let at = r * n * bs;
+                labels.labels[at..at + k * bs].copy_from_slice(&p.labels.labels);
+                labels.weights[at..at + k * bs].copy_from_slice(&p.labels.weights);
+                report.blocks += k;
+                report.tokens += p.seq.tokens.len();
             }
-            report.blocks += anchors.len();
-            report.tokens += seq.tokens.len();
+            let taps = batch_taps(target, b, &tokens, drafter.target_layers())?;
+            let hidden = drafter.forward_train_batch(target, &taps, &tokens, &anchors, Grad::On)?;
+            let lm_head = |x: &Tensor| Ok(target.lm_head(x)?);
+            let (surrogate, part, pred) =
+                chunked_block_loss(&lm_head, &hidden, &labels, total_weight, MAX_LOGITS)?;
+            if let Some(sur) = surrogate {
+                add_grads(&mut grads, sur.backward()?, &params)?;
+            }
+            loss += part;
+            stats.add(&BlockStats::of(&pred, &labels, bs));
         }
-        let nb = report.blocks as f64;
-        report.loss = LossReport {
-            loss: loss_sum as f32,
-            accuracy: acc_sum.iter().map(|a| (a / nb) as f32).collect(),
-            streak: (streak_sum / nb) as f32,
-        };
+        report.loss = stats.report(loss as f32);
         let lr = self.schedule.at(opt.step);
-        report.grad_norm = opt.step(&grads.expect("at least one sequence"), lr)?;
+        let grads = grads.ok_or_else(|| {
+            crate::TrainError::InvalidInput("no gradient reached the drafter".into())
+        })?;
+        report.grad_norm = opt.step(&grads, lr)?;
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::micro_batches;
+
+    #[test]
+    fn micro_batches_sort_longest_first_and_respect_the_cap() {
+        let got = micro_batches(&[5, 9, 3, 9, 4], 20);
+        assert_eq!(got, vec![vec![1, 3], vec![0, 4, 2]]);
+        // one sequence longer than the cap still gets its own micro-batch
+        assert_eq!(micro_batches(&[30, 2], 20), vec![vec![0], vec![1]]);
     }
 }

@@ -43,6 +43,9 @@ pub struct TrainConfig {
     /// Tokens per optimizer step: whole sequences are packed until they reach this (0: one each).
     #[serde(default)]
     pub batch_tokens: usize,
+    /// Padded tokens per batched forward inside a step (0: `batch_tokens`, at least the longest).
+    #[serde(default)]
+    pub micro_batch_tokens: usize,
 }
 
 /// Every optimizer step of the run: example indices, per epoch a seeded permutation packed in
@@ -303,6 +306,10 @@ impl<'a> Trainer<'a> {
             anchors_per_sequence: self.cfg.anchors,
             gamma: self.cfg.gamma,
             schedule: self.schedule(),
+            micro_batch_tokens: match self.cfg.micro_batch_tokens {
+                0 => self.cfg.batch_tokens,
+                m => m,
+            },
         };
         let masks: Vec<Vec<bool>> = data.iter().map(|e| e.mask()).collect();
         while self.state.step < self.state.total_steps {

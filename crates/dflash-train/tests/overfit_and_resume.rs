@@ -87,6 +87,7 @@ fn train(
             warmup: 10,
             total,
         },
+        micro_batch_tokens: 1 << 20,
     };
     steps
         .map(|s| {
@@ -205,6 +206,8 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
             warmup: 2,
             total: 30,
         },
+        // smaller than the group: several padded micro-batches, gradients accumulated
+        micro_batch_tokens: 100,
     };
     let group: Vec<Sequence> = data
         .iter()
@@ -238,5 +241,59 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
     assert!(
         losses[29] < 0.6 * losses[0],
         "bf16 training must learn: {losses:?}"
+    );
+}
+
+#[test]
+fn micro_batching_and_padding_do_not_change_the_step() {
+    // one padded micro-batch of all sequences vs one sequence per micro-batch: same loss, same
+    // statistics, same gradient norm (f32, up to summation order)
+    let t = target();
+    let mut data = corpus(&t);
+    data[1].1.truncate(30);
+    data[1].2.truncate(30);
+    let cfg = config_for_target(&t, 2, 4, 262);
+    let init = random_weights(&cfg, 11).unwrap();
+    let run = |cap: usize| {
+        let (d, vm) = fresh(&cfg, init.clone());
+        let mut opt = optimizer(&vm);
+        let ts = TrainStep {
+            anchors_per_sequence: 8,
+            gamma: 4.0,
+            schedule: LrSchedule {
+                peak: 3e-3,
+                warmup: 0,
+                total: 10,
+            },
+            micro_batch_tokens: cap,
+        };
+        let group: Vec<Sequence> = data
+            .iter()
+            .map(|(_, seq, mask)| Sequence {
+                tokens: seq,
+                loss_mask: mask,
+            })
+            .collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        ts.run(t.model.as_ref(), &d, &mut opt, &group, &mut rng)
+            .unwrap()
+    };
+    let one = run(1 << 20);
+    let each = run(1);
+    assert_eq!(one.blocks, each.blocks);
+    assert_eq!(one.tokens, each.tokens);
+    assert!(
+        (one.loss.loss - each.loss.loss).abs() < 1e-4 * one.loss.loss.abs(),
+        "loss {} vs {}",
+        one.loss.loss,
+        each.loss.loss
+    );
+    assert_eq!(one.loss.accuracy, each.loss.accuracy);
+    assert_eq!(one.loss.streak, each.loss.streak);
+    assert!(
+        (one.grad_norm - each.grad_norm).abs() < 1e-4 * one.grad_norm,
+        "grad norm {} vs {}",
+        one.grad_norm,
+        each.grad_norm
     );
 }

@@ -4,8 +4,9 @@
 //! One implementation serves inference and training:
 //! - [`DFlashDrafter::draft`] (inference) appends the newly committed context rows to a per-layer
 //!   cache of context K/V and runs one block; block K/V are never cached.
-//! - [`DFlashDrafter::forward_train`] runs many blocks of one sequence at once under the block mask
-//!   (a block sees context strictly before its anchor plus its own block), with differentiable ops.
+//! - [`DFlashDrafter::forward_train_batch`] runs many blocks of many sequences at once (a block
+//!   sees context strictly before its anchor plus its own block, through the two-part
+//!   [`block_attention`]), with differentiable ops; [`DFlashDrafter::forward_train`] is one sequence.
 //!
 //! Both go through [`DFlashDrafter::blocks_forward`], so the same anchors give the same logits
 //! (tested). Slot 0 of a block is the anchor token's *target embedding*; the embedding and LM head
@@ -16,7 +17,8 @@ use crate::target::TargetModel;
 use crate::{ModelError, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
-use dflash_core::{attention, Grad, KvCache, RmsNorm, RotaryEmbedding};
+use dflash_core::block_attention::{block_attention, HIDDEN};
+use dflash_core::{Grad, KvCache, RmsNorm, RotaryEmbedding};
 
 fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
     Ok(Linear::new(
@@ -44,13 +46,6 @@ struct DraftLayer {
 struct Kv {
     k: Tensor,
     v: Tensor,
-}
-
-/// Query/key bookkeeping for the block mask: absolute position and block (None = context row).
-#[derive(Clone, Copy)]
-struct Slot {
-    pos: u32,
-    block: Option<usize>,
 }
 
 pub struct DFlashDrafter {
@@ -188,13 +183,28 @@ impl DFlashDrafter {
         }
     }
 
-    /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`.
+    /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`, or `[b, n, T·H] -> [b, n, H]`.
     fn project_context(&self, feats: &Tensor, grad: Grad) -> Result<Tensor> {
         let x = self.fc.forward(&feats.to_dtype(self.dtype)?)?;
-        Ok(self.hidden_norm.forward(&x, grad)?.unsqueeze(0)?)
+        let x = self.hidden_norm.forward(&x, grad)?;
+        Ok(if x.rank() == 2 { x.unsqueeze(0)? } else { x })
     }
 
+    /// Keys and values of rows `x` `[b, m, H]` at `positions` (`[m]`, shared by the batch).
     fn kv(&self, layer: &DraftLayer, x: &Tensor, positions: &[u32], grad: Grad) -> Result<Kv> {
+        let (cos, sin) = self.rotary.cos_sin(positions, &self.device, self.dtype)?;
+        self.kv_at(layer, x, &cos, &sin, grad)
+    }
+
+    /// Keys and values of rows `x` rotated by `cos`/`sin` (`[m, d/2]` or `[b, m, d/2]`).
+    fn kv_at(
+        &self,
+        layer: &DraftLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        grad: Grad,
+    ) -> Result<Kv> {
         let (b, n, _) = x.dims3()?;
         let (nkv, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
         let k = layer.k_proj.forward(x)?.reshape((b, n, nkv, hd))?;
@@ -209,36 +219,58 @@ impl DFlashDrafter {
             .reshape((b, n, nkv, hd))?
             .transpose(1, 2)?
             .contiguous()?;
-        let (cos, sin) = self.rotary.cos_sin(positions, &self.device, self.dtype)?;
         Ok(Kv {
-            k: self.rotary.apply(&k, &cos, &sin, grad)?,
+            k: self.rotary.apply(&k, cos, sin, grad)?,
             v,
         })
     }
 
-    /// Additive mask for queries `q` over keys `[ctx..., block...]`, or None when all are visible.
-    fn block_mask(
+    /// Context visibility `[b, n, 1 | B, S]` for blocks at `anchors` (`[b·n]`): a block sees the
+    /// context rows strictly before its anchor (and, in a windowed layer, within the window of each
+    /// slot). `None` when every row is visible (inference: one block right after its context).
+    fn context_mask(
         &self,
         attn: LayerAttention,
-        q: &[Slot],
-        keys: &[Slot],
+        b: usize,
         anchors: &[u32],
+        s: usize,
     ) -> Result<Option<Tensor>> {
+        let n = anchors.len() / b;
+        let bs = self.cfg.block_size;
+        let before_anchor_only = anchors.iter().all(|&a| a as usize >= s);
+        let window_hides = attn.window.is_some_and(|w| s + bs > w);
+        if before_anchor_only && !window_hides {
+            return Ok(None);
+        }
+        let dev = &self.device;
+        let anc: Vec<f32> = anchors.iter().map(|&a| a as f32).collect();
+        let anc = Tensor::from_vec(anc, (b, n, 1, 1), dev)?;
+        let kpos = Tensor::arange(0f32, s as f32, dev)?.reshape((1, 1, 1, s))?;
+        let mut hidden = kpos.broadcast_ge(&anc)?;
+        if let Some(w) = attn.window {
+            let slot = Tensor::arange(0f32, bs as f32, dev)?.reshape((1, 1, bs, 1))?;
+            let qpos = anc.broadcast_add(&slot)?;
+            // hidden where q_pos − k_pos ≥ w
+            let far = qpos.broadcast_sub(&kpos)?.ge(w as f64)?;
+            hidden = hidden.broadcast_maximum(&far)?;
+        }
+        Ok(Some((hidden.to_dtype(DType::F32)? * HIDDEN as f64)?))
+    }
+
+    /// Visibility inside a block `[B, B]` (causal and/or windowed layers), `None` when full.
+    fn block_mask(&self, attn: LayerAttention) -> Result<Option<Tensor>> {
+        let bs = self.cfg.block_size;
+        let mut m = vec![0f32; bs * bs];
         let mut all = true;
-        let mut m = vec![0f32; q.len() * keys.len()];
-        for (i, qs) in q.iter().enumerate() {
-            let qb = qs.block.expect("queries are block rows");
-            for (j, ks) in keys.iter().enumerate() {
-                let mut visible = match ks.block {
-                    None => ks.pos < anchors[qb],
-                    Some(kb) => kb == qb && (!attn.causal || ks.pos <= qs.pos),
-                };
+        for i in 0..bs {
+            for j in 0..bs {
+                let d = i as i64 - j as i64;
+                let mut visible = !attn.causal || d >= 0;
                 if let Some(w) = attn.window {
-                    let d = qs.pos as i64 - ks.pos as i64;
                     visible &= d < w as i64 && (attn.causal || -d < w as i64);
                 }
                 if !visible {
-                    m[i * keys.len() + j] = f32::NEG_INFINITY;
+                    m[i * bs + j] = HIDDEN;
                     all = false;
                 }
             }
@@ -246,73 +278,70 @@ impl DFlashDrafter {
         if all {
             return Ok(None);
         }
-        Ok(Some(Tensor::from_vec(
-            m,
-            (q.len(), keys.len()),
-            &self.device,
-        )?))
+        Ok(Some(Tensor::from_vec(m, (bs, bs), &self.device)?))
     }
 
-    /// The shared core: blocks (`tokens` `[nb·B]`, anchors `[nb]`) against per-layer context K/V
-    /// whose rows sit at `ctx_pos`. Returns the final hidden states `[nb·B, H]` (after `norm`).
+    /// The shared core: `b` sequences of `n` blocks each (`tokens` `[b·n·B]`, `anchors` `[b·n]`,
+    /// row-major) against per-layer context K/V `[b, kv_heads, S, d]` whose row `j` sits at
+    /// position `j`. Returns the final hidden states `[b·n·B, H]` (after `norm`).
     fn blocks_forward(
         &self,
         target: &dyn TargetModel,
+        b: usize,
         tokens: &[u32],
         anchors: &[u32],
         ctx_kv: &mut dyn FnMut(usize) -> Result<Kv>,
-        ctx_pos: &[u32],
+        ctx_len: usize,
         grad: Grad,
     ) -> Result<Tensor> {
         let bs = self.cfg.block_size;
         let (nh, hd) = (self.cfg.num_attention_heads, self.cfg.head_dim);
-        let q_slots: Vec<Slot> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, _)| Slot {
-                pos: anchors[i / bs] + (i % bs) as u32,
-                block: Some(i / bs),
-            })
+        let rows = tokens.len() / b;
+        let q_pos: Vec<u32> = (0..tokens.len())
+            .map(|i| anchors[i / bs] + (i % bs) as u32)
             .collect();
-        let q_pos: Vec<u32> = q_slots.iter().map(|s| s.pos).collect();
-        let keys: Vec<Slot> = ctx_pos
-            .iter()
-            .map(|&p| Slot {
-                pos: p,
-                block: None,
-            })
-            .chain(q_slots.iter().copied())
-            .collect();
-        let ids = Tensor::from_slice(tokens, tokens.len(), &self.device)?;
-        let mut x = target.embed(&ids)?.to_dtype(self.dtype)?.unsqueeze(0)?;
-        let n = tokens.len();
+        let ids = Tensor::from_slice(tokens, (b, rows), &self.device)?;
+        let mut x = target.embed(&ids)?.to_dtype(self.dtype)?;
         let (cos, sin) = self.rotary.cos_sin(&q_pos, &self.device, self.dtype)?;
+        let half = cos.dim(1)?;
+        let (cos, sin) = (cos.reshape((b, rows, half))?, sin.reshape((b, rows, half))?);
         let scale = 1.0 / (hd as f64).sqrt();
-        // one mask per distinct layer visibility (layers usually share it)
-        let mut masks: Vec<(LayerAttention, Option<Tensor>)> = vec![];
+        // masks per distinct layer visibility (layers usually share them)
+        type Masks = (Option<Tensor>, Option<Tensor>);
+        let mut masks: Vec<(LayerAttention, Masks)> = vec![];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x, grad)?;
-            let q = layer.q_proj.forward(&h)?.reshape((1, n, nh, hd))?;
+            let q = layer.q_proj.forward(&h)?.reshape((b, rows, nh, hd))?;
             let q = layer
                 .q_norm
                 .forward(&q, grad)?
                 .transpose(1, 2)?
                 .contiguous()?;
             let q = self.rotary.apply(&q, &cos, &sin, grad)?;
-            let blk = self.kv(layer, &h, &q_pos, grad)?;
+            let blk = self.kv_at(layer, &h, &cos, &sin, grad)?;
             let ctx = ctx_kv(li)?;
-            let k = Tensor::cat(&[&ctx.k, &blk.k], 2)?;
-            let v = Tensor::cat(&[&ctx.v, &blk.v], 2)?;
-            let mask = match masks.iter().find(|(a, _)| *a == layer.attn) {
+            let (cm, bm) = match masks.iter().find(|(a, _)| *a == layer.attn) {
                 Some((_, m)) => m.clone(),
                 None => {
-                    let m = self.block_mask(layer.attn, &q_slots, &keys, anchors)?;
+                    let m = (
+                        self.context_mask(layer.attn, b, anchors, ctx_len)?,
+                        self.block_mask(layer.attn)?,
+                    );
                     masks.push((layer.attn, m.clone()));
                     m
                 }
             };
-            let o = attention(&q, &k, &v, mask.as_ref(), scale, grad)?;
-            let o = o.transpose(1, 2)?.reshape((1, n, nh * hd))?;
+            let o = block_attention(
+                &q,
+                &ctx.k,
+                &ctx.v,
+                &blk.k,
+                &blk.v,
+                cm.as_ref(),
+                bm.as_ref(),
+                bs,
+                scale,
+            )?;
             x = (x + layer.o_proj.forward(&o)?)?;
             let h = layer.post_attention_layernorm.forward(&x, grad)?;
             let g = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
@@ -321,7 +350,8 @@ impl DFlashDrafter {
                     .down_proj
                     .forward(&(g * layer.up_proj.forward(&h)?)?)?)?;
         }
-        Ok(self.norm.forward(&x.squeeze(0)?, grad)?)
+        let hidden = x.reshape((b * rows, ()))?;
+        Ok(self.norm.forward(&hidden, grad)?)
     }
 
     /// Inference: commit `new_ctx` (`[m, T·H]` taps of the tokens at positions `start−m .. start`)
@@ -343,7 +373,6 @@ impl DFlashDrafter {
             )));
         }
         let new_pos: Vec<u32> = (cache.len() as u32..start as u32).collect();
-        let ctx_pos: Vec<u32> = (0..start as u32).collect();
         let projected = if m > 0 {
             Some(self.project_context(new_ctx, Grad::Off)?)
         } else {
@@ -366,10 +395,11 @@ impl DFlashDrafter {
         tokens[0] = bonus;
         let hidden = self.blocks_forward(
             target,
+            1,
             &tokens,
             &[start as u32],
             &mut fill,
-            &ctx_pos,
+            start,
             Grad::Off,
         )?;
         target.lm_head(&hidden.narrow(0, 1, self.cfg.block_size - 1)?)
@@ -386,29 +416,50 @@ impl DFlashDrafter {
         anchors: &[u32],
         grad: Grad,
     ) -> Result<Tensor> {
-        let s = ctx.dim(0)?;
-        if tokens.len() != s {
+        let hidden = self.forward_train_batch(target, &ctx.unsqueeze(0)?, tokens, anchors, grad)?;
+        Ok(target
+            .lm_head(&hidden)?
+            .reshape((anchors.len(), self.cfg.block_size, ()))?)
+    }
+
+    /// Training over `b` right-padded sequences at once: `ctx` `[b, S, T·H]` their taps (row `j` at
+    /// position `j`), `tokens` `[b·S]` row-major, `anchors` `[b·n]` (`n` block starts per sequence,
+    /// each `< S`; a sequence with fewer real blocks repeats any anchor and gives those rows no loss
+    /// weight). Slot 0 of each block is the anchor's token, the rest the mask token. Returns the
+    /// normed hidden states `[b·n·B, H]` in the compute dtype, row `(i·n + k)·B + j` for slot `j` of
+    /// block `k` of sequence `i` (it predicts the token at `anchor + j`); the caller applies the
+    /// target's LM head to the rows it trains on.
+    pub fn forward_train_batch(
+        &self,
+        target: &dyn TargetModel,
+        ctx: &Tensor,
+        tokens: &[u32],
+        anchors: &[u32],
+        grad: Grad,
+    ) -> Result<Tensor> {
+        let (b, s, _) = ctx.dims3()?;
+        if tokens.len() != b * s || b == 0 || anchors.is_empty() || anchors.len() % b != 0 {
             return Err(ModelError::InvalidInput(format!(
-                "{} tokens but {s} context rows",
-                tokens.len()
+                "{} tokens and {} anchors for {b} sequences of {s} context rows",
+                tokens.len(),
+                anchors.len()
             )));
         }
+        let n = anchors.len() / b;
         let bs = self.cfg.block_size;
         let mut block_tokens = vec![self.mask_token_id(); anchors.len() * bs];
-        for (b, &a) in anchors.iter().enumerate() {
+        for (k, &a) in anchors.iter().enumerate() {
             let a = a as usize;
             if a >= s {
                 return Err(ModelError::InvalidInput(format!(
                     "anchor {a} outside the sequence of {s}"
                 )));
             }
-            block_tokens[b * bs] = tokens[a];
+            block_tokens[k * bs] = tokens[(k / n) * s + a];
         }
         let ctx_pos: Vec<u32> = (0..s as u32).collect();
         let projected = self.project_context(ctx, grad)?;
         let mut ctx_kv = |li: usize| self.kv(&self.layers[li], &projected, &ctx_pos, grad);
-        let hidden =
-            self.blocks_forward(target, &block_tokens, anchors, &mut ctx_kv, &ctx_pos, grad)?;
-        Ok(target.lm_head(&hidden)?.reshape((anchors.len(), bs, ()))?)
+        self.blocks_forward(target, b, &block_tokens, anchors, &mut ctx_kv, s, grad)
     }
 }
