@@ -1,26 +1,45 @@
 #!/usr/bin/env bash
 # The shipped SmolLM2 drafter, on the GPU machine, in back-to-back calls while it stays warm
-# (files under /tmp/keep survive between calls; see docs/benchmarks.md for the exact calls):
-#   stage regen : join the GGUF, regenerate answers for .dev/prompts.jsonl.xz (scripts/prepare_prompts.py)
-#   stage train : probe the step time, then train for TRAIN_SECONDS with a plan sized to the budget
-#   stage finish: resume to the end of the plan, export, validate, eval on the benchmarks
-# Expects /tmp/keep/gguf.part_aa and /tmp/keep/cuda/*.xz from an earlier call.
+# (files under /tmp/keep survive between calls; docs/benchmarks.md records the exact calls):
+#   stage setup : keep the first GGUF part and the CUDA binaries (carry .dev/gguf.part_aa, dist/cuda)
+#   stage regen : join the GGUF, regenerate answers for .dev/prompts.jsonl.xz for REGEN_SECONDS
+#                 (carry .dev/gguf.part_ab, .dev/prompts.jsonl.xz; scripts/prepare_prompts.py)
+#   stage train : probe the step time (falling back to smaller micro-batches if one fails), plan
+#                 TRAIN_SECONDS of steps, train for at most CALL_SECONDS of this call
+#   stage resume: continue the same plan (--resume) for at most CALL_SECONDS, then validate
+#   stage eval  : f32 evaluation of the exported drafter on the benchmarks (T = 0)
+# Stages can be chained in one call: `bash scripts/gpu-train.sh regen train`.
 set -uo pipefail
-STAGE=$1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 K=/tmp/keep; G=$K/smol.gguf; D=$K/bin/dflash
-TRAIN_FLAGS="--target $G --data $K/data --device cuda --layers 5 --block-size 16 --anchors 128 \
-  --batch-tokens 16384 --lr 6e-4 --epochs 4 --val-fraction 0.01 --checkpoint-every 100000"
+flags() {
+  echo "--target $G --data $K/data --device cuda --layers 5 --block-size 16 --anchors ${ANCHORS:-128} \
+  --batch-tokens ${BATCH_TOKENS:-16384} --micro-batch-tokens $(cat $K/micro 2>/dev/null || echo 16384) \
+  --lr ${LR:-6e-4} --epochs 40 --val-fraction ${VAL_FRACTION:-0.004} --checkpoint-every 100000"
+}
+for STAGE in "$@"; do
 case $STAGE in
+setup)
+  mkdir -p $K && cp .dev/gguf.part_aa $K/ && cp -r dist/cuda $K/cuda && ls -la $K $K/cuda
+  ;;
 regen)
+  [ -f $K/gguf.part_aa ] || { echo "no setup"; exit 1; }
   cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa
   mkdir -p $K/bin && for f in $K/cuda/*.xz; do xz -dc "$f" > $K/bin/$(basename "$f" .xz); done; chmod +x $K/bin/*
   xz -dc .dev/prompts.jsonl.xz > $K/prompts.jsonl
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  timeout ${REGEN_SECONDS:-300} $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data \
-    --batch ${REGEN_BATCH:-256} --max-new-tokens 512 --max-prompt-tokens 1024 --shard-size 512 \
-    --device cuda 2>&1 | tee $OUT/regen.log | tail -4
-  python3 - $K/data <<'PY'
+  regen() {
+    timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data --batch $2 \
+      --max-new-tokens 512 --max-prompt-tokens 1024 --shard-size 1024 --device cuda 2>&1 \
+      | tr '\r' '\n' | tee -a $OUT/regen.log | tail -3
+  }
+  T0=$(date +%s)
+  regen ${REGEN_SECONDS:-270} ${REGEN_BATCH:-1024}
+  LEFT=$(( ${REGEN_SECONDS:-270} - ($(date +%s) - T0) ))
+  if ! ls $K/data/shard-*.jsonl >/dev/null 2>&1 && [ $LEFT -gt 30 ]; then
+    echo "no shard at batch ${REGEN_BATCH:-1024}: retrying at 256 for ${LEFT}s"; regen $LEFT 256
+  fi
+  python3 - $K/data <<'PY' | tee $OUT/regen_summary.txt
 import json, glob, sys
 n = t = s = 0
 for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")):
@@ -30,24 +49,38 @@ print(f"regen data: {n} examples, {t} tokens, {s} supervised")
 PY
   ;;
 train)
-  rm -rf $K/probe
-  $D train $TRAIN_FLAGS --out $K/probe --max-steps 6 --time-limit 60 2>&1 | tail -2
-  SPS=$(python3 -c "
+  [ -x $D ] && ls $K/data/shard-*.jsonl >/dev/null 2>&1 || { echo "no binary or no data"; exit 1; }
+  T0=$(date +%s)
+  SPS=
+  for MB in ${MICRO_CANDIDATES:-16384 8192 4096}; do
+    echo $MB > $K/micro; rm -rf $K/probe
+    $D train $(flags) --out $K/probe --max-steps 5 --time-limit 60 > $K/probe.log 2>&1
+    if [ -s $K/probe/log.jsonl ] && [ $(wc -l < $K/probe/log.jsonl) -ge 2 ]; then
+      SPS=$(python3 -c "
 import json,statistics
 r=[json.loads(l) for l in open('$K/probe/log.jsonl')]
-print(statistics.median([x['seconds'] for x in r[1:]] or [r[0]['seconds']]))")
-  STEPS=$(python3 -c "print(max(10,int(${TRAIN_SECONDS:-640}/$SPS)))")
-  echo "probe: $SPS s/step -> plan of $STEPS steps"; echo $STEPS > $K/steps
+print(statistics.median([x['seconds'] for x in r[1:]]))"); break
+    fi
+    echo "probe at micro-batch $MB failed:"; tail -3 $K/probe.log
+  done
+  [ -n "$SPS" ] || exit 1
+  STEPS=$(python3 -c "print(max(10,int(${TRAIN_SECONDS:-800}/$SPS)))")
+  echo "probe: micro-batch $(cat $K/micro), $SPS s/step -> plan of $STEPS steps"; echo $STEPS > $K/steps
   tail -1 $K/probe/log.jsonl
-  $D train $TRAIN_FLAGS --out $K/run --max-steps $STEPS --time-limit ${FIRST_SECONDS:-450} 2>&1 | tail -4
-  mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/ && cp $K/run/log.jsonl $OUT/
+  LEFT=$(( ${CALL_SECONDS:-560} - ($(date +%s) - T0) - 25 ))
+  $D train $(flags) --out $K/run --max-steps $STEPS --time-limit $LEFT 2>&1 | tail -4
+  cp $K/run/log.jsonl $OUT/
   ;;
-finish)
-  STEPS=$(cat $K/steps)
-  $D train $TRAIN_FLAGS --out $K/run --max-steps $STEPS --resume 2>&1 | tail -9
+resume)
+  [ -f $K/steps ] || { echo "no plan"; exit 1; }
+  $D train $(flags) --out $K/run --max-steps $(cat $K/steps) --resume --time-limit ${CALL_SECONDS:-400} 2>&1 | tail -9
   mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/
-  (cd $K/run && tar czf $OUT/run_logs.tgz log.jsonl validation.json)
-  $D eval --target $G --draft $K/run/drafter --bench gsm8k,humaneval,mt_bench --limit ${EVAL_LIMIT:-12} \
-    --max-new-tokens 256 --tree-budget 64 --device cuda --out $OUT/eval.json 2>&1 | grep -v '^[{} ]' | head -20
+  cp $K/run/log.jsonl $OUT/; cp $K/run/validation.json $OUT/ 2>/dev/null
+  ;;
+eval)
+  $D eval --target $G --draft $K/run/drafter --bench gsm8k,humaneval,mt_bench --limit ${EVAL_LIMIT:-10} \
+    --max-new-tokens 256 --tree-budget 64 --device cuda --dtype ${EVAL_DTYPE:-f32} --out $OUT/eval.json 2>&1 \
+    | grep -v '^[{} ]' | head -20
   ;;
 esac
+done

@@ -281,15 +281,13 @@ impl DFlashDrafter {
         Ok(Some(Tensor::from_vec(m, (bs, bs), &self.device)?))
     }
 
-    /// The shared core: `b` sequences of `n` blocks each (`tokens` `[b·n·B]`, `anchors` `[b·n]`,
+    /// The shared core: `(b, tokens, anchors)` are `b` sequences of `n` blocks each (`tokens` `[b·n·B]`, `anchors` `[b·n]`,
     /// row-major) against per-layer context K/V `[b, kv_heads, S, d]` whose row `j` sits at
     /// position `j`. Returns the final hidden states `[b·n·B, H]` (after `norm`).
     fn blocks_forward(
         &self,
         target: &dyn TargetModel,
-        b: usize,
-        tokens: &[u32],
-        anchors: &[u32],
+        (b, tokens, anchors): (usize, &[u32], &[u32]),
         ctx_kv: &mut dyn FnMut(usize) -> Result<Kv>,
         ctx_len: usize,
         grad: Grad,
@@ -395,9 +393,7 @@ impl DFlashDrafter {
         tokens[0] = bonus;
         let hidden = self.blocks_forward(
             target,
-            1,
-            &tokens,
-            &[start as u32],
+            (1, &tokens, &[start as u32]),
             &mut fill,
             start,
             Grad::Off,
@@ -438,7 +434,8 @@ impl DFlashDrafter {
         grad: Grad,
     ) -> Result<Tensor> {
         let (b, s, _) = ctx.dims3()?;
-        if tokens.len() != b * s || b == 0 || anchors.is_empty() || anchors.len() % b != 0 {
+        if tokens.len() != b * s || b == 0 || anchors.is_empty() || !anchors.len().is_multiple_of(b)
+        {
             return Err(ModelError::InvalidInput(format!(
                 "{} tokens and {} anchors for {b} sequences of {s} context rows",
                 tokens.len(),
@@ -460,6 +457,6 @@ impl DFlashDrafter {
         let ctx_pos: Vec<u32> = (0..s as u32).collect();
         let projected = self.project_context(ctx, grad)?;
         let mut ctx_kv = |li: usize| self.kv(&self.layers[li], &projected, &ctx_pos, grad);
-        self.blocks_forward(target, b, &block_tokens, anchors, &mut ctx_kv, s, grad)
+        self.blocks_forward(target, (b, &block_tokens, anchors), &mut ctx_kv, s, grad)
     }
 }
