@@ -36,6 +36,8 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Train a drafter on regenerated data.
     Train(train::TrainArgs),
+    /// Draw a training run's curves (log.jsonl) as a PNG.
+    Plot(train::PlotArgs),
     /// Training data.
     #[command(subcommand)]
     Data(regen::DataCommand),
@@ -47,6 +49,7 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Draft(cmd) => draft::run(cmd),
         Command::Train(a) => train::train(a),
+        Command::Plot(a) => train::plot(a),
         Command::Eval(a) => eval::run(a),
         Command::Data(cmd) => regen::run(cmd),
     };

@@ -16,7 +16,7 @@ pub struct TrainArgs {
     /// Directory of shard-*.jsonl written by `dflash data regen`.
     #[arg(long)]
     data: PathBuf,
-    /// Run directory (checkpoint/, log.jsonl, validation.json).
+    /// Run directory (checkpoint/, log.jsonl, curves.png, validation.json).
     #[arg(long)]
     out: PathBuf,
     #[arg(long, default_value_t = 5)]
@@ -184,5 +184,31 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&v)?;
     crate::defaults::write_atomic(&a.out.join("validation.json"), json.as_bytes())?;
     println!("{json}");
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct PlotArgs {
+    /// A run directory (its log.jsonl) or a log.jsonl file.
+    run: PathBuf,
+    /// Where to write the PNG (default: curves.png beside the log).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// `dflash plot RUN`: the training curves of a run as a PNG.
+pub fn plot(a: PlotArgs) -> Result<()> {
+    let log = if a.run.is_dir() {
+        a.run.join("log.jsonl")
+    } else {
+        a.run.clone()
+    };
+    if !log.is_file() {
+        return Err(UsageError(format!("no training log at {}", log.display())).into());
+    }
+    let out = a.out.unwrap_or_else(|| log.with_file_name("curves.png"));
+    let title = format!("DFlash drafter training ({})", log.display());
+    dflash_train::write_curves(&log, &out, &title)?;
+    eprintln!("[dflash] curves written to {}", out.display());
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! f32 and fully serialisable, so a resumed run continues bit-for-bit.
 
 pub mod anchors;
+pub mod curves;
 pub mod data;
 pub mod error;
 pub mod loss;
@@ -15,6 +16,7 @@ pub mod step;
 pub mod trainer;
 
 pub use anchors::sample_anchors;
+pub use curves::write_curves;
 pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};

@@ -233,7 +233,16 @@ impl<'a> Trainer<'a> {
             serde_json::to_string(&self.state).expect("state serialises"),
         )
         .map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &p).map_err(io(&p))
+        std::fs::rename(&tmp, &p).map_err(io(&p))?;
+        let log = self.dir.join("log.jsonl");
+        if log.is_file() {
+            crate::curves::write_curves(
+                &log,
+                &self.dir.join("curves.png"),
+                &format!("DFlash drafter training ({})", self.dir.display()),
+            )?;
+        }
+        Ok(())
     }
 
     /// Writes the current drafter (z-lab format, shards ≤ 16 MiB) in `dtype` to `dir`: the
