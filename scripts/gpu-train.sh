@@ -75,7 +75,7 @@ resume)
   [ -f $K/steps ] || { echo "no plan"; exit 1; }
   $D train $(flags) --out $K/run --max-steps $(cat $K/steps) --resume --time-limit ${CALL_SECONDS:-400} 2>&1 | tail -9
   mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/
-  cp $K/run/log.jsonl $OUT/; cp $K/run/validation.json $OUT/ 2>/dev/null
+  cp $K/run/log.jsonl $K/run/curves.png $OUT/; cp $K/run/validation.json $OUT/ 2>/dev/null
   ;;
 eval)
   $D eval --target $G --draft $K/run/drafter --bench gsm8k,humaneval,mt_bench --limit ${EVAL_LIMIT:-10} \
