@@ -8,10 +8,11 @@
 #                 TRAIN_SECONDS of steps, train for at most CALL_SECONDS of this call
 #   stage resume: continue the same plan (--resume) for at most CALL_SECONDS, then validate
 #   stage eval  : f32 evaluation of the exported drafter on the benchmarks (T = 0)
-# Stages can be chained in one call: `bash scripts/gpu-train.sh regen train`.
+#   stage collect: drafter, curves.png and a tarball of the logs into $OUT (at most 8 files)
+# Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-K=/tmp/keep; G=$K/smol.gguf; D=$K/bin/dflash
+K=/tmp/keep; L=$K/logs; mkdir -p $L; G=$K/smol.gguf; D=$K/bin/dflash
 flags() {
   echo "--target $G --data $K/data --device cuda --layers 5 --block-size 16 --anchors ${ANCHORS:-128} \
   --batch-tokens ${BATCH_TOKENS:-16384} --micro-batch-tokens $(cat $K/micro 2>/dev/null || echo 16384) \
@@ -31,7 +32,7 @@ regen)
   regen() {
     timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data --batch $2 \
       --max-new-tokens 512 --max-prompt-tokens 1024 --shard-size 1024 --device cuda 2>&1 \
-      | tr '\r' '\n' | tee -a $OUT/regen.log | tail -3
+      | tr '\r' '\n' | tee -a $L/regen.log | tail -3
   }
   T0=$(date +%s)
   regen ${REGEN_SECONDS:-270} ${REGEN_BATCH:-1024}
@@ -39,7 +40,7 @@ regen)
   if ! ls $K/data/shard-*.jsonl >/dev/null 2>&1 && [ $LEFT -gt 30 ]; then
     echo "no shard at batch ${REGEN_BATCH:-1024}: retrying at 256 for ${LEFT}s"; regen $LEFT 256
   fi
-  python3 - $K/data <<'PY' | tee $OUT/regen_summary.txt
+  python3 - $K/data <<'PY' | tee $L/regen_summary.txt
 import json, glob, sys
 n = t = s = 0
 for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")):
@@ -54,33 +55,37 @@ train)
   SPS=
   for MB in ${MICRO_CANDIDATES:-16384 8192 4096}; do
     echo $MB > $K/micro; rm -rf $K/probe
-    $D train $(flags) --out $K/probe --max-steps 5 --time-limit 60 > $K/probe.log 2>&1
+    $D train $(flags) --out $K/probe --max-steps 5 --time-limit 60 > $L/probe.log 2>&1
     if [ -s $K/probe/log.jsonl ] && [ $(wc -l < $K/probe/log.jsonl) -ge 2 ]; then
       SPS=$(python3 -c "
 import json,statistics
 r=[json.loads(l) for l in open('$K/probe/log.jsonl')]
 print(statistics.median([x['seconds'] for x in r[1:]]))"); break
     fi
-    echo "probe at micro-batch $MB failed:"; tail -3 $K/probe.log
+    echo "probe at micro-batch $MB failed:"; tail -3 $L/probe.log
   done
   [ -n "$SPS" ] || exit 1
   STEPS=$(python3 -c "print(max(10,int(${TRAIN_SECONDS:-800}/$SPS)))")
   echo "probe: micro-batch $(cat $K/micro), $SPS s/step -> plan of $STEPS steps"; echo $STEPS > $K/steps
   tail -1 $K/probe/log.jsonl
   LEFT=$(( ${CALL_SECONDS:-560} - ($(date +%s) - T0) - 25 ))
-  $D train $(flags) --out $K/run --max-steps $STEPS --time-limit $LEFT 2>&1 | tail -4
-  cp $K/run/log.jsonl $OUT/
+  $D train $(flags) --out $K/run --max-steps $STEPS --time-limit $LEFT 2>&1 | tee $L/train.log | tail -9
   ;;
 resume)
   [ -f $K/steps ] || { echo "no plan"; exit 1; }
-  $D train $(flags) --out $K/run --max-steps $(cat $K/steps) --resume --time-limit ${CALL_SECONDS:-400} 2>&1 | tail -9
-  mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/
-  cp $K/run/log.jsonl $K/run/curves.png $OUT/; cp $K/run/validation.json $OUT/ 2>/dev/null
+  $D train $(flags) --out $K/run --max-steps $(cat $K/steps) --resume --time-limit ${CALL_SECONDS:-400} 2>&1 \
+    | tee $L/resume.log | tail -9
   ;;
 eval)
   $D eval --target $G --draft $K/run/drafter --bench gsm8k,humaneval,mt_bench --limit ${EVAL_LIMIT:-10} \
     --max-new-tokens 256 --tree-budget 64 --device cuda --dtype ${EVAL_DTYPE:-f32} --out $OUT/eval.json 2>&1 \
-    | grep -v '^[{} ]' | head -20
+    | grep -v '^[{} ]' | tee $L/eval.log | head -30
+  ;;
+collect)
+  mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/; cp $K/run/curves.png $OUT/
+  cp $K/run/log.jsonl $K/run/validation.json $L/ 2>/dev/null
+  cp $K/probe/log.jsonl $L/probe_log.jsonl 2>/dev/null; tar czf $OUT/run_logs.tgz -C $L .
+  ls -la $OUT $OUT/drafter
   ;;
 esac
 done
