@@ -52,8 +52,9 @@ PY
 train)
   [ -x $D ] && ls $K/data/shard-*.jsonl >/dev/null 2>&1 || { echo "no binary or no data"; exit 1; }
   T0=$(date +%s)
-  SPS=
-  for MB in ${MICRO_CANDIDATES:-16384 8192 4096}; do
+  SPS=${SPS:-}
+  [ -n "$SPS" ] && echo ${MICRO:-4096} > $K/micro
+  [ -n "$SPS" ] || for MB in ${MICRO_CANDIDATES:-16384 8192 4096}; do
     echo $MB > $K/micro; rm -rf $K/probe
     $D train $(flags) --out $K/probe --max-steps 5 --time-limit 60 > $L/probe.log 2>&1
     if [ -s $K/probe/log.jsonl ] && [ $(wc -l < $K/probe/log.jsonl) -ge 2 ]; then
@@ -67,7 +68,7 @@ print(statistics.median([x['seconds'] for x in r[1:]]))"); break
   [ -n "$SPS" ] || exit 1
   STEPS=$(python3 -c "print(max(10,int(${TRAIN_SECONDS:-800}/$SPS)))")
   echo "probe: micro-batch $(cat $K/micro), $SPS s/step -> plan of $STEPS steps"; echo $STEPS > $K/steps
-  tail -1 $K/probe/log.jsonl
+  tail -1 $K/probe/log.jsonl 2>/dev/null
   LEFT=$(( ${CALL_SECONDS:-560} - ($(date +%s) - T0) - 25 ))
   $D train $(flags) --out $K/run --max-steps $STEPS --time-limit $LEFT 2>&1 | tee $L/train.log | tail -9
   ;;

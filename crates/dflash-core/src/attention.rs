@@ -85,10 +85,19 @@ impl AttentionMask {
     }
 }
 
+/// candle's fused softmax/rms-norm CUDA kernels index with 32-bit `int` (`row * ncols`): past
+/// this many elements they read out of bounds (CUDA_ERROR_ILLEGAL_ADDRESS, seen in batch-1024
+/// regen prefill). Larger tensors take the composite path, whose kernels index with `size_t`.
+pub const FUSED_MAX_ELEMENTS: usize = i32::MAX as usize;
+
 fn softmax_last(x: &Tensor, grad: Grad) -> Result<Tensor> {
+    softmax_last_within(x, grad, FUSED_MAX_ELEMENTS)
+}
+
+fn softmax_last_within(x: &Tensor, grad: Grad, fused_max: usize) -> Result<Tensor> {
     Ok(match grad {
-        Grad::Off => candle_nn::ops::softmax_last_dim(x)?,
-        Grad::On => candle_nn::ops::softmax(x, D::Minus1)?,
+        Grad::Off if x.elem_count() <= fused_max => candle_nn::ops::softmax_last_dim(x)?,
+        _ => candle_nn::ops::softmax(x, D::Minus1)?,
     })
 }
 
@@ -203,5 +212,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn softmax_past_the_fused_limit_takes_the_composite_path_with_the_same_result() {
+        let x = Tensor::arange(0f32, 24.0, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        let fused = super::softmax_last_within(&x, Grad::Off, 1 << 20).unwrap();
+        let composite = super::softmax_last_within(&x, Grad::Off, 8).unwrap();
+        let err = (fused - composite)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err < 1e-6, "{err}");
     }
 }

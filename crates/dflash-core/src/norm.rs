@@ -27,7 +27,9 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor, grad: Grad) -> Result<Tensor> {
         match grad {
-            Grad::Off if x.is_contiguous() => {
+            Grad::Off
+                if x.is_contiguous() && x.elem_count() <= crate::attention::FUSED_MAX_ELEMENTS =>
+            {
                 Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32)?)
             }
             _ => {
