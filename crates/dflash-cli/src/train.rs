@@ -29,8 +29,10 @@ pub struct TrainArgs {
     /// Tokens per optimizer step (whole sequences are packed; 0 = one sequence per step).
     #[arg(long, default_value_t = 0)]
     batch_tokens: usize,
-    /// Padded tokens per batched forward inside a step (memory cap; 0 = --batch-tokens).
-    #[arg(long, default_value_t = 0)]
+    /// Padded tokens per batched forward inside a step: the memory cap (activations grow with it
+    /// times the anchors per sequence; with --anchors 128, 16384 ran out of an H200's memory and
+    /// 4096 fit). 0 = --batch-tokens.
+    #[arg(long, default_value_t = 4096)]
     micro_batch_tokens: usize,
     #[arg(long, default_value_t = 7.0)]
     gamma: f64,
