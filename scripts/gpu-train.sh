@@ -35,10 +35,10 @@ regen)
       | tr '\r' '\n' | tee -a $L/regen.log | tail -3
   }
   T0=$(date +%s)
-  regen ${REGEN_SECONDS:-270} ${REGEN_BATCH:-1024}
+  regen ${REGEN_SECONDS:-270} ${REGEN_BATCH:-256}
   LEFT=$(( ${REGEN_SECONDS:-270} - ($(date +%s) - T0) ))
   if ! ls $K/data/shard-*.jsonl >/dev/null 2>&1 && [ $LEFT -gt 30 ]; then
-    echo "no shard at batch ${REGEN_BATCH:-1024}: retrying at 256 for ${LEFT}s"; regen $LEFT 256
+    echo "no shard at batch ${REGEN_BATCH:-256}: retrying at 256 for ${LEFT}s"; regen $LEFT 256
   fi
   python3 - $K/data <<'PY' | tee $L/regen_summary.txt
 import json, glob, sys
