@@ -222,14 +222,7 @@ mod tests {
             .unwrap();
         let fused = super::softmax_last_within(&x, Grad::Off, 1 << 20).unwrap();
         let composite = super::softmax_last_within(&x, Grad::Off, 8).unwrap();
-        let err = (fused - composite)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let err = crate::test_util::max_abs_diff(&fused, &composite);
         assert!(err < 1e-6, "{err}");
     }
 }

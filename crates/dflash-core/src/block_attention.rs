@@ -175,14 +175,7 @@ mod tests {
             .unwrap()
             .reshape((b, n * bs, h * d))
             .unwrap();
-        let err = (got - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let err = crate::test_util::max_abs_diff(&got, &want);
         assert!(err < 1e-5, "err {err}");
     }
 }

@@ -11,6 +11,8 @@ pub mod device;
 pub mod error;
 pub mod norm;
 pub mod rope;
+#[cfg(test)]
+mod test_util;
 
 pub use attention::{attention, AttentionMask};
 pub use block_attention::block_attention;

@@ -56,14 +56,7 @@ mod tests {
         let n = RmsNorm::new(w.as_tensor().clone(), 1e-6);
         let a = n.forward(x.as_tensor(), Grad::Off).unwrap();
         let b = n.forward(x.as_tensor(), Grad::On).unwrap();
-        let diff = (a - &b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = crate::test_util::max_abs_diff(&a, &b);
         assert!(diff < 1e-5);
         let grads = b.sqr().unwrap().sum_all().unwrap().backward().unwrap();
         assert!(grads.get(&w).is_some() && grads.get(&x).is_some());

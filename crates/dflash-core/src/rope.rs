@@ -226,14 +226,7 @@ mod tests {
         let (c, s) = r.cos_sin(&[5, 9, 100], &Device::Cpu, DType::F32).unwrap();
         let a = r.apply(&x, &c, &s, Grad::Off).unwrap();
         let b = r.apply(&x, &c, &s, Grad::On).unwrap();
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = crate::test_util::max_abs_diff(&a, &b);
         assert!(d < 1e-5);
     }
 

@@ -456,7 +456,9 @@ impl DFlashDrafter {
         }
         let ctx_pos: Vec<u32> = (0..s as u32).collect();
         let projected = self.project_context(ctx, grad)?;
-        let mut ctx_kv = |li: usize| self.kv(&self.layers[li], &projected, &ctx_pos, grad);
+        // one rotary table for the context rows, shared by every layer
+        let (cos, sin) = self.rotary.cos_sin(&ctx_pos, &self.device, self.dtype)?;
+        let mut ctx_kv = |li: usize| self.kv_at(&self.layers[li], &projected, &cos, &sin, grad);
         self.blocks_forward(target, (b, &block_tokens, anchors), &mut ctx_kv, s, grad)
     }
 }
