@@ -8,7 +8,11 @@
 #                 TRAIN_SECONDS of steps, train for at most CALL_SECONDS of this call
 #   stage resume: continue the same plan (--resume) for at most CALL_SECONDS, then validate
 #   stage eval  : f32 evaluation of the exported drafter on the benchmarks (T = 0)
-#   stage collect: drafter, curves.png and a tarball of the logs into $OUT (at most 8 files)
+#   stage ab    : for each init in AB_INITS, a profiled run of AB_SECONDS from the same plan and
+#                 seed (phase times and learning curves side by side in $L/ab-*.jsonl)
+#   stage data  : use regen data carried as .dev/data.tar.xz (instead of regen: join the GGUF only)
+#   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
+#                 into $OUT (at most 8 files, 16 MiB each)
 # Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,7 +20,12 @@ K=/tmp/keep; L=$K/logs; mkdir -p $L; G=$K/smol.gguf; D=$K/bin/dflash
 flags() {
   echo "--target $G --data $K/data --device cuda --layers 5 --block-size 16 --anchors ${ANCHORS:-128} \
   --batch-tokens ${BATCH_TOKENS:-16384} --micro-batch-tokens $(cat $K/micro 2>/dev/null || echo 16384) \
-  --lr ${LR:-6e-4} --epochs 40 --val-fraction ${VAL_FRACTION:-0.004} --checkpoint-every 100000"
+  --lr ${LR:-6e-4} --epochs 40 --val-fraction ${VAL_FRACTION:-0.004} --checkpoint-every 100000 \
+  --init ${INIT:-random} ${PROFILE:+--profile}"
+}
+unpack() {
+  cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa
+  mkdir -p $K/bin && for f in $K/cuda/*.xz; do xz -dc "$f" > $K/bin/$(basename "$f" .xz); done; chmod +x $K/bin/*
 }
 for STAGE in "$@"; do
 case $STAGE in
@@ -25,8 +34,7 @@ setup)
   ;;
 regen)
   [ -f $K/gguf.part_aa ] || { echo "no setup"; exit 1; }
-  cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa
-  mkdir -p $K/bin && for f in $K/cuda/*.xz; do xz -dc "$f" > $K/bin/$(basename "$f" .xz); done; chmod +x $K/bin/*
+  unpack
   xz -dc .dev/prompts.jsonl.xz > $K/prompts.jsonl
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   regen() {
@@ -47,6 +55,35 @@ for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")):
     for l in open(f):
         e = json.loads(l); n += 1; t += len(e["tokens"]); s += sum(e["loss_mask"])
 print(f"regen data: {n} examples, {t} tokens, {s} supervised")
+PY
+  ;;
+data)
+  [ -f $K/gguf.part_aa ] || { echo "no setup"; exit 1; }
+  unpack && mkdir -p $K/data && tar xJf .dev/data.tar.xz -C $K && ls $K/data | head -3
+  ;;
+ab)
+  [ -f $K/micro ] || echo ${MICRO:-4096} > $K/micro
+  # an arm is an init, optionally suffixed +events (cudarc's event tracking left on) or :SECONDS
+  for ARM in ${AB_ARMS:-random target-layers}; do
+    A=${ARM%%:*}; SECS=${ARM#*:}; [ "$SECS" = "$ARM" ] && SECS=${AB_SECONDS:-60}
+    I=${A%+events}; EV=; [ "$I" != "$A" ] && EV=1; rm -rf $K/ab-$A
+    INIT=$I PROFILE=1; DFLASH_CUDA_EVENT_TRACKING=$EV $D train $(flags) --out $K/ab-$A \
+      --max-steps ${AB_STEPS:-200} --time-limit $SECS > $L/ab-$A.log 2>&1 || tail -5 $L/ab-$A.log
+    I=$A
+    cp $K/ab-$I/log.jsonl $L/ab-$I.jsonl 2>/dev/null
+  done
+  python3 - $L <<'PY'
+import json, sys, glob, statistics as st
+for f in sorted(glob.glob(sys.argv[1] + "/ab-*.jsonl")):
+    r = [json.loads(l) for l in open(f)]
+    if not r: continue
+    ph = {k: st.median([x["phases"].get(k, 0) for x in r[1:] or r]) for k in r[-1].get("phases", {})}
+    last = r[-5:]
+    print(f"{f.split('/')[-1]}: {len(r)} steps, median {st.median([x['seconds'] for x in r[1:] or r]):.3f} s/step")
+    print("  phases (median s):", {k: round(v, 4) for k, v in sorted(ph.items(), key=lambda kv: -kv[1])})
+    for s in (0, 9, 19, 49, 99, len(r) - 1):
+        if s < len(r):
+            x = r[s]; print(f"  step {x['step']}: loss {x['loss']:.3f} acc1 {x['accuracy'][0]:.3f} streak {x['streak']:.3f}")
 PY
   ;;
 train)
@@ -83,9 +120,10 @@ eval)
     | grep -v '^[{} ]' | tee $L/eval.log | head -30
   ;;
 collect)
-  mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/; cp $K/run/curves.png $OUT/
+  [ -d $K/run/drafter ] && mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/; cp $K/run/curves.png $OUT/ 2>/dev/null
   cp $K/run/log.jsonl $K/run/validation.json $L/ 2>/dev/null
   cp $K/probe/log.jsonl $L/probe_log.jsonl 2>/dev/null; tar czf $OUT/run_logs.tgz -C $L .
+  [ -n "${KEEP_DATA:-}" ] && tar cJf $OUT/data.tar.xz -C $K data
   ls -la $OUT $OUT/drafter
   ;;
 esac

@@ -77,6 +77,14 @@ pub struct TrainArgs {
     /// Stop after this many seconds of training (checkpointed; continue with --resume).
     #[arg(long)]
     time_limit: Option<f64>,
+    /// Starting weights of a new run: `random` (N(0, 0.02²), the target's final norm),
+    /// `target-layers` (the target's top layers, fc = the deepest tap), or a drafter directory
+    /// (a warm start: its weights, with a fresh optimizer and schedule).
+    #[arg(long, default_value = "random")]
+    init: String,
+    /// Log the seconds of each phase of every step (synchronises the device between phases).
+    #[arg(long)]
+    profile: bool,
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -119,6 +127,33 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if total == 0 {
         return Err(UsageError("nothing to train on (no examples or --epochs 0)".into()).into());
     }
+    let resuming = a.resume && a.out.join("checkpoint").join("state.json").is_file();
+    let initial = match a.init.as_str() {
+        _ if resuming => None,
+        "random" => None,
+        "target-layers" => Some(
+            dflash_models::drafter::init_from_target_layers(
+                &draft_cfg,
+                &dflash_models::target_tensors(&path)?,
+                cfg.seed,
+            )
+            .map_err(|e| UsageError(format!("--init target-layers: {e}")))?,
+        ),
+        dir => {
+            let dir = std::path::Path::new(dir);
+            if !dir.is_dir() {
+                return Err(UsageError(format!(
+                    "--init {}: not random, target-layers or a drafter directory",
+                    dir.display()
+                ))
+                .into());
+            }
+            Some(
+                dflash_models::drafter::warm_start_weights(dir, &draft_cfg)
+                    .map_err(|e| UsageError(format!("--init: {e}")))?,
+            )
+        }
+    };
     let mut trainer = Trainer::open(
         target.model.as_ref(),
         draft_cfg,
@@ -127,7 +162,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
         total,
         a.resume,
         dtype,
+        initial,
     )?;
+    trainer.profile = a.profile;
     trainer.peak_flops = 1e12
         * a.peak_tflops
             .unwrap_or(if device.is_cuda() { 989.0 } else { 0.0 });
@@ -138,10 +175,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
     }
     let start = trainer.state.step;
     eprintln!(
-        "[dflash] training on {} examples × {} epochs = {total} steps (from step {start}), {} held out, {dtype:?} compute",
+        "[dflash] training on {} examples × {} epochs = {total} steps (from step {start}), {} held out, {dtype:?} compute, init {}",
         train.len(),
         a.epochs,
-        val.len()
+        val.len(),
+        if resuming { "from the checkpoint" } else { a.init.as_str() }
     );
     let pb = crate::progress::bar(total as u64, "steps");
     pb.set_position(start as u64);

@@ -17,7 +17,7 @@ pub use config::{Architecture, DecoderConfig};
 pub use decoder::Decoder;
 pub use drafter::{load_drafter, DFlashConfig, DFlashDrafter, DraftCache};
 pub use error::{ModelError, Result};
-pub use loader::{load_target, LoadedTarget};
+pub use loader::{load_target, target_tensors, LoadedTarget};
 pub use target::{
     BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
 };

@@ -68,6 +68,37 @@ pub fn load_target(path: &Path, device: &Device, dtype: DType) -> Result<LoadedT
     }
 }
 
+/// Every weight of the target at `path` by its Hugging Face name, f32 on the CPU (for starting a
+/// drafter from the target's own layers; the model built by [`load_target`] does not keep names).
+pub fn target_tensors(
+    path: &Path,
+) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    if !path.exists() {
+        return Err(ModelError::MissingFile {
+            path: path.to_path_buf(),
+            what: "target: an HF model directory or a .gguf file".into(),
+        });
+    }
+    if path.is_dir() {
+        let mut out = std::collections::HashMap::new();
+        for f in safetensors_files(path)? {
+            for (k, v) in candle_core::safetensors::load(&f, &Device::Cpu)? {
+                out.insert(k, v.to_dtype(DType::F32)?);
+            }
+        }
+        return Ok(out);
+    }
+    let gguf = GgufFile::open(path)?;
+    let cfg = gguf.decoder_config()?;
+    gguf.hf_tensors(
+        gguf.architecture()?,
+        cfg.num_attention_heads,
+        cfg.num_kv_heads(),
+        DType::F32,
+        &Device::Cpu,
+    )
+}
+
 fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget> {
     let cfg = read_config(dir)?;
     let arch = cfg

@@ -12,6 +12,7 @@ pub mod data;
 pub mod error;
 pub mod loss;
 pub mod optim;
+pub mod profile;
 pub mod step;
 pub mod trainer;
 
@@ -20,5 +21,6 @@ pub use curves::write_curves;
 pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
+pub use profile::PhaseTimer;
 pub use step::{compute_drafter, sequence_taps, Sequence, StepReport, TrainStep};
 pub use trainer::{plan_steps, RunState, StepLog, TrainConfig, Trainer, Validation};

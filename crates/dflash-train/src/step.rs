@@ -11,6 +11,7 @@
 use crate::anchors::sample_anchors;
 use crate::loss::{block_labels, chunked_block_loss, BlockLabels, BlockStats, LossReport};
 use crate::optim::{AdamW, LrSchedule};
+use crate::profile::PhaseTimer;
 use crate::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
@@ -115,6 +116,8 @@ pub struct StepReport {
     pub blocks: usize,
     /// Sequence tokens the target ran over.
     pub tokens: usize,
+    /// Seconds per phase, when the step ran with an enabled [`PhaseTimer`] (else empty).
+    pub phases: Vec<(String, f64)>,
 }
 
 fn add_grads(acc: &mut Option<GradStore>, g: GradStore, params: &[Tensor]) -> Result<()> {
@@ -171,6 +174,7 @@ impl TrainStep {
         opt: &mut AdamW,
         group: &[Sequence],
         rng: &mut ChaCha8Rng,
+        timer: &mut PhaseTimer,
     ) -> Result<StepReport> {
         let bs = drafter.block_size();
         let mut planned = vec![];
@@ -227,13 +231,20 @@ impl TrainStep {
                 report.blocks += k;
                 report.tokens += p.seq.tokens.len();
             }
+            timer.mark("plan")?;
             let taps = batch_taps(target, b, &tokens, drafter.target_layers())?;
+            timer.mark("target_taps")?;
             let hidden = drafter.forward_train_batch(target, &taps, &tokens, &anchors, Grad::On)?;
+            timer.mark("drafter_forward")?;
             let lm_head = |x: &Tensor| Ok(target.lm_head(x)?);
             let (surrogate, part, pred) =
                 chunked_block_loss(&lm_head, &hidden, &labels, total_weight, MAX_LOGITS)?;
+            timer.mark("lm_head_loss")?;
             if let Some(sur) = surrogate {
-                add_grads(&mut grads, sur.backward()?, &params)?;
+                let g = sur.backward()?;
+                timer.mark("drafter_backward")?;
+                add_grads(&mut grads, g, &params)?;
+                timer.mark("grad_accumulate")?;
             }
             loss += part;
             stats.add(&BlockStats::of(&pred, &labels, bs));
@@ -244,6 +255,8 @@ impl TrainStep {
             crate::TrainError::InvalidInput("no gradient reached the drafter".into())
         })?;
         report.grad_norm = opt.step(&grads, lr)?;
+        timer.mark("optimizer")?;
+        report.phases = timer.phases().to_vec();
         Ok(report)
     }
 }

@@ -11,6 +11,7 @@
 use crate::data::Example;
 use crate::loss::{block_labels, block_loss};
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::profile::PhaseTimer;
 use crate::step::{compute_drafter, sequence_taps, Sequence, TrainStep};
 use crate::{Result, TrainError};
 use candle_core::{DType, Var};
@@ -91,6 +92,9 @@ pub struct StepLog {
     /// Drafter matmul FLOPs per second (forward + backward, LM head included) over `peak_flops`.
     pub drafter_mfu: f64,
     pub seconds: f64,
+    /// Seconds per phase of the step (device-synchronised), when the run profiles.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub phases: std::collections::BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -123,6 +127,9 @@ pub struct Trainer<'a> {
     pub peak_flops: f64,
     /// Stop (after a checkpoint) once a call to [`Trainer::run`] has run this long.
     pub time_limit: Option<std::time::Duration>,
+    /// Time each phase of a step (synchronising the device between phases, which costs a
+    /// little speed) and log it as `phases`.
+    pub profile: bool,
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
@@ -133,7 +140,9 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
 }
 
 impl<'a> Trainer<'a> {
-    /// A new run in `dir`, or — when `resume` and a checkpoint exists — the run continued from it.
+    /// A new run in `dir` starting from `initial` weights (default: [`init_weights_for_target`]),
+    /// or — when `resume` and a checkpoint exists — the run continued from it (`initial` unused).
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         target: &'a dyn TargetModel,
         draft_cfg: DFlashConfig,
@@ -142,6 +151,7 @@ impl<'a> Trainer<'a> {
         total_steps: usize,
         resume: bool,
         compute_dtype: DType,
+        initial: Option<BTreeMap<String, candle_core::Tensor>>,
     ) -> Result<Self> {
         let ckpt = dir.join("checkpoint");
         let state_path = ckpt.join("state.json");
@@ -158,7 +168,10 @@ impl<'a> Trainer<'a> {
             (w, state)
         } else {
             (
-                init_weights_for_target(&draft_cfg, target, cfg.seed)?,
+                match initial {
+                    Some(w) => w,
+                    None => init_weights_for_target(&draft_cfg, target, cfg.seed)?,
+                },
                 RunState {
                     step: 0,
                     total_steps,
@@ -198,6 +211,7 @@ impl<'a> Trainer<'a> {
             compute_dtype,
             peak_flops: 0.0,
             time_limit: None,
+            profile: false,
         })
     }
 
@@ -341,6 +355,8 @@ impl<'a> Trainer<'a> {
                     .wrapping_add(s as u64),
             );
             let lr = ts.schedule.at(s);
+            let mut timer =
+                PhaseTimer::new(self.profile.then(|| self.target.info().device.clone()))?;
             let drafter = if self.compute_dtype == DType::F32 {
                 None
             } else {
@@ -350,12 +366,14 @@ impl<'a> Trainer<'a> {
                     self.compute_dtype,
                 )?)
             };
+            timer.mark("cast_weights")?;
             let r = ts.run(
                 self.target,
                 drafter.as_ref().unwrap_or(&self.drafter),
                 &mut self.opt,
                 &group,
                 &mut rng,
+                &mut timer,
             )?;
             self.state.step += 1;
             let secs = t0.elapsed().as_secs_f64();
@@ -377,6 +395,7 @@ impl<'a> Trainer<'a> {
                     0.0
                 },
                 seconds: secs,
+                phases: r.phases.into_iter().collect(),
             };
             writeln!(
                 log,

@@ -9,7 +9,7 @@ use dflash_decoding::{
 };
 use dflash_models::drafter::{config_for_target, random_weights, save_drafter};
 use dflash_models::{load_drafter, load_target, DFlashConfig, DFlashDrafter, LoadedTarget};
-use dflash_train::{AdamW, AdamWConfig, LrSchedule, Sequence, TrainStep};
+use dflash_train::{AdamW, AdamWConfig, LrSchedule, PhaseTimer, Sequence, TrainStep};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, HashMap};
@@ -97,10 +97,17 @@ fn train(
                 tokens: seq,
                 loss_mask: mask,
             }];
-            ts.run(t.model.as_ref(), d, opt, &group, &mut rng)
-                .unwrap()
-                .loss
-                .loss
+            ts.run(
+                t.model.as_ref(),
+                d,
+                opt,
+                &group,
+                &mut rng,
+                &mut PhaseTimer::new(None).unwrap(),
+            )
+            .unwrap()
+            .loss
+            .loss
         })
         .collect()
 }
@@ -222,7 +229,14 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
         let d = dflash_train::compute_drafter(&cfg, &vm, DType::BF16).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(s);
         let r = ts
-            .run(t.model.as_ref(), &d, &mut opt, &group, &mut rng)
+            .run(
+                t.model.as_ref(),
+                &d,
+                &mut opt,
+                &group,
+                &mut rng,
+                &mut PhaseTimer::new(None).unwrap(),
+            )
             .unwrap();
         assert_eq!(
             r.tokens,
@@ -275,8 +289,15 @@ fn micro_batching_and_padding_do_not_change_the_step() {
             })
             .collect();
         let mut rng = ChaCha8Rng::seed_from_u64(3);
-        ts.run(t.model.as_ref(), &d, &mut opt, &group, &mut rng)
-            .unwrap()
+        ts.run(
+            t.model.as_ref(),
+            &d,
+            &mut opt,
+            &group,
+            &mut rng,
+            &mut PhaseTimer::new(None).unwrap(),
+        )
+        .unwrap()
     };
     let one = run(1 << 20);
     let each = run(1);

@@ -146,6 +146,140 @@ pub fn init_weights_for_target(
     Ok(w)
 }
 
+/// Weights that start from the target's own top layers (`target` by Hugging Face name, as
+/// [`crate::target_tensors`] returns them): drafter layer `i` of `L` copies target layer
+/// `N − L + i` (attention projections, MLP, both layer norms, and q/k norms where the target has
+/// them; else those start at 1); `fc` starts as the identity on the deepest tap and 0 elsewhere,
+/// so the context rows enter the first copied layer as that tap; `hidden_norm` copies the first
+/// copied layer's input norm and `norm` the target's final norm. Everything else is
+/// [`random_weights`]. Errors when a copied tensor's shape differs from the drafter's.
+pub fn init_from_target_layers(
+    cfg: &DFlashConfig,
+    target: &std::collections::HashMap<String, Tensor>,
+    seed: u64,
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut w = random_weights(cfg, seed)?;
+    let (n, l, h) = (
+        cfg.num_target_layers,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+    );
+    if l > n {
+        return Err(ModelError::Mismatch(format!(
+            "a {l}-layer drafter cannot start from a {n}-layer target's top layers"
+        )));
+    }
+    let mut copy = |dst: String, src: String, required: bool| -> Result<()> {
+        let Some(t) = target.get(&src) else {
+            return if required {
+                Err(ModelError::Mismatch(format!(
+                    "the target has no tensor {src} to start {dst} from"
+                )))
+            } else {
+                Ok(())
+            };
+        };
+        let want = w.get(&dst).map(|t| t.dims().to_vec()).unwrap_or_default();
+        if t.dims() != want.as_slice() {
+            return Err(ModelError::Mismatch(format!(
+                "target {src} has shape {:?}, drafter {dst} needs {want:?}",
+                t.dims()
+            )));
+        }
+        w.insert(dst, t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?);
+        Ok(())
+    };
+    for i in 0..l {
+        let j = n - l + i;
+        for (name, required) in [
+            ("input_layernorm.weight", true),
+            ("post_attention_layernorm.weight", true),
+            ("self_attn.q_proj.weight", true),
+            ("self_attn.k_proj.weight", true),
+            ("self_attn.v_proj.weight", true),
+            ("self_attn.o_proj.weight", true),
+            ("self_attn.q_norm.weight", false),
+            ("self_attn.k_norm.weight", false),
+            ("mlp.gate_proj.weight", true),
+            ("mlp.up_proj.weight", true),
+            ("mlp.down_proj.weight", true),
+        ] {
+            copy(
+                format!("layers.{i}.{name}"),
+                format!("model.layers.{j}.{name}"),
+                required,
+            )?;
+        }
+    }
+    copy(
+        "hidden_norm.weight".into(),
+        format!("model.layers.{}.input_layernorm.weight", n - l),
+        true,
+    )?;
+    copy("norm.weight".into(), "model.norm.weight".into(), true)?;
+    let taps = cfg.target_layer_ids().len();
+    let mut fc = vec![0f32; h * taps * h];
+    for r in 0..h {
+        fc[r * taps * h + (taps - 1) * h + r] = 1.0;
+    }
+    w.insert(
+        "fc.weight".into(),
+        Tensor::from_vec(fc, (h, taps * h), &Device::Cpu)?,
+    );
+    Ok(w)
+}
+
+/// The weights of the drafter saved in `dir` (z-lab format), f32 on the CPU, to continue
+/// training from (a warm start: the optimizer and schedule start fresh). Errors unless its config
+/// has `cfg`'s layers, block size, taps and parameter shapes.
+pub fn warm_start_weights(dir: &Path, cfg: &DFlashConfig) -> Result<BTreeMap<String, Tensor>> {
+    let (saved, path): (DFlashConfig, _) = crate::loader::read_json_config(dir, "drafter config")?;
+    let same = saved.num_hidden_layers == cfg.num_hidden_layers
+        && saved.block_size == cfg.block_size
+        && saved.hidden_size == cfg.hidden_size
+        && saved.target_layer_ids() == cfg.target_layer_ids();
+    if !same {
+        return Err(ModelError::Mismatch(format!(
+            "{}: {} layers, block {}, hidden {}, taps {:?}; this run wants {} layers, block {}, \
+             hidden {}, taps {:?}",
+            path.display(),
+            saved.num_hidden_layers,
+            saved.block_size,
+            saved.hidden_size,
+            saved.target_layer_ids(),
+            cfg.num_hidden_layers,
+            cfg.block_size,
+            cfg.hidden_size,
+            cfg.target_layer_ids()
+        )));
+    }
+    let mut w = BTreeMap::new();
+    for f in safetensors_files(dir)? {
+        for (k, v) in candle_core::safetensors::load(&f, &Device::Cpu)? {
+            w.insert(k, v.to_dtype(DType::F32)?);
+        }
+    }
+    for (name, shape) in parameter_shapes(cfg) {
+        match w.get(&name) {
+            Some(t) if t.dims() == shape.as_slice() => {}
+            Some(t) => {
+                return Err(ModelError::Mismatch(format!(
+                    "{}: {name} has shape {:?}, expected {shape:?}",
+                    dir.display(),
+                    t.dims()
+                )))
+            }
+            None => {
+                return Err(ModelError::Mismatch(format!(
+                    "{}: no tensor {name}",
+                    dir.display()
+                )))
+            }
+        }
+    }
+    Ok(w)
+}
+
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| ModelError::Io {
