@@ -10,7 +10,12 @@
 #   stage eval  : f32 evaluation of the exported drafter on the benchmarks (T = 0)
 #   stage ab    : for each init in AB_INITS, a profiled run of AB_SECONDS from the same plan and
 #                 seed (phase times and learning curves side by side in $L/ab-*.jsonl)
-#   stage data  : use regen data carried as .dev/data.tar.xz (instead of regen: join the GGUF only)
+#   stage ncu   : Nsight Compute's kernel times over NCU_STEPS steps of one micro-batch, summed by
+#                 kernel name against the wall time (is a step GPU-bound, and on which kernels?)
+#   stage stash : keep what this call carried of .dev/warm (a drafter to warm-start from, then
+#                 INIT=/tmp/keep/warm) and .dev/data.tar.xz (regen data from an earlier session)
+#   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
+#                 data instead of regenerating it
 #   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
 #                 into $OUT (at most 8 files, 16 MiB each)
 # Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
@@ -26,6 +31,12 @@ flags() {
 unpack() {
   cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa
   mkdir -p $K/bin && for f in $K/cuda/*.xz; do xz -dc "$f" > $K/bin/$(basename "$f" .xz); done; chmod +x $K/bin/*
+}
+# GPU utilisation once a second while a stage trains (summarised by `dmon_summary`)
+dmon() { nvidia-smi dmon -s u -d 1 > $L/dmon-$1.log 2>&1 & echo $! > $K/dmon.pid; }
+dmon_summary() {
+  kill $(cat $K/dmon.pid) 2>/dev/null
+  awk '!/^#/ && NF>2 {n++; sm+=$2; mem+=$3} END {if (n) printf "dmon %s: %d samples, mean SM busy %.0f%%, memory busy %.0f%%\n", "'$1'", n, sm/n, mem/n}' $L/dmon-$1.log
 }
 for STAGE in "$@"; do
 case $STAGE in
@@ -57,12 +68,17 @@ for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")):
 print(f"regen data: {n} examples, {t} tokens, {s} supervised")
 PY
   ;;
+stash)
+  [ -d .dev/warm ] && cp -r .dev/warm $K/warm && ls $K/warm
+  [ -f .dev/data.tar.xz ] && cp .dev/data.tar.xz $K/ && ls -la $K/data.tar.xz
+  ;;
 data)
   [ -f $K/gguf.part_aa ] || { echo "no setup"; exit 1; }
-  unpack && mkdir -p $K/data && tar xJf .dev/data.tar.xz -C $K && ls $K/data | head -3
+  A=$K/data.tar.xz; [ -f $A ] || A=.dev/data.tar.xz
+  unpack && mkdir -p $K/data && tar xJf $A -C $K && ls $K/data | head -3
   ;;
 ab)
-  [ -f $K/micro ] || echo ${MICRO:-4096} > $K/micro
+  [ -f $K/micro ] || echo ${MICRO:-4096} > $K/micro; dmon ab
   # an arm is an init, optionally suffixed +events (cudarc's event tracking left on) or :SECONDS
   for ARM in ${AB_ARMS:-random target-layers}; do
     A=${ARM%%:*}; SECS=${ARM#*:}; [ "$SECS" = "$ARM" ] && SECS=${AB_SECONDS:-60}
@@ -107,12 +123,38 @@ print(statistics.median([x['seconds'] for x in r[1:]]))"); break
   echo "probe: micro-batch $(cat $K/micro), $SPS s/step -> plan of $STEPS steps"; echo $STEPS > $K/steps
   tail -1 $K/probe/log.jsonl 2>/dev/null
   LEFT=$(( ${CALL_SECONDS:-560} - ($(date +%s) - T0) - 25 ))
+  dmon train
   $D train $(flags) --out $K/run --max-steps $STEPS --time-limit $LEFT 2>&1 | tee $L/train.log | tail -9
+  dmon_summary train
+  ;;
+ncu)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "no ncu"; exit 1; }
+  rm -rf $K/ncu-run; T0=$(date +%s.%N)
+  $NCU --clock-control none --metrics gpu__time_duration.sum --csv --log-file $L/ncu.csv \
+    $D train $(flags) --batch-tokens 4096 --micro-batch-tokens 4096 --out $K/ncu-run \
+    --max-steps ${NCU_STEPS:-2} > $L/ncu-train.log 2>&1 || tail -5 $L/ncu-train.log
+  python3 - $L/ncu.csv $K/ncu-run/log.jsonl <<'PY'
+import csv, json, sys, collections
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+t = collections.defaultdict(float); n = collections.Counter()
+for r in rows:
+    if r.get("Metric Name") != "gpu__time_duration.sum": continue
+    v = float(r["Metric Value"].replace(",", "")); unit = r.get("Metric Unit", "nsecond")
+    v *= {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}.get(unit, 1e-9)
+    k = r["Kernel Name"].split("(")[0][:60]; t[k] += v; n[k] += 1
+tot = sum(t.values()); steps = [json.loads(l) for l in open(sys.argv[2])]
+print(f"ncu: {sum(n.values())} kernels, {tot:.3f} s of kernel time over {len(steps)} steps")
+for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
+    print(f"  {v:8.4f} s {100*v/tot:5.1f}% {n[k]:6d}x  {k}")
+PY
   ;;
 resume)
   [ -f $K/steps ] || { echo "no plan"; exit 1; }
+  dmon resume
   $D train $(flags) --out $K/run --max-steps $(cat $K/steps) --resume --time-limit ${CALL_SECONDS:-400} 2>&1 \
     | tee $L/resume.log | tail -9
+  dmon_summary resume
   ;;
 eval)
   $D eval --target $G --draft $K/run/drafter --bench gsm8k,humaneval,mt_bench --limit ${EVAL_LIMIT:-10} \

@@ -187,3 +187,48 @@ fn bad_sampling_values_and_prompt_longer_than_context() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("does not fit the context of 8192"), "{err}");
 }
+
+#[test]
+fn train_init_that_is_no_drafter_or_does_not_fit() {
+    let t = root().join("fixtures/tiny-llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let toks: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 263).collect();
+    let line = serde_json::json!({"tokens": toks, "loss_mask": vec![1u8; 40]}).to_string();
+    std::fs::write(data.join("shard-00000.jsonl"), format!("{line}\n{line}\n")).unwrap();
+    let train = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .arg("train")
+            .arg("--target")
+            .arg(&t)
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(tmp.path().join("run"))
+            .args(["--block-size", "4", "--anchors", "4", "--max-steps", "1"])
+            .args(extra)
+            .output()
+            .expect("run dflash");
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!err.contains("panicked"), "panic: {err}");
+        (out.status.code().unwrap_or(-1), err)
+    };
+    let (code, err) = train(&["--layers", "2", "--init", "/no/such/drafter"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("not random, target-layers or a drafter directory"),
+        "{err}"
+    );
+    // a 3-layer target has no top 4 layers to start from
+    let (code, err) = train(&["--layers", "4", "--init", "target-layers"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("target-layers"), "{err}");
+    // a 2-layer run from its own drafter works; a 1-layer run from it is refused
+    let (code, err) = train(&["--layers", "2", "--init", "target-layers"]);
+    assert_eq!(code, 0, "{err}");
+    let drafter = tmp.path().join("run/drafter");
+    let (code, err) = train(&["--layers", "1", "--init", drafter.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("layers"), "{err}");
+}

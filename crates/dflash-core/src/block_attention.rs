@@ -50,6 +50,9 @@ pub fn block_attention(
         .reshape((b, kv_heads, rep, n, block, d))?
         .permute((0, 1, 3, 2, 4, 5))?
         .contiguous()?;
+    // the softmax scale goes on the queries (rows × d) rather than on both score tensors
+    // (rows × (S + B), f32), forward and backward
+    let qg = (qg * scale)?;
     let group_rows = rep * block;
     let six = (b, kv_heads, n, rep, block);
     let mut ctx_scores = None;
@@ -58,7 +61,7 @@ pub fn block_attention(
             .reshape((b, kv_heads, n * group_rows, d))?
             .matmul(&ctx_k.t()?)?
             .to_dtype(DType::F32)?;
-        let sc = (sc * scale)?.reshape((six.0, six.1, six.2, six.3, six.4, s))?;
+        let sc = sc.reshape((six.0, six.1, six.2, six.3, six.4, s))?;
         let sc = match ctx_mask {
             Some(m) => {
                 let (mb, mn, ms, mk) = m.dims4()?;
@@ -80,7 +83,7 @@ pub fn block_attention(
         .reshape((b * kv_heads * n, group_rows, d))?
         .matmul(&bk.t()?)?
         .to_dtype(DType::F32)?;
-    let sb = (sb * scale)?.reshape((six.0, six.1, six.2, six.3, six.4, block))?;
+    let sb = sb.reshape((six.0, six.1, six.2, six.3, six.4, block))?;
     let sb = match blk_mask {
         Some(m) => sb.broadcast_add(&m.reshape((1, 1, 1, 1, block, block))?)?,
         None => sb,

@@ -11,9 +11,9 @@
 //!   finished, so a long answer does not keep short ones computing.
 
 use crate::ar::{token_budget, StopReason};
-use crate::sampling::{Sampler, SamplingConfig};
+use crate::sampling::{greedy_rows, Sampler, SamplingConfig};
 use crate::Result;
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{Device, Tensor};
 use dflash_models::{BatchForwardRequest, LogitRows, TargetModel};
 
 #[derive(Debug, Clone)]
@@ -200,13 +200,13 @@ fn budget_reason(r: &Row) -> StopReason {
     }
 }
 
-/// The next token of every row from `[rows, 1, vocab]` logits: argmax on the device when greedy
-/// (only `rows` ids cross to the host), else each row's own sampler.
+/// The next token of every row from `[rows, 1, vocab]` logits: [`greedy_rows`] on the device when
+/// greedy (only `rows` ids cross to the host, ties to the lowest id as in single-sequence
+/// decoding), else each row's own sampler.
 fn pick(rows: &mut [Row], logits: &Tensor, sampling: &SamplingConfig) -> Result<Vec<u32>> {
     let logits = logits.squeeze(1)?;
     if sampling.is_greedy() {
-        let ids = logits.argmax(D::Minus1)?.to_dtype(DType::U32)?;
-        return Ok(ids.to_device(&Device::Cpu)?.to_vec1()?);
+        return greedy_rows(&logits);
     }
     let host: Vec<Vec<f32>> = logits.to_device(&Device::Cpu)?.to_vec2()?;
     Ok(rows

@@ -1,7 +1,9 @@
 //! Token choice from logits: greedy, or temperature with top-k / top-p, from a seeded ChaCha RNG.
 //!
 //! Invariants:
-//! - `temperature == 0` is greedy argmax; ties go to the lowest id (as `torch.argmax`).
+//! - `temperature == 0` is greedy argmax; ties go to the lowest id (as `torch.argmax`), on the host
+//!   ([`argmax`]) and on the device ([`greedy_rows`], which reads back one id per row instead of
+//!   the rows of logits).
 //! - The same seed and the same sequence of calls give the same tokens on every machine
 //!   (ChaCha8, not `StdRng`, whose algorithm may change between rand versions).
 //! - Filtering follows transformers' order: temperature, then top-k, then top-p; the most likely
@@ -61,6 +63,32 @@ impl SamplingConfig {
 pub struct Sampler {
     cfg: SamplingConfig,
     rng: ChaCha8Rng,
+}
+
+/// The greedy token of every row of `[rows, vocab]` logits, computed where the logits are: the
+/// lowest id among each row's maxima (as [`argmax`]), so only `rows` ids cross to the host. A row
+/// without a maximum (NaN) falls back to the host [`argmax`] of that row.
+pub fn greedy_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    let l = logits.to_dtype(DType::F32)?;
+    let (rows, vocab) = l.dims2()?;
+    let dev = l.device();
+    let hit = l.broadcast_eq(&l.max_keepdim(1)?)?;
+    let ids = Tensor::arange(0u32, vocab as u32, dev)?
+        .unsqueeze(0)?
+        .broadcast_as((rows, vocab))?;
+    let none = Tensor::full(u32::MAX, (rows, vocab), dev)?;
+    let mut out: Vec<u32> = hit
+        .where_cond(&ids, &none)?
+        .min(1)?
+        .to_device(&Device::Cpu)?
+        .to_vec1()?;
+    for (r, id) in out.iter_mut().enumerate() {
+        if *id == u32::MAX {
+            let row: Vec<f32> = l.get(r)?.to_device(&Device::Cpu)?.to_vec1()?;
+            *id = argmax(&row);
+        }
+    }
+    Ok(out)
 }
 
 /// Index of the largest value; the first one on ties.
@@ -161,8 +189,11 @@ impl Sampler {
         Ok((rows.iter().map(|r| self.sample(r)).collect(), margins))
     }
 
-    /// One token per row of `[rows, vocab]` logits, rows in order.
+    /// One token per row of `[rows, vocab]` logits, rows in order (greedy: [`greedy_rows`]).
     pub fn sample_rows(&mut self, logits: &Tensor) -> Result<Vec<u32>> {
+        if self.cfg.is_greedy() {
+            return greedy_rows(logits);
+        }
         let logits = logits.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         Ok(rows.iter().map(|r| self.sample(r)).collect())
@@ -172,6 +203,23 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn greedy_rows_is_the_host_argmax_with_ties_to_the_lowest_id() {
+        let rows = vec![
+            vec![0.5f32, 2.0, -1.0, 2.0, 1.0],
+            vec![3.0, 3.0, 3.0, 3.0, 3.0],
+            vec![-5.0, -4.0, -3.0, -2.0, -1.0],
+            vec![f32::NAN, 1.0, 7.0, 0.0, 7.0],
+        ];
+        let t = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        let got = greedy_rows(&t).unwrap();
+        let want: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+        assert_eq!(&got[..3], &[1, 0, 4]);
+        assert_eq!(&got[..3], &want[..3]);
+        // a NaN row takes the host path, whatever it answers
+        assert_eq!(got[3], want[3]);
+    }
 
     #[test]
     fn greedy_takes_first_max() {

@@ -13,7 +13,7 @@
 //!   (DDTree); emission stops at the first stop token or the token budget, as AR does.
 
 use crate::ar::{token_budget, Emitter, GenerateConfig, Generation};
-use crate::sampling::{argmax, Sampler};
+use crate::sampling::{greedy_rows, Sampler};
 use crate::tree::{build_tree, top_k_log_probs};
 use crate::Result;
 use candle_core::{DType, Device, Tensor};
@@ -122,6 +122,13 @@ fn concat_taps(taps: &[Tensor]) -> Result<Tensor> {
     Ok(Tensor::cat(taps, 1)?)
 }
 
+/// What a draft hands the verifier: DFlash's argmax ids, or DDTree's rows of logits and its
+/// node budget.
+enum Draft {
+    Ids(Vec<u32>),
+    Rows(Vec<Vec<f32>>, usize),
+}
+
 fn rows_f32(t: &Tensor) -> Result<Vec<Vec<f32>>> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2()?)
 }
@@ -177,7 +184,11 @@ pub fn generate_speculative(
         let bonus = history[start];
         let td = Instant::now();
         let draft_logits = drafter.draft(target, &new_ctx, bonus, start, &history)?;
-        let draft_rows = rows_f32(&draft_logits)?;
+        // DFlash proposes each row's argmax (only ids cross to the host); DDTree needs the rows
+        let draft = match mode {
+            SpecMode::DFlash => Draft::Ids(greedy_rows(&draft_logits)?),
+            SpecMode::DdTree { budget: nodes } => Draft::Rows(rows_f32(&draft_logits)?, nodes),
+        };
         let dt = td.elapsed().as_secs_f64();
         if steps == 0 {
             stats.draft_prefill_seconds = dt;
@@ -185,10 +196,10 @@ pub fn generate_speculative(
             stats.draft_seconds += dt;
         }
         let tv = Instant::now();
-        let (accepted_path, emitted, taps_out) = match mode {
-            SpecMode::DFlash => {
+        let (accepted_path, emitted, taps_out) = match &draft {
+            Draft::Ids(ids) => {
                 let mut block = vec![bonus];
-                block.extend(draft_rows.iter().map(|r| argmax(r)));
+                block.extend_from_slice(ids);
                 let pos: Vec<u32> = (start as u32..(start + block.len()) as u32).collect();
                 let req = ForwardRequest {
                     tokens: &block,
@@ -208,9 +219,9 @@ pub fn generate_speculative(
                 emitted.push(y[a]);
                 ((0..=a as u32).collect::<Vec<u32>>(), emitted, out.taps)
             }
-            SpecMode::DdTree { budget: nodes } => {
+            &Draft::Rows(ref draft_rows, nodes) => {
                 let tb = Instant::now();
-                let top = top_k_log_probs(&draft_rows, nodes.max(1));
+                let top = top_k_log_probs(draft_rows, nodes.max(1));
                 let tree = build_tree(bonus, &top, nodes);
                 stats.tree_build_seconds += tb.elapsed().as_secs_f64();
                 let pos: Vec<u32> = tree.depths.iter().map(|d| (start + d) as u32).collect();

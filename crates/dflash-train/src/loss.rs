@@ -185,7 +185,9 @@ pub fn chunked_block_loss(
     let vocab = probe.dim(1)?;
     let chunk = (max_logits / vocab).max(1);
     let mut grad: Option<Tensor> = None;
-    let mut loss = 0f64;
+    // the loss and the argmax stay on the device until every chunk is queued: one read-back
+    let mut loss: Option<Tensor> = None;
+    let mut argmax: Vec<Tensor> = vec![];
     for (c, rows_c) in picked.chunks(chunk).enumerate() {
         let x = leaf.as_tensor().narrow(0, c * chunk, rows_c.len())?;
         let logits = lm_head(&x)?.to_dtype(DType::F32)?;
@@ -203,14 +205,12 @@ pub fn chunked_block_loss(
         let target_logit = logits.gather(&lab, 1)?.squeeze(1)?;
         let w = Tensor::from_vec(w, rows_c.len(), dev)?;
         let part = (((lse - target_logit)? * w)?.sum_all()? / norm.max(1e-6) as f64)?;
-        loss += part.to_device(&Device::Cpu)?.to_scalar::<f32>()? as f64;
-        let am: Vec<u32> = logits
-            .argmax(D::Minus1)?
-            .to_device(&Device::Cpu)?
-            .to_vec1()?;
-        for (&i, p) in rows_c.iter().zip(am) {
-            pred[i as usize] = p;
-        }
+        let part_value = part.detach();
+        loss = Some(match loss {
+            Some(acc) => (acc + part_value)?,
+            None => part_value,
+        });
+        argmax.push(logits.argmax(D::Minus1)?);
         let g = part.backward()?;
         let g = g.get(leaf.as_tensor()).cloned().ok_or_else(|| {
             TrainError::InvalidInput("no gradient reaches the LM head input".into())
@@ -220,6 +220,16 @@ pub fn chunked_block_loss(
             None => g,
         });
     }
+    let am: Vec<u32> = Tensor::cat(&argmax, 0)?
+        .to_device(&Device::Cpu)?
+        .to_vec1()?;
+    for (&i, p) in picked.iter().zip(am) {
+        pred[i as usize] = p;
+    }
+    let loss = match loss {
+        Some(l) => l.to_device(&Device::Cpu)?.to_scalar::<f32>()? as f64,
+        None => 0.0,
+    };
     let grad = grad.expect("at least one chunk").detach();
     let surrogate = (sel * grad.to_dtype(hidden.dtype())?)?.sum_all()?;
     Ok((Some(surrogate), loss, pred))
