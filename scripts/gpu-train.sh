@@ -26,7 +26,7 @@ flags() {
   echo "--target $G --data $K/data --device cuda --layers 5 --block-size 16 --anchors ${ANCHORS:-128} \
   --batch-tokens ${BATCH_TOKENS:-16384} --micro-batch-tokens $(cat $K/micro 2>/dev/null || echo 16384) \
   --lr ${LR:-6e-4} --epochs 40 --val-fraction ${VAL_FRACTION:-0.004} --checkpoint-every 100000 \
-  --init ${INIT:-random} ${PROFILE:+--profile}"
+  --init ${INIT:-random} ${PROFILE:+--profile} --distill ${DISTILL:-0}"
 }
 unpack() {
   cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa
@@ -36,7 +36,7 @@ unpack() {
 dmon() { nvidia-smi dmon -s u -d 1 > $L/dmon-$1.log 2>&1 & echo $! > $K/dmon.pid; }
 dmon_summary() {
   kill $(cat $K/dmon.pid) 2>/dev/null
-  awk '!/^#/ && NF>2 {n++; sm+=$2; mem+=$3} END {if (n) printf "dmon %s: %d samples, mean SM busy %.0f%%, memory busy %.0f%%\n", "'$1'", n, sm/n, mem/n}' $L/dmon-$1.log
+  awk '!/^#/ && $2 ~ /^[0-9]+$/ {n++; sm+=$2; mem+=$3} END {if (n) printf "dmon %s: %d samples, mean SM busy %.0f%%, memory busy %.0f%%\n", "'$1'", n, sm/n, mem/n}' $L/dmon-$1.log
 }
 for STAGE in "$@"; do
 case $STAGE in
@@ -79,15 +79,22 @@ data)
   ;;
 ab)
   [ -f $K/micro ] || echo ${MICRO:-4096} > $K/micro; dmon ab
-  # an arm is an init, optionally suffixed +events (cudarc's event tracking left on) or :SECONDS
+  SAVED="${INIT:-random}|${DISTILL:-0}|${PROFILE:-}"
+  # an arm is an init (random, target-layers or a drafter dir such as /tmp/keep/warm), optionally
+  # suffixed +events (cudarc's event tracking left on), +pool (CUDA's pool release at every sync),
+  # +distill (--distill ${AB_DISTILL:-0.5}), then :SECONDS
   for ARM in ${AB_ARMS:-random target-layers}; do
     A=${ARM%%:*}; SECS=${ARM#*:}; [ "$SECS" = "$ARM" ] && SECS=${AB_SECONDS:-60}
-    I=${A%+events}; EV=; [ "$I" != "$A" ] && EV=1; rm -rf $K/ab-$A
-    INIT=$I PROFILE=1; DFLASH_CUDA_EVENT_TRACKING=$EV $D train $(flags) --out $K/ab-$A \
-      --max-steps ${AB_STEPS:-200} --time-limit $SECS > $L/ab-$A.log 2>&1 || tail -5 $L/ab-$A.log
+    I=${A%%+*}; EV=; POOL=; DISTILL=0
+    case $A in *+events*) EV=1;; esac; case $A in *+pool*) POOL=1;; esac
+    case $A in *+distill*) DISTILL=${AB_DISTILL:-0.5};; esac
+    A=$(echo "$A" | tr '/' '_'); rm -rf $K/ab-$A
+    INIT=$I PROFILE=1; DFLASH_CUDA_EVENT_TRACKING=$EV DFLASH_CUDA_POOL_RELEASE=$POOL $D train $(flags) \
+      --out $K/ab-$A --max-steps ${AB_STEPS:-200} --time-limit $SECS > $L/ab-$A.log 2>&1 || tail -5 $L/ab-$A.log
     I=$A
     cp $K/ab-$I/log.jsonl $L/ab-$I.jsonl 2>/dev/null
   done
+  IFS='|' read -r INIT DISTILL PROFILE <<< "$SAVED"; dmon_summary ab
   python3 - $L <<'PY'
 import json, sys, glob, statistics as st
 for f in sorted(glob.glob(sys.argv[1] + "/ab-*.jsonl")):

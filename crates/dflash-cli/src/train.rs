@@ -85,6 +85,10 @@ pub struct TrainArgs {
     /// Log the seconds of each phase of every step (synchronises the device between phases).
     #[arg(long)]
     profile: bool,
+    /// Self-distillation: the share α of the target's own next-token distribution in each block
+    /// row's loss, `(1 − α)·CE(label) + α·H(p_target, q)` (0 = labels only, as the paper).
+    #[arg(long, default_value_t = 0.0)]
+    distill: f64,
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -116,7 +120,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
         },
         batch_tokens: a.batch_tokens,
         micro_batch_tokens: a.micro_batch_tokens,
+        distill: a.distill,
     };
+    if !(0.0..=1.0).contains(&a.distill) {
+        return Err(UsageError(format!("--distill {} must be in [0, 1]", a.distill)).into());
+    }
     let lengths: Vec<usize> = train.iter().map(|e| e.tokens.len()).collect();
     let mut plan = plan_steps(&lengths, &cfg);
     if let Some(m) = a.max_steps {

@@ -22,5 +22,8 @@ pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use profile::PhaseTimer;
-pub use step::{compute_drafter, sequence_taps, Sequence, StepReport, TrainStep};
+pub use step::{
+    batch_probs, compute_drafter, sequence_taps, soft_label_positions, Sequence, StepReport,
+    TrainStep,
+};
 pub use trainer::{plan_steps, RunState, StepLog, TrainConfig, Trainer, Validation};

@@ -3,7 +3,8 @@
 //! Invariants: row k of block b is labelled with `tokens[a_b + k]` (same position: the drafter
 //! predicts the token *at* each block slot); weight `w_k = exp(−(k−1)/γ)` for k ≥ 1, 0 for k = 0,
 //! 0 past the sequence end or where `loss_mask` is off; loss = Σ w·CE / Σ w; the log-softmax is
-//! candle's differentiable composite.
+//! candle's differentiable composite. With soft labels (self-distillation) a row's CE mixes the
+//! label with the target's own distribution for that token; α = 0 is exactly the plain loss.
 
 use crate::{Result, TrainError};
 use candle_core::{DType, Device, Tensor, D};
@@ -150,6 +151,17 @@ impl BlockStats {
     }
 }
 
+/// The target's own next-token distribution as a soft label (self-distillation): `probs`
+/// `[P, V]` f32 are the target's probabilities at P sequence positions (detached), `position[i]`
+/// the row of `probs` whose prediction block row `i` learns (for the token at `anchor + k` that is
+/// the target's output at `anchor + k − 1`), and `alpha` the soft term's share: each row's loss is
+/// `(1 − α)·CE(label) + α·H(p_target, q)`.
+pub struct SoftLabels<'a> {
+    pub probs: &'a Tensor,
+    pub position: &'a [u32],
+    pub alpha: f64,
+}
+
 /// The loss of hidden rows through the target's LM head, computed in row chunks so the f32 logits
 /// never exceed `max_logits` elements. `hidden` `[nb·B, H]` (graph attached), `labels` its layout,
 /// `norm` the divisor of the weighted sum (the whole step's label weight). Returns
@@ -162,8 +174,18 @@ pub fn chunked_block_loss(
     labels: &BlockLabels,
     norm: f32,
     max_logits: usize,
+    soft: Option<&SoftLabels>,
 ) -> Result<(Option<Tensor>, f64, Vec<u32>)> {
     let rows = hidden.dim(0)?;
+    if let Some(sl) = soft {
+        if sl.position.len() != rows || !(0.0..=1.0).contains(&sl.alpha) {
+            return Err(TrainError::InvalidInput(format!(
+                "soft labels: {} positions for {rows} rows, alpha {}",
+                sl.position.len(),
+                sl.alpha
+            )));
+        }
+    }
     if labels.labels.len() != rows {
         return Err(TrainError::InvalidInput(format!(
             "{} labels for {rows} rows",
@@ -202,7 +224,15 @@ pub fn chunked_block_loss(
         let lab: Vec<u32> = rows_c.iter().map(|&i| labels.labels[i as usize]).collect();
         let w: Vec<f32> = rows_c.iter().map(|&i| labels.weights[i as usize]).collect();
         let lab = Tensor::from_vec(lab, (rows_c.len(), 1), dev)?;
-        let target_logit = logits.gather(&lab, 1)?.squeeze(1)?;
+        let mut target_logit = logits.gather(&lab, 1)?.squeeze(1)?;
+        if let Some(sl) = soft {
+            // H(p, q) = lse − Σ p·logits (Σ p = 1): mix the label's logit with p's expectation
+            let pos: Vec<u32> = rows_c.iter().map(|&i| sl.position[i as usize]).collect();
+            let pos = Tensor::from_vec(pos, rows_c.len(), dev)?;
+            let p = sl.probs.index_select(&pos, 0)?;
+            let expected = (p * &logits)?.sum(D::Minus1)?;
+            target_logit = ((target_logit * (1.0 - sl.alpha))? + (expected * sl.alpha)?)?;
+        }
         let w = Tensor::from_vec(w, rows_c.len(), dev)?;
         let part = (((lse - target_logit)? * w)?.sum_all()? / norm.max(1e-6) as f64)?;
         let part_value = part.detach();
@@ -268,6 +298,109 @@ mod tests {
         assert_eq!(r.streak, 2.0);
     }
 
+    /// Soft labels: the chunked loss equals `Σ w·[(1−α)·CE(label) + α·H(p, q)] / Σ w` computed on
+    /// whole tensors (value and gradient), and α = 1 with one-hot targets is the plain loss.
+    #[test]
+    fn soft_labels_mix_the_label_with_the_target_distribution() {
+        let dev = Device::Cpu;
+        let (nb, bs, h, v, npos) = (3usize, 4usize, 5usize, 7usize, 6usize);
+        let hv: Vec<f32> = (0..nb * bs * h)
+            .map(|i| ((i * 7919) % 23) as f32 / 7.0 - 1.5)
+            .collect();
+        let wv: Vec<f32> = (0..v * h)
+            .map(|i| ((i * 104729) % 19) as f32 / 9.0 - 1.0)
+            .collect();
+        let hidden =
+            candle_core::Var::from_tensor(&Tensor::from_vec(hv, (nb * bs, h), &dev).unwrap())
+                .unwrap();
+        let head = Tensor::from_vec(wv, (v, h), &dev).unwrap();
+        let lm_head = |x: &Tensor| Ok(x.matmul(&head.t()?)?);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 3 + 1) % v as u32).collect();
+        let mask = [true; 12];
+        let l = block_labels(&tokens, &mask, &[0, 4, 7], bs, 2.0);
+        let raw: Vec<f32> = (0..npos * v)
+            .map(|i| ((i * 31) % 11) as f32 + 0.5)
+            .collect();
+        let raw = Tensor::from_vec(raw, (npos, v), &dev).unwrap();
+        let probs = raw.broadcast_div(&raw.sum_keepdim(1).unwrap()).unwrap();
+        let position: Vec<u32> = (0..nb * bs).map(|i| (i * 5 % npos) as u32).collect();
+        let total: f32 = l.weights.iter().sum();
+        let alpha = 0.3;
+        let soft = SoftLabels {
+            probs: &probs,
+            position: &position,
+            alpha,
+        };
+        let (sur, loss, _) =
+            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, Some(&soft))
+                .unwrap();
+        let g_chunk = sur.unwrap().backward().unwrap();
+        // the same on whole tensors
+        let logp =
+            candle_nn::ops::log_softmax(&lm_head(hidden.as_tensor()).unwrap(), D::Minus1).unwrap();
+        let pos = Tensor::from_slice(&position, position.len(), &dev).unwrap();
+        let p = probs.index_select(&pos, 0).unwrap();
+        let soft_ce = (p * &logp).unwrap().sum(1).unwrap().neg().unwrap();
+        let lab = Tensor::from_slice(&l.labels, (nb * bs, 1), &dev).unwrap();
+        let hard_ce = logp
+            .gather(&lab, 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap()
+            .neg()
+            .unwrap();
+        let row = ((hard_ce * (1.0 - alpha)).unwrap() + (soft_ce * alpha).unwrap()).unwrap();
+        let w = Tensor::from_slice(&l.weights, nb * bs, &dev).unwrap();
+        let whole = ((row * w).unwrap().sum_all().unwrap() / total as f64).unwrap();
+        let g_whole = whole.backward().unwrap();
+        let want = whole.to_scalar::<f32>().unwrap();
+        assert!((loss as f32 - want).abs() < 1e-5, "{loss} vs {want}");
+        let a = g_whole.get(hidden.as_tensor()).unwrap();
+        let b = g_chunk.get(hidden.as_tensor()).unwrap();
+        let err = crate::loss::tests::max_diff(a, b);
+        assert!(err < 1e-5, "gradient err {err}");
+        // α = 1 with the labels as one-hot targets is the plain loss
+        let labels = &l.labels;
+        let onehot: Vec<f32> = (0..nb * bs)
+            .flat_map(|i| (0..v).map(move |j| (j as u32 == labels[i]) as u8 as f32))
+            .collect();
+        let onehot = Tensor::from_vec(onehot, (nb * bs, v), &dev).unwrap();
+        let own: Vec<u32> = (0..(nb * bs) as u32).collect();
+        let one = SoftLabels {
+            probs: &onehot,
+            position: &own,
+            alpha: 1.0,
+        };
+        let (_, soft_loss, _) =
+            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, Some(&one)).unwrap();
+        let (_, hard_loss, _) =
+            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
+        assert!(
+            (soft_loss - hard_loss).abs() < 1e-5,
+            "{soft_loss} vs {hard_loss}"
+        );
+        // a position list of the wrong length is refused
+        let bad = SoftLabels {
+            probs: &probs,
+            position: &position[1..],
+            alpha,
+        };
+        assert!(
+            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, Some(&bad)).is_err()
+        );
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     #[test]
     fn chunked_loss_matches_the_whole_loss_and_its_gradients() {
         let dev = Device::Cpu;
@@ -297,7 +430,7 @@ mod tests {
         let total: f32 = l.weights.iter().sum();
         // 2 rows per chunk: several chunks, one partial
         let (sur, loss, pred) =
-            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v).unwrap();
+            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
         let g_chunk = sur.unwrap().backward().unwrap();
         assert!((loss as f32 - whole.to_scalar::<f32>().unwrap()).abs() < 1e-5);
         let stats = BlockStats::of(&pred, &l, bs).report(loss as f32);

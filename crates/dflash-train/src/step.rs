@@ -9,12 +9,14 @@
 //! compute-dtype casts of [`compute_drafter`]; the target is never differentiated.
 
 use crate::anchors::sample_anchors;
-use crate::loss::{block_labels, chunked_block_loss, BlockLabels, BlockStats, LossReport};
+use crate::loss::{
+    block_labels, chunked_block_loss, BlockLabels, BlockStats, LossReport, SoftLabels,
+};
 use crate::optim::{AdamW, LrSchedule};
 use crate::profile::PhaseTimer;
 use crate::Result;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use dflash_core::{AttentionMask, Grad};
 use dflash_models::{
@@ -38,15 +40,18 @@ pub fn sequence_taps(target: &dyn TargetModel, tokens: &[u32], layers: &[usize])
     Ok(Tensor::cat(&out.taps, 1)?.detach())
 }
 
-/// Target taps of `b` right-padded sequences in one batched forward: `tokens` `[b·S]` row-major
-/// (positions `0..S` in every row) → `[b, S, T·H]`, detached. Padding sits after each sequence, so
-/// under the causal mask no real row ever sees it; padded rows are garbage the caller never reads.
-pub fn batch_taps(
+/// One batched frozen-target forward over `b` right-padded sequences (`tokens` `[b·S]` row-major,
+/// positions `0..S` in every row): taps `[b, S, T·H]` of `layers` (detached) and, when `probs`,
+/// the next-token probabilities at every position `[b·S, V]` f32 (detached). Padding sits after
+/// each sequence, so under the causal mask no real row ever sees it; padded rows are garbage the
+/// caller never reads.
+pub fn batch_target_forward(
     target: &dyn TargetModel,
     b: usize,
     tokens: &[u32],
     layers: &[usize],
-) -> Result<Tensor> {
+    probs: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let s = tokens.len() / b.max(1);
     let dev = target.info().device.clone();
     let mut causal = vec![0f32; s * s];
@@ -62,10 +67,69 @@ pub fn batch_taps(
         positions: &pos,
         mask,
         taps: layers,
-        logits: LogitRows::None,
+        logits: if probs {
+            LogitRows::All
+        } else {
+            LogitRows::None
+        },
     };
     let out = target.forward_batch(&req, &mut cache)?;
-    Ok(Tensor::cat(&out.taps, 2)?.detach())
+    let taps = if out.taps.is_empty() {
+        Tensor::zeros((b, s, 0), DType::F32, &dev)?
+    } else {
+        Tensor::cat(&out.taps, 2)?.detach()
+    };
+    let probs = match out.logits {
+        Some(logits) if probs => {
+            let v = logits.dim(D::Minus1)?;
+            let logits = logits.reshape((b * s, v))?.to_dtype(DType::F32)?;
+            let p = if logits.elem_count() <= dflash_core::attention::FUSED_MAX_ELEMENTS {
+                candle_nn::ops::softmax_last_dim(&logits)?
+            } else {
+                candle_nn::ops::softmax(&logits, D::Minus1)?
+            };
+            Some(p.detach())
+        }
+        _ if probs => {
+            return Err(crate::TrainError::InvalidInput(
+                "the target returned no logits".into(),
+            ))
+        }
+        _ => None,
+    };
+    Ok((taps, probs))
+}
+
+/// Target taps of `b` right-padded sequences in one batched forward → `[b, S, T·H]`, detached
+/// (see [`batch_target_forward`]).
+pub fn batch_taps(
+    target: &dyn TargetModel,
+    b: usize,
+    tokens: &[u32],
+    layers: &[usize],
+) -> Result<Tensor> {
+    Ok(batch_target_forward(target, b, tokens, layers, false)?.0)
+}
+
+/// The frozen target's next-token probabilities at every position of `b` right-padded sequences
+/// → `[b·S, V]` f32, detached: the soft labels of self-distillation.
+pub fn batch_probs(target: &dyn TargetModel, b: usize, tokens: &[u32]) -> Result<Tensor> {
+    batch_target_forward(target, b, tokens, &[], true)?
+        .1
+        .ok_or_else(|| crate::TrainError::InvalidInput("the target returned no logits".into()))
+}
+
+/// For block rows laid out as in [`TrainStep::run`]'s micro-batch (`anchors` `[b·n]`, sequences
+/// of `s` positions), the row of [`batch_probs`] each block row learns from: row `k` of a block
+/// at anchor `a` in sequence `r` predicts the token at `a + k`, which is the target's output at
+/// position `a + k − 1` (clamped into the sequence; such rows carry no weight).
+pub fn soft_label_positions(s: usize, n: usize, bs: usize, anchors: &[u32]) -> Vec<u32> {
+    (0..anchors.len() * bs)
+        .map(|i| {
+            let (r, a, k) = (i / (n * bs), anchors[i / bs] as usize, i % bs);
+            (r * s + (a + k).saturating_sub(1).min(s - 1)) as u32
+        })
+        .collect()
 }
 
 /// The drafter that computes in `dtype` over the f32 masters in `varmap`: each weight is a cast of
@@ -101,6 +165,8 @@ pub struct TrainStep {
     /// Padded sequence tokens per micro-batch (one batched target + drafter forward); a step's
     /// sequences are sorted by length and cut into micro-batches under this cap.
     pub micro_batch_tokens: usize,
+    /// Share of the soft (target-distribution) term in each row's loss; 0 = labels only.
+    pub distill: f64,
 }
 
 /// The largest f32 logits tensor the loss materialises at once (rows × vocab elements).
@@ -232,13 +298,31 @@ impl TrainStep {
                 report.tokens += p.seq.tokens.len();
             }
             timer.mark("plan")?;
-            let taps = batch_taps(target, b, &tokens, drafter.target_layers())?;
+            let (taps, probs) = batch_target_forward(
+                target,
+                b,
+                &tokens,
+                drafter.target_layers(),
+                self.distill > 0.0,
+            )?;
             timer.mark("target_taps")?;
             let hidden = drafter.forward_train_batch(target, &taps, &tokens, &anchors, Grad::On)?;
             timer.mark("drafter_forward")?;
             let lm_head = |x: &Tensor| Ok(target.lm_head(x)?);
-            let (surrogate, part, pred) =
-                chunked_block_loss(&lm_head, &hidden, &labels, total_weight, MAX_LOGITS)?;
+            let position = soft_label_positions(s, n, bs, &anchors);
+            let soft = probs.as_ref().map(|p| SoftLabels {
+                probs: p,
+                position: &position,
+                alpha: self.distill,
+            });
+            let (surrogate, part, pred) = chunked_block_loss(
+                &lm_head,
+                &hidden,
+                &labels,
+                total_weight,
+                MAX_LOGITS,
+                soft.as_ref(),
+            )?;
             timer.mark("lm_head_loss")?;
             if let Some(sur) = surrogate {
                 let g = sur.backward()?;

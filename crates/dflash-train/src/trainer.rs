@@ -47,6 +47,9 @@ pub struct TrainConfig {
     /// Padded tokens per batched forward inside a step (0: `batch_tokens`, at least the longest).
     #[serde(default)]
     pub micro_batch_tokens: usize,
+    /// Self-distillation: share of the target's own distribution in each row's loss (0 = off).
+    #[serde(default)]
+    pub distill: f64,
 }
 
 /// Every optimizer step of the run: example indices, per epoch a seeded permutation packed in
@@ -333,6 +336,7 @@ impl<'a> Trainer<'a> {
                 0 => self.cfg.batch_tokens,
                 m => m,
             },
+            distill: self.cfg.distill,
         };
         let masks: Vec<Vec<bool>> = data.iter().map(|e| e.mask()).collect();
         while self.state.step < self.state.total_steps {

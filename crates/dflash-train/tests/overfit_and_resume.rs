@@ -88,6 +88,7 @@ fn train(
             total,
         },
         micro_batch_tokens: 1 << 20,
+        distill: 0.0,
     };
     steps
         .map(|s| {
@@ -215,6 +216,7 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
         },
         // smaller than the group: several padded micro-batches, gradients accumulated
         micro_batch_tokens: 100,
+        distill: 0.0,
     };
     let group: Vec<Sequence> = data
         .iter()
@@ -280,6 +282,7 @@ fn micro_batching_and_padding_do_not_change_the_step() {
                 total: 10,
             },
             micro_batch_tokens: cap,
+            distill: 0.0,
         };
         let group: Vec<Sequence> = data
             .iter()
@@ -317,4 +320,76 @@ fn micro_batching_and_padding_do_not_change_the_step() {
         one.grad_norm,
         each.grad_norm
     );
+}
+
+/// Self-distillation: the soft label of block row k at anchor a is the target's distribution at
+/// position a + k − 1 of the same padded micro-batch row, so on the target's own greedy text its
+/// argmax is the row's label; a step with soft labels trains and reaches every parameter.
+#[test]
+fn soft_labels_point_at_the_target_output_for_each_block_row() {
+    let t = target();
+    let data = corpus(&t);
+    let bs = 4;
+    let s = data.iter().map(|d| d.1.len()).max().unwrap();
+    let (b, n) = (data.len(), 5);
+    let mut tokens = vec![0u32; b * s];
+    let mut anchors = vec![];
+    for (r, (prompt, seq, _)) in data.iter().enumerate() {
+        tokens[r * s..r * s + seq.len()].copy_from_slice(seq);
+        // anchors from the last prompt token on, blocks reaching past the end included
+        anchors.extend((0..n).map(|j| (prompt.len() - 1 + j * 9) as u32));
+    }
+    let probs = dflash_train::batch_probs(t.model.as_ref(), b, &tokens).unwrap();
+    let top: Vec<u32> = probs.argmax(1).unwrap().to_vec1().unwrap();
+    let pos = dflash_train::soft_label_positions(s, n, bs, &anchors);
+    let mut checked = 0;
+    for (i, &p) in pos.iter().enumerate() {
+        let (r, a, k) = (i / (n * bs), anchors[i / bs] as usize, i % bs);
+        let seq = &data[r].1;
+        if k == 0 || a + k >= seq.len() {
+            continue;
+        }
+        assert_eq!(
+            top[p as usize],
+            seq[a + k],
+            "row {i}: sequence {r}, anchor {a}, slot {k}"
+        );
+        checked += 1;
+    }
+    assert!(checked > 40, "{checked} rows checked");
+
+    let cfg = config_for_target(&t, 2, bs, 262);
+    let (d, vm) = fresh(&cfg, random_weights(&cfg, 9).unwrap());
+    let mut opt = optimizer(&vm);
+    let ts = TrainStep {
+        anchors_per_sequence: 8,
+        gamma: 4.0,
+        schedule: LrSchedule {
+            peak: 3e-3,
+            warmup: 1,
+            total: 10,
+        },
+        micro_batch_tokens: 1 << 20,
+        distill: 0.5,
+    };
+    let group: Vec<Sequence> = data
+        .iter()
+        .map(|(_, seq, mask)| Sequence {
+            tokens: seq,
+            loss_mask: mask,
+        })
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let r = ts
+        .run(
+            t.model.as_ref(),
+            &d,
+            &mut opt,
+            &group,
+            &mut rng,
+            &mut PhaseTimer::new(None).unwrap(),
+        )
+        .unwrap();
+    assert!(r.loss.loss.is_finite() && r.loss.loss > 0.0);
+    assert!(r.grad_norm > 0.0);
 }
