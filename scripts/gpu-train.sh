@@ -8,8 +8,9 @@
 #                 TRAIN_SECONDS of steps, train for at most CALL_SECONDS of this call
 #   stage resume: continue the same plan (--resume) for at most CALL_SECONDS, then validate
 #   stage eval  : f32 evaluation of the exported drafter on the benchmarks (T = 0)
-#   stage ab    : for each init in AB_INITS, a profiled run of AB_SECONDS from the same plan and
-#                 seed (phase times and learning curves side by side in $L/ab-*.jsonl)
+#   stage ab    : for each arm of AB_ARMS (an init plus knobs, see the stage), a profiled run of
+#                 AB_SECONDS from the same plan and seed (phase times and learning curves side by
+#                 side in $L/ab-*.jsonl)
 #   stage ncu   : Nsight Compute's kernel times over NCU_STEPS steps of one micro-batch, summed by
 #                 kernel name against the wall time (is a step GPU-bound, and on which kernels?)
 #   stage stash : keep what this call carried of .dev/warm (a drafter to warm-start from, then
@@ -79,22 +80,23 @@ data)
   ;;
 ab)
   [ -f $K/micro ] || echo ${MICRO:-4096} > $K/micro; dmon ab
-  SAVED="${INIT:-random}|${DISTILL:-0}|${PROFILE:-}"
-  # an arm is an init (random, target-layers or a drafter dir such as /tmp/keep/warm), optionally
-  # suffixed +events (cudarc's event tracking left on), +pool (CUDA's pool release at every sync),
-  # +distill (--distill ${AB_DISTILL:-0.5}), then :SECONDS
+  # an arm is INIT[,VAR=VALUE...][:SECONDS]: INIT is random, target-layers or a drafter dir (such as
+  # /tmp/keep/warm); each VAR=VALUE sets one knob of `flags` (LR, DISTILL, ANCHORS, ...) or of the
+  # runtime (DFLASH_CUDA_EVENT_TRACKING=1, DFLASH_CUDA_POOL_RELEASE=1) for that arm only
   for ARM in ${AB_ARMS:-random target-layers}; do
     A=${ARM%%:*}; SECS=${ARM#*:}; [ "$SECS" = "$ARM" ] && SECS=${AB_SECONDS:-60}
-    I=${A%%+*}; EV=; POOL=; DISTILL=0
-    case $A in *+events*) EV=1;; esac; case $A in *+pool*) POOL=1;; esac
-    case $A in *+distill*) DISTILL=${AB_DISTILL:-0.5};; esac
-    A=$(echo "$A" | tr '/' '_'); rm -rf $K/ab-$A
-    INIT=$I PROFILE=1; DFLASH_CUDA_EVENT_TRACKING=$EV DFLASH_CUDA_POOL_RELEASE=$POOL $D train $(flags) \
-      --out $K/ab-$A --max-steps ${AB_STEPS:-200} --time-limit $SECS > $L/ab-$A.log 2>&1 || tail -5 $L/ab-$A.log
+    IFS=',' read -r -a KV <<< "$A"
+    A=$(echo "$A" | tr '/,=' '__-'); rm -rf $K/ab-$A
+    (
+      INIT=${KV[0]}; PROFILE=1
+      for kv in "${KV[@]:1}"; do export "$kv"; done
+      $D train $(flags) --out $K/ab-$A --max-steps ${AB_STEPS:-200} --time-limit $SECS \
+        > $L/ab-$A.log 2>&1 || tail -5 $L/ab-$A.log
+    )
     I=$A
     cp $K/ab-$I/log.jsonl $L/ab-$I.jsonl 2>/dev/null
   done
-  IFS='|' read -r INIT DISTILL PROFILE <<< "$SAVED"; dmon_summary ab
+  dmon_summary ab
   python3 - $L <<'PY'
 import json, sys, glob, statistics as st
 for f in sorted(glob.glob(sys.argv[1] + "/ab-*.jsonl")):
