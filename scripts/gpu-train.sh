@@ -14,9 +14,13 @@
 #   stage ncu   : Nsight Compute's kernel times over NCU_STEPS steps of one micro-batch, summed by
 #                 kernel name against the wall time (is a step GPU-bound, and on which kernels?)
 #   stage stash : keep what this call carried of .dev/warm (a drafter to warm-start from, then
-#                 INIT=/tmp/keep/warm) and .dev/data.tar.xz (regen data from an earlier session)
+#                 INIT=/tmp/keep/warm), .dev/data.tar.xz (regen data from an earlier session) and
+#                 .dev/prompts.jsonl.xz (so the call carrying .dev/gguf.part_ab stays under 64 MiB)
+# A session with earlier data and weights: call 1 `setup` (carry .dev/gguf.part_aa,
+# dist/cuda/dflash.xz); call 2 `stash` (carry .dev/warm, .dev/data.tar.xz, .dev/prompts.jsonl.xz);
+# call 3 `data [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
-#                 data instead of regenerating it
+#                 data; a later `regen` then continues at the first prompt shard it lacks
 #   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
 #                 into $OUT (at most 8 files, 16 MiB each)
 # Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
@@ -29,9 +33,10 @@ flags() {
   --lr ${LR:-6e-4} --epochs 40 --val-fraction ${VAL_FRACTION:-0.004} --checkpoint-every 100000 \
   --init ${INIT:-random} ${PROFILE:+--profile} --distill ${DISTILL:-0}"
 }
-unpack() {
-  cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa
-  mkdir -p $K/bin && for f in $K/cuda/*.xz; do xz -dc "$f" > $K/bin/$(basename "$f" .xz); done; chmod +x $K/bin/*
+unpack() {  # idempotent: the GGUF and the binaries once per machine
+  [ -f $G ] || { cat $K/gguf.part_aa .dev/gguf.part_ab > $G && rm $K/gguf.part_aa; }
+  [ -x $D ] || { mkdir -p $K/bin && for f in $K/cuda/*.xz; do xz -dc "$f" > $K/bin/$(basename "$f" .xz); done
+    chmod +x $K/bin/*; }
 }
 # GPU utilisation once a second while a stage trains (summarised by `dmon_summary`)
 dmon() { nvidia-smi dmon -s u -d 1 > $L/dmon-$1.log 2>&1 & echo $! > $K/dmon.pid; }
@@ -45,9 +50,10 @@ setup)
   mkdir -p $K && cp .dev/gguf.part_aa $K/ && cp -r dist/cuda $K/cuda && ls -la $K $K/cuda
   ;;
 regen)
-  [ -f $K/gguf.part_aa ] || { echo "no setup"; exit 1; }
+  [ -f $K/gguf.part_aa ] || [ -f $G ] || { echo "no setup"; exit 1; }
   unpack
-  xz -dc .dev/prompts.jsonl.xz > $K/prompts.jsonl
+  P=$K/prompts.jsonl.xz; [ -f $P ] || P=.dev/prompts.jsonl.xz
+  xz -dc $P > $K/prompts.jsonl
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   regen() {
     timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data --batch $2 \
@@ -72,9 +78,10 @@ PY
 stash)
   [ -d .dev/warm ] && cp -r .dev/warm $K/warm && ls $K/warm
   [ -f .dev/data.tar.xz ] && cp .dev/data.tar.xz $K/ && ls -la $K/data.tar.xz
+  [ -f .dev/prompts.jsonl.xz ] && cp .dev/prompts.jsonl.xz $K/ && ls -la $K/prompts.jsonl.xz
   ;;
 data)
-  [ -f $K/gguf.part_aa ] || { echo "no setup"; exit 1; }
+  [ -f $K/gguf.part_aa ] || [ -f $G ] || { echo "no setup"; exit 1; }
   A=$K/data.tar.xz; [ -f $A ] || A=.dev/data.tar.xz
   unpack && mkdir -p $K/data && tar xJf $A -C $K && ls $K/data | head -3
   ;;
