@@ -304,16 +304,7 @@ mod tests {
     fn soft_labels_mix_the_label_with_the_target_distribution() {
         let dev = Device::Cpu;
         let (nb, bs, h, v, npos) = (3usize, 4usize, 5usize, 7usize, 6usize);
-        let hv: Vec<f32> = (0..nb * bs * h)
-            .map(|i| ((i * 7919) % 23) as f32 / 7.0 - 1.5)
-            .collect();
-        let wv: Vec<f32> = (0..v * h)
-            .map(|i| ((i * 104729) % 19) as f32 / 9.0 - 1.0)
-            .collect();
-        let hidden =
-            candle_core::Var::from_tensor(&Tensor::from_vec(hv, (nb * bs, h), &dev).unwrap())
-                .unwrap();
-        let head = Tensor::from_vec(wv, (v, h), &dev).unwrap();
+        let (hidden, head) = hidden_and_head(nb * bs, h, v);
         let lm_head = |x: &Tensor| Ok(x.matmul(&head.t()?)?);
         let tokens: Vec<u32> = (0..12).map(|i| (i * 3 + 1) % v as u32).collect();
         let mask = [true; 12];
@@ -355,10 +346,7 @@ mod tests {
         let g_whole = whole.backward().unwrap();
         let want = whole.to_scalar::<f32>().unwrap();
         assert!((loss as f32 - want).abs() < 1e-5, "{loss} vs {want}");
-        let a = g_whole.get(hidden.as_tensor()).unwrap();
-        let b = g_chunk.get(hidden.as_tensor()).unwrap();
-        let err = crate::loss::tests::max_diff(a, b);
-        assert!(err < 1e-5, "gradient err {err}");
+        assert_same_gradient(&g_whole, &g_chunk, hidden.as_tensor());
         // α = 1 with the labels as one-hot targets is the plain loss
         let labels = &l.labels;
         let onehot: Vec<f32> = (0..nb * bs)
@@ -390,6 +378,34 @@ mod tests {
         );
     }
 
+    /// Deterministic drafter rows `[rows, h]` (a variable) and an LM head `[v, h]`.
+    fn hidden_and_head(rows: usize, h: usize, v: usize) -> (candle_core::Var, Tensor) {
+        let dev = Device::Cpu;
+        let hv: Vec<f32> = (0..rows * h)
+            .map(|i| ((i * 7919) % 23) as f32 / 7.0 - 1.5)
+            .collect();
+        let wv: Vec<f32> = (0..v * h)
+            .map(|i| ((i * 104729) % 19) as f32 / 9.0 - 1.0)
+            .collect();
+        let hidden =
+            candle_core::Var::from_tensor(&Tensor::from_vec(hv, (rows, h), &dev).unwrap()).unwrap();
+        (hidden, Tensor::from_vec(wv, (v, h), &dev).unwrap())
+    }
+
+    /// Both gradient stores hold the same, non-vanishing gradient for `x`.
+    fn assert_same_gradient(
+        a: &candle_core::backprop::GradStore,
+        b: &candle_core::backprop::GradStore,
+        x: &Tensor,
+    ) {
+        let (a, b) = (a.get(x).unwrap(), b.get(x).unwrap());
+        let (err, scale) = (max_diff(a, b), max_diff(a, &a.zeros_like().unwrap()));
+        assert!(
+            scale > 1e-3 && err < 1e-5,
+            "gradient err {err} (scale {scale})"
+        );
+    }
+
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
             .unwrap()
@@ -403,18 +419,8 @@ mod tests {
 
     #[test]
     fn chunked_loss_matches_the_whole_loss_and_its_gradients() {
-        let dev = Device::Cpu;
         let (nb, bs, h, v) = (3usize, 4usize, 5usize, 7usize);
-        let hv: Vec<f32> = (0..nb * bs * h)
-            .map(|i| ((i * 7919) % 23) as f32 / 7.0 - 1.5)
-            .collect();
-        let wv: Vec<f32> = (0..v * h)
-            .map(|i| ((i * 104729) % 19) as f32 / 9.0 - 1.0)
-            .collect();
-        let hidden =
-            candle_core::Var::from_tensor(&Tensor::from_vec(hv, (nb * bs, h), &dev).unwrap())
-                .unwrap();
-        let head = Tensor::from_vec(wv, (v, h), &dev).unwrap();
+        let (hidden, head) = hidden_and_head(nb * bs, h, v);
         let lm_head = |x: &Tensor| Ok(x.matmul(&head.t()?)?);
         let tokens: Vec<u32> = (0..12).map(|i| (i * 3 + 1) % v as u32).collect();
         let mask = [
@@ -436,26 +442,6 @@ mod tests {
         let stats = BlockStats::of(&pred, &l, bs).report(loss as f32);
         assert_eq!(stats.accuracy, report.accuracy);
         assert_eq!(stats.streak, report.streak);
-        let a = g_whole.get(hidden.as_tensor()).unwrap();
-        let b = g_chunk.get(hidden.as_tensor()).unwrap();
-        let err = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let scale = a
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert!(
-            scale > 1e-3 && err < 1e-5,
-            "gradient err {err} (scale {scale})"
-        );
+        assert_same_gradient(&g_whole, &g_chunk, hidden.as_tensor());
     }
 }

@@ -58,6 +58,37 @@ fn fresh(
     )
 }
 
+/// One step of `ts` over `group` with the anchors of `seed`.
+fn step_once(
+    ts: &TrainStep,
+    t: &LoadedTarget,
+    d: &DFlashDrafter,
+    opt: &mut AdamW,
+    group: &[Sequence],
+    seed: u64,
+) -> dflash_train::StepReport {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    ts.run(
+        t.model.as_ref(),
+        d,
+        opt,
+        group,
+        &mut rng,
+        &mut PhaseTimer::new(None).unwrap(),
+    )
+    .unwrap()
+}
+
+/// The corpus as one step's group of sequences.
+fn sequences(data: &[(Vec<u32>, Vec<u32>, Vec<bool>)]) -> Vec<Sequence<'_>> {
+    data.iter()
+        .map(|(_, seq, mask)| Sequence {
+            tokens: seq,
+            loss_mask: mask,
+        })
+        .collect()
+}
+
 fn optimizer(vm: &VarMap) -> AdamW {
     let params: HashMap<String, Var> = vm.data().lock().unwrap().clone();
     AdamW::new(
@@ -218,28 +249,12 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
         micro_batch_tokens: 100,
         distill: 0.0,
     };
-    let group: Vec<Sequence> = data
-        .iter()
-        .map(|(_, seq, mask)| Sequence {
-            tokens: seq,
-            loss_mask: mask,
-        })
-        .collect();
+    let group = sequences(&data);
     let mut losses = vec![];
     for s in 0..30 {
         // a fresh bf16 view of the masters every step, as the trainer does
         let d = dflash_train::compute_drafter(&cfg, &vm, DType::BF16).unwrap();
-        let mut rng = ChaCha8Rng::seed_from_u64(s);
-        let r = ts
-            .run(
-                t.model.as_ref(),
-                &d,
-                &mut opt,
-                &group,
-                &mut rng,
-                &mut PhaseTimer::new(None).unwrap(),
-            )
-            .unwrap();
+        let r = step_once(&ts, &t, &d, &mut opt, &group, s);
         assert_eq!(
             r.tokens,
             group.iter().map(|g| g.tokens.len()).sum::<usize>()
@@ -284,13 +299,7 @@ fn micro_batching_and_padding_do_not_change_the_step() {
             micro_batch_tokens: cap,
             distill: 0.0,
         };
-        let group: Vec<Sequence> = data
-            .iter()
-            .map(|(_, seq, mask)| Sequence {
-                tokens: seq,
-                loss_mask: mask,
-            })
-            .collect();
+        let group = sequences(&data);
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         ts.run(
             t.model.as_ref(),
@@ -372,24 +381,8 @@ fn soft_labels_point_at_the_target_output_for_each_block_row() {
         micro_batch_tokens: 1 << 20,
         distill: 0.5,
     };
-    let group: Vec<Sequence> = data
-        .iter()
-        .map(|(_, seq, mask)| Sequence {
-            tokens: seq,
-            loss_mask: mask,
-        })
-        .collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let r = ts
-        .run(
-            t.model.as_ref(),
-            &d,
-            &mut opt,
-            &group,
-            &mut rng,
-            &mut PhaseTimer::new(None).unwrap(),
-        )
-        .unwrap();
+    let group = sequences(&data);
+    let r = step_once(&ts, &t, &d, &mut opt, &group, 4);
     assert!(r.loss.loss.is_finite() && r.loss.loss > 0.0);
     assert!(r.grad_norm > 0.0);
 }
