@@ -231,4 +231,11 @@ fn train_init_that_is_no_drafter_or_does_not_fit() {
     let (code, err) = train(&["--layers", "1", "--init", drafter.to_str().unwrap()]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("layers"), "{err}");
+    // a directory that holds no drafter, and a distillation share outside [0, 1]
+    let (code, err) = train(&["--layers", "2", "--init", data.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("config.json"), "{err}");
+    let (code, err) = train(&["--layers", "2", "--distill", "1.5"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--distill 1.5 must be in [0, 1]"), "{err}");
 }
