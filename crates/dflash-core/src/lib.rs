@@ -9,6 +9,7 @@ pub mod block_attention;
 pub mod cache;
 pub mod device;
 pub mod error;
+pub mod fused_grad;
 pub mod norm;
 pub mod rope;
 #[cfg(test)]

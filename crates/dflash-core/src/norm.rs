@@ -1,7 +1,8 @@
 //! RMSNorm `x * rsqrt(mean(x^2) + eps) * w` (plain `w`, as Llama, Qwen3 and the DFlash drafter).
 //!
-//! Invariant: [`Grad::On`] uses a composite that candle can differentiate and always normalises in
-//! f32; [`Grad::Off`] may use candle's fused kernel, which has no backward pass.
+//! Invariant: [`Grad::On`] is differentiable: the fused kernel with an analytic backward
+//! ([`crate::fused_grad`]) where it applies, else a composite that normalises in f32;
+//! [`Grad::Off`] may use candle's fused kernel alone, which has no backward pass.
 
 use crate::{Grad, Result};
 use candle_core::{DType, Tensor, D};
@@ -33,6 +34,9 @@ impl RmsNorm {
                 Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32)?)
             }
             _ => {
+                if let Some(y) = crate::fused_grad::rms_norm(x, &self.weight, self.eps)? {
+                    return Ok(y);
+                }
                 let dtype = x.dtype();
                 let xf = x.to_dtype(DType::F32)?;
                 let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;

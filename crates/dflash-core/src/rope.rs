@@ -189,6 +189,9 @@ impl RotaryEmbedding {
         match grad {
             Grad::Off => Ok(candle_nn::rotary_emb::rope(x, cos, sin)?),
             Grad::On => {
+                if let Some(y) = crate::fused_grad::rope(x, cos, sin)? {
+                    return Ok(y);
+                }
                 let half = x.dim(D::Minus1)? / 2;
                 let x1 = x.narrow(D::Minus1, 0, half)?;
                 let x2 = x.narrow(D::Minus1, half, half)?;
