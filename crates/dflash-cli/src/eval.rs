@@ -71,6 +71,14 @@ struct ModeSummary {
     identical_to_ar: Option<usize>,
     /// (prompt index, first differing token, AR top1 − top2 logit margin there)
     divergences: Vec<(usize, usize, f32)>,
+    /// Speculative modes: where the decode time went, summed over the benchmark (seconds; the
+    /// rest of `decode_seconds` is the loop's own bookkeeping).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tree_build_seconds: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -254,6 +262,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
                     s.decode_seconds += g.decode_seconds;
                     if let Some(spec) = &g.spec {
                         accepted[mi].extend(&spec.acceptance);
+                        *s.draft_seconds.get_or_insert(0.0) += spec.draft_seconds;
+                        *s.verify_seconds.get_or_insert(0.0) += spec.verify_seconds;
+                        *s.tree_build_seconds.get_or_insert(0.0) += spec.tree_build_seconds;
                     }
                     match &ar {
                         None => ar = Some(g),
