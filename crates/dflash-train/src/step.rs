@@ -1,8 +1,9 @@
 //! One optimizer step over a group of sequences: anchors per sequence, then micro-batches of
 //! length-sorted, right-padded sequences, each with one batched frozen-target forward for the taps
-//! (no graph), one batched drafter training forward, the decay-weighted loss through the target's
-//! LM head in row chunks, and one backward; gradients summed over micro-batches (accumulation);
-//! one clipped AdamW update.
+//! (no graph; with self-distillation it also yields the target's next-token probabilities), one
+//! batched drafter training forward, the decay-weighted loss through the target's LM head in row
+//! chunks, and one backward; gradients summed over micro-batches (accumulation); one clipped AdamW
+//! update. A [`PhaseTimer`] may time each phase.
 //!
 //! Invariants: the step's loss is the label-weight-weighted mean over its sequences (a group of one
 //! is exactly the single-sequence loss); gradients reach the f32 master weights through the
@@ -98,17 +99,6 @@ pub fn batch_target_forward(
         _ => None,
     };
     Ok((taps, probs))
-}
-
-/// Target taps of `b` right-padded sequences in one batched forward → `[b, S, T·H]`, detached
-/// (see [`batch_target_forward`]).
-pub fn batch_taps(
-    target: &dyn TargetModel,
-    b: usize,
-    tokens: &[u32],
-    layers: &[usize],
-) -> Result<Tensor> {
-    Ok(batch_target_forward(target, b, tokens, layers, false)?.0)
 }
 
 /// The frozen target's next-token probabilities at every position of `b` right-padded sequences
