@@ -150,6 +150,11 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
+    /// Gradients of `Σ t ⊙ probe` (a fixed random direction through the output).
+    fn grads_of(t: &Tensor, probe: &Tensor) -> candle_core::backprop::GradStore {
+        (t * probe).unwrap().sum_all().unwrap().backward().unwrap()
+    }
+
     fn composite_rms(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
         let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
         x.broadcast_div(&(ms + eps).unwrap().sqrt().unwrap())
@@ -179,18 +184,8 @@ mod tests {
             .unwrap();
         let b = composite_rms(x.as_tensor(), w.as_tensor(), 1e-5);
         assert!(crate::test_util::max_abs_diff(&a, &b) < 1e-5);
-        let ga = (&a * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let gb = (&b * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let ga = grads_of(&a, &probe);
+        let gb = grads_of(&b, &probe);
         for v in [&x, &w] {
             let (p, q) = (ga.get(v).unwrap(), gb.get(v).unwrap());
             let scale = crate::test_util::max_abs_diff(q, &q.zeros_like().unwrap());
@@ -217,18 +212,8 @@ mod tests {
             &sin.unsqueeze(1).unwrap(),
         );
         assert!(crate::test_util::max_abs_diff(&a, &b4) < 1e-5);
-        let ga = (&a * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let gb = (&b4 * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let ga = grads_of(&a, &probe);
+        let gb = grads_of(&b4, &probe);
         let (p, q) = (ga.get(&x).unwrap(), gb.get(&x).unwrap());
         assert!(crate::test_util::max_abs_diff(q, &q.zeros_like().unwrap()) > 1e-3);
         assert!(crate::test_util::max_abs_diff(p, q) < 1e-5);
