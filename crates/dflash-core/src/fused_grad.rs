@@ -9,7 +9,8 @@
 //! Invariants: values equal the composites' up to float rounding (tested, forward and every
 //! gradient); a node's output never shares storage with the detached kernel output it copies;
 //! tensors past the fused kernels' 32-bit indexing ([`crate::attention::FUSED_MAX_ELEMENTS`]) or
-//! in layouts the kernels refuse take the composite in the caller.
+//! in layouts the kernels refuse take the composite in the caller, and so does everything when
+//! `DFLASH_COMPOSITE_GRAD=1` (to measure the difference, or to step around a device problem).
 
 use crate::Result;
 use candle_core::backend::BackendStorage;
@@ -80,10 +81,17 @@ impl CustomOp3 for RmsNormNode {
     }
 }
 
+/// True when `DFLASH_COMPOSITE_GRAD=1`: every caller takes its composite.
+fn composite_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("DFLASH_COMPOSITE_GRAD").as_deref() == Ok("1"))
+}
+
 /// RMSNorm over the last dimension with weight `w`: fused forward, differentiable in `x` and `w`.
 /// `None` when the fused kernel cannot take `x` (the caller uses the composite).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor>> {
-    if !x.is_contiguous()
+    if composite_forced()
+        || !x.is_contiguous()
         || x.elem_count() > crate::attention::FUSED_MAX_ELEMENTS
         || w.dtype() != x.dtype()
         || w.dims() != [x.dim(D::Minus1)?]
@@ -128,7 +136,8 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
         [cb, ct, h] => *cb == b && *ct == t && 2 * h == d,
         _ => false,
     };
-    if !x.is_contiguous()
+    if composite_forced()
+        || !x.is_contiguous()
         || x.elem_count() > crate::attention::FUSED_MAX_ELEMENTS
         || !angles_fit
         || cos.dims() != sin.dims()
