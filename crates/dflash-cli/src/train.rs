@@ -92,6 +92,9 @@ pub struct TrainArgs {
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
+    if !(0.0..=1.0).contains(&a.distill) {
+        return Err(UsageError(format!("--distill {} must be in [0, 1]", a.distill)).into());
+    }
     let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
     let path = crate::defaults::target_path(a.target.as_deref())?;
     let target = load_target(&path, &device, dtype)
@@ -122,9 +125,6 @@ pub fn train(a: TrainArgs) -> Result<()> {
         micro_batch_tokens: a.micro_batch_tokens,
         distill: a.distill,
     };
-    if !(0.0..=1.0).contains(&a.distill) {
-        return Err(UsageError(format!("--distill {} must be in [0, 1]", a.distill)).into());
-    }
     let lengths: Vec<usize> = train.iter().map(|e| e.tokens.len()).collect();
     let mut plan = plan_steps(&lengths, &cfg);
     if let Some(m) = a.max_steps {

@@ -76,7 +76,7 @@ pub fn greedy_rows(logits: &Tensor) -> Result<Vec<u32>> {
     let ids = Tensor::arange(0u32, vocab as u32, dev)?
         .unsqueeze(0)?
         .broadcast_as((rows, vocab))?;
-    let none = Tensor::full(u32::MAX, (rows, vocab), dev)?;
+    let none = Tensor::new(u32::MAX, dev)?.broadcast_as((rows, vocab))?;
     let mut out: Vec<u32> = hit
         .where_cond(&ids, &none)?
         .min(1)?

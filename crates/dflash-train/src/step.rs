@@ -299,7 +299,11 @@ impl TrainStep {
             let hidden = drafter.forward_train_batch(target, &taps, &tokens, &anchors, Grad::On)?;
             timer.mark("drafter_forward")?;
             let lm_head = |x: &Tensor| Ok(target.lm_head(x)?);
-            let position = soft_label_positions(s, n, bs, &anchors);
+            // soft-label rows only when distilling (the positions are per micro-batch host work)
+            let position = match probs {
+                Some(_) => soft_label_positions(s, n, bs, &anchors),
+                None => vec![],
+            };
             let soft = probs.as_ref().map(|p| SoftLabels {
                 probs: p,
                 position: &position,
