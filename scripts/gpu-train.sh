@@ -18,9 +18,17 @@
 #                 .dev/prompts.jsonl.xz (so the call carrying .dev/gguf.part_ab stays under 64 MiB)
 # A session with earlier data and weights: call 1 `setup` (carry .dev/gguf.part_aa,
 # dist/cuda/dflash.xz); call 2 `stash` (carry .dev/warm, .dev/data.tar.xz, .dev/prompts.jsonl.xz);
-# call 3 `data [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
+# call 3 `data [bench] [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
+# Next session (fused kernels unmeasured on the GPU): call 3 = `data bench ab regen train` with
+# AB_ARMS="/tmp/keep/warm:40 /tmp/keep/warm,DFLASH_FUSED_ATTENTION=1:40
+# /tmp/keep/warm,DFLASH_FUSED_LOSS=1:40", REGEN_SECONDS=240 (the 4th run overfit 7.1 k examples;
+# regen continues at prompt shard 7 of 20), KEEP_DATA=1 at collect; export the switches that
+# measured faster with identical losses before `train`/`resume`.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
+#   stage bench : `dflash bench attention` and `dflash bench cross-entropy` on the GPU (fused vs
+#                 composite kernels, parity and seconds); `ab` arms `INIT,DFLASH_FUSED_ATTENTION=1`
+#                 and `INIT,DFLASH_FUSED_LOSS=1` then measure them in a training step
 #   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
 #                 into $OUT (at most 8 files, 16 MiB each)
 # Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
@@ -160,7 +168,7 @@ t = collections.defaultdict(float); n = collections.Counter()
 for r in rows:
     if r.get("Metric Name") != "gpu__time_duration.sum": continue
     v = float(r["Metric Value"].replace(",", "")); unit = r.get("Metric Unit", "nsecond")
-    v *= {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}.get(unit, 1e-9)
+    v *= {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3, "second": 1.0, "s": 1.0}.get(unit, 1e-9)
     k = r["Kernel Name"].split("(")[0][:60]; t[k] += v; n[k] += 1
 tot = sum(t.values()); steps = [json.loads(l) for l in open(sys.argv[2])]
 print(f"ncu: {sum(n.values())} kernels, {tot:.3f} s of kernel time over {len(steps)} steps "
@@ -169,6 +177,34 @@ print(f"ncu: {sum(n.values())} kernels, {tot:.3f} s of kernel time over {len(ste
 for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
     print(f"  {v:8.4f} s {100*v/tot:5.1f}% {n[k]:6d}x  {k}")
 PY
+  ;;
+bench)
+  # the fused block attention against the composite on the H200: parity and time (JSON), at a
+  # 4,096-token micro-batch's shapes (9 sequences × 128 blocks, 512 context rows) and a longer one
+  [ -x $D ] || { echo "no binary"; exit 1; }
+  for DT in f32 bf16; do
+    for CTX in 512 1024; do
+      $D bench attention --device cuda --dtype $DT --context $CTX --rounds 5 \
+        --out $L/bench-attention-$DT-$CTX.json > /dev/null 2> $L/bench-attention-$DT-$CTX.err \
+        || { echo "bench $DT $CTX failed:"; tail -5 $L/bench-attention-$DT-$CTX.err; }
+      python3 -c "
+import json,sys
+r=json.load(open(sys.argv[1])); s=r['seconds']
+print(sys.argv[1].split('/')[-1], 'worst rel diff %.2e' % r['worst'],
+      'fwd %.4f -> %.4f s' % (s['composite_forward'], s['fused_forward']),
+      'fwd+bwd %.4f -> %.4f s' % (s['composite_forward_backward'], s['fused_forward_backward']))
+" $L/bench-attention-$DT-$CTX.json 2>/dev/null
+    done
+  done
+  $D bench cross-entropy --device cuda --rounds 5 --out $L/bench-cross-entropy.json > /dev/null \
+    2> $L/bench-cross-entropy.err || { echo "bench cross-entropy failed:"; tail -5 $L/bench-cross-entropy.err; }
+  python3 -c "
+import json,sys
+r=json.load(open(sys.argv[1])); s=r['seconds']
+print('cross-entropy: loss rel diff %.2e, grad rel diff %.2e, argmax rows differing %d, %.4f -> %.4f s' % (
+  r['loss']['relative_difference'], r['gradient_max_relative_difference'], r['argmax_rows_differing'],
+  s['composite_forward_backward'], s['fused_forward_backward']))
+" $L/bench-cross-entropy.json 2>/dev/null
   ;;
 resume)
   [ -f $K/steps ] || { echo "no plan"; exit 1; }

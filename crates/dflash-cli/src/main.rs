@@ -3,6 +3,7 @@
 //! Invariants: bad input (flags, files, prompts) exits with code 2 and a one-line message; internal
 //! failures exit 1; machine-readable output goes to stdout as JSON, human summaries to stderr.
 
+mod bench;
 mod defaults;
 mod draft;
 mod eval;
@@ -41,6 +42,9 @@ enum Command {
     /// Training data.
     #[command(subcommand)]
     Data(regen::DataCommand),
+    /// Kernel benchmarks with parity checks.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 fn main() {
@@ -52,6 +56,7 @@ fn main() {
         Command::Plot(a) => train::plot(a),
         Command::Eval(a) => eval::run(a),
         Command::Data(cmd) => regen::run(cmd),
+        Command::Bench(cmd) => bench::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -7,8 +7,12 @@
 pub mod attention;
 pub mod block_attention;
 pub mod cache;
+pub mod cross_entropy;
 pub mod device;
 pub mod error;
+pub mod flash_block;
+#[cfg(feature = "cuda")]
+mod flash_block_cuda;
 pub mod fused_grad;
 pub mod norm;
 pub mod rope;

@@ -14,7 +14,7 @@
 
 use crate::ar::{token_budget, Emitter, GenerateConfig, Generation};
 use crate::sampling::{greedy_rows, Sampler};
-use crate::tree::{build_tree, top_k_log_probs};
+use crate::tree::{build_tree, top_k_rows};
 use crate::Result;
 use candle_core::{DType, Device, Tensor};
 use dflash_core::AttentionMask;
@@ -122,11 +122,20 @@ fn concat_taps(taps: &[Tensor]) -> Result<Tensor> {
     Ok(Tensor::cat(taps, 1)?)
 }
 
-/// What a draft hands the verifier: DFlash's argmax ids, or DDTree's rows of logits and its
-/// node budget.
+/// What a draft hands the verifier: DFlash's argmax ids, or DDTree's rows of log-probabilities
+/// and its node budget.
 enum Draft {
     Ids(Vec<u32>),
     Rows(Vec<Vec<f32>>, usize),
+}
+
+/// Row-wise log-softmax in f32 on the tensor's device.
+fn log_softmax_rows(t: &Tensor) -> Result<Tensor> {
+    let x = t.to_dtype(DType::F32)?;
+    let max = x.max_keepdim(candle_core::D::Minus1)?;
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(candle_core::D::Minus1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
 }
 
 fn rows_f32(t: &Tensor) -> Result<Vec<Vec<f32>>> {
@@ -187,7 +196,10 @@ pub fn generate_speculative(
         // DFlash proposes each row's argmax (only ids cross to the host); DDTree needs the rows
         let draft = match mode {
             SpecMode::DFlash => Draft::Ids(greedy_rows(&draft_logits)?),
-            SpecMode::DdTree { budget: nodes } => Draft::Rows(rows_f32(&draft_logits)?, nodes),
+            // log-softmax on the device: the host only picks each row's top-k
+            SpecMode::DdTree { budget: nodes } => {
+                Draft::Rows(rows_f32(&log_softmax_rows(&draft_logits)?)?, nodes)
+            }
         };
         let dt = td.elapsed().as_secs_f64();
         if steps == 0 {
@@ -221,7 +233,7 @@ pub fn generate_speculative(
             }
             &Draft::Rows(ref draft_rows, nodes) => {
                 let tb = Instant::now();
-                let top = top_k_log_probs(draft_rows, nodes.max(1));
+                let top = top_k_rows(draft_rows, nodes.max(1));
                 let tree = build_tree(bonus, &top, nodes);
                 stats.tree_build_seconds += tb.elapsed().as_secs_f64();
                 let pos: Vec<u32> = tree.depths.iter().map(|d| (start + d) as u32).collect();

@@ -8,17 +8,29 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
-/// Top-`k` (log-prob, token) per drafted position, best first (ties: lower id first).
+/// Top-`k` (log-prob, token) per drafted position from rows of logits, best first (ties: lower
+/// id first): [`top_k_rows`] after a log-softmax on the host.
+pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
+    let log_probs: Vec<Vec<f32>> = logits
+        .iter()
+        .map(|row| {
+            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+            row.iter().map(|x| x - lse).collect()
+        })
+        .collect();
+    top_k_rows(&log_probs, k)
+}
+
+/// Top-`k` (value, token) per row of already-normalised log-probabilities, best first (ties:
+/// lower id first). The decoding loop normalises on the device, so the host does no `exp`.
 ///
 /// One pass per row with a size-`k` min-heap: most values are rejected by a single comparison
 /// against the heap's minimum, so this is O(V) per row in practice.
-pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
-    logits
-        .iter()
+pub fn top_k_rows(rows: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
+    rows.iter()
         .map(|row| {
             let k = k.min(row.len());
-            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
             // min-heap on (value, Reverse(id)): the root is the weakest kept entry
             let mut heap: BinaryHeap<std::cmp::Reverse<(Ordered, std::cmp::Reverse<u32>)>> =
                 BinaryHeap::with_capacity(k + 1);
@@ -33,10 +45,7 @@ pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
                     }
                 }
             }
-            let mut v: Vec<(f32, u32)> = heap
-                .into_iter()
-                .map(|r| (r.0 .0 .0 - lse, r.0 .1 .0))
-                .collect();
+            let mut v: Vec<(f32, u32)> = heap.into_iter().map(|r| (r.0 .0 .0, r.0 .1 .0)).collect();
             v.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             v
         })
@@ -196,5 +205,10 @@ mod tests {
         assert_eq!(t[0].iter().map(|x| x.1).collect::<Vec<_>>(), vec![1, 3]);
         let z: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|x| x.exp()).sum();
         assert!((t[0][0].0 - (2.0f32.exp() / z).ln()).abs() < 1e-6);
+        // rows normalised elsewhere (the device) give the same entries through top_k_rows
+        let lp: Vec<Vec<f32>> = vec![rows[0].iter().map(|x| x - z.ln()).collect()];
+        let u = top_k_rows(&lp, 2);
+        assert_eq!(u[0].iter().map(|x| x.1).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((u[0][0].0 - t[0][0].0).abs() < 1e-6 && (u[0][1].0 - t[0][1].0).abs() < 1e-6);
     }
 }

@@ -7,6 +7,8 @@ pub enum TrainError {
     #[error(transparent)]
     Model(#[from] dflash_models::ModelError),
     #[error(transparent)]
+    Core(#[from] dflash_core::CoreError),
+    #[error(transparent)]
     Plot(#[from] dflash_plot::PlotError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -168,7 +168,22 @@ pub struct SoftLabels<'a> {
 /// `(surrogate, loss, pred)`: `surrogate.backward()` gives exactly the gradients of
 /// `Σ w·CE / norm` (the LM head's input gradient is computed chunk by chunk, then pushed through the
 /// drafter once); `pred` holds argmax ids (`u32::MAX` on unweighted rows).
+/// The fused cross-entropy kernel takes the plain loss when `DFLASH_FUSED_LOSS=1`.
 pub fn chunked_block_loss(
+    lm_head: &dyn Fn(&Tensor) -> Result<Tensor>,
+    hidden: &Tensor,
+    labels: &BlockLabels,
+    norm: f32,
+    max_logits: usize,
+    soft: Option<&SoftLabels>,
+) -> Result<(Option<Tensor>, f64, Vec<u32>)> {
+    let fused = soft.is_none() && dflash_core::cross_entropy::enabled();
+    chunked_loss_with(fused, lm_head, hidden, labels, norm, max_logits, soft)
+}
+
+/// [`chunked_block_loss`] with the loss path chosen by the caller (`fused` needs `soft = None`).
+fn chunked_loss_with(
+    fused: bool,
     lm_head: &dyn Fn(&Tensor) -> Result<Tensor>,
     hidden: &Tensor,
     labels: &BlockLabels,
@@ -213,34 +228,25 @@ pub fn chunked_block_loss(
     for (c, rows_c) in picked.chunks(chunk).enumerate() {
         let x = leaf.as_tensor().narrow(0, c * chunk, rows_c.len())?;
         let logits = lm_head(&x)?.to_dtype(DType::F32)?;
-        let max = logits.max_keepdim(D::Minus1)?.detach();
-        let lse = (logits
-            .broadcast_sub(&max)?
-            .exp()?
-            .sum_keepdim(D::Minus1)?
-            .log()?
-            + max)?
-            .squeeze(1)?;
         let lab: Vec<u32> = rows_c.iter().map(|&i| labels.labels[i as usize]).collect();
-        let w: Vec<f32> = rows_c.iter().map(|&i| labels.weights[i as usize]).collect();
-        let lab = Tensor::from_vec(lab, (rows_c.len(), 1), dev)?;
-        let mut target_logit = logits.gather(&lab, 1)?.squeeze(1)?;
-        if let Some(sl) = soft {
-            // H(p, q) = lse − Σ p·logits (Σ p = 1): mix the label's logit with p's expectation
-            let pos: Vec<u32> = rows_c.iter().map(|&i| sl.position[i as usize]).collect();
-            let pos = Tensor::from_vec(pos, rows_c.len(), dev)?;
-            let p = sl.probs.index_select(&pos, 0)?;
-            let expected = (p * &logits)?.sum(D::Minus1)?;
-            target_logit = ((target_logit * (1.0 - sl.alpha))? + (expected * sl.alpha)?)?;
-        }
-        let w = Tensor::from_vec(w, rows_c.len(), dev)?;
-        let part = (((lse - target_logit)? * w)?.sum_all()? / norm.max(1e-6) as f64)?;
+        let (part, am) = if fused && soft.is_none() {
+            // one fused pass: Σ w·CE / norm and the argmax
+            let w: Vec<f32> = rows_c
+                .iter()
+                .map(|&i| labels.weights[i as usize] / norm.max(1e-6))
+                .collect();
+            let out = dflash_core::cross_entropy::weighted_cross_entropy(&logits, &lab, &w)?;
+            let am = out.narrow(1, 2, 1)?.squeeze(1)?.to_dtype(DType::U32)?;
+            (out.narrow(1, 0, 1)?.sum_all()?, am)
+        } else {
+            composite_chunk_loss(&logits, lab, rows_c, labels, norm, soft)?
+        };
         let part_value = part.detach();
         loss = Some(match loss {
             Some(acc) => (acc + part_value)?,
             None => part_value,
         });
-        argmax.push(logits.argmax(D::Minus1)?);
+        argmax.push(am);
         let g = part.backward()?;
         let g = g.get(leaf.as_tensor()).cloned().ok_or_else(|| {
             TrainError::InvalidInput("no gradient reaches the LM head input".into())
@@ -263,6 +269,41 @@ pub fn chunked_block_loss(
     let grad = grad.expect("at least one chunk").detach();
     let surrogate = (sel * grad.to_dtype(hidden.dtype())?)?.sum_all()?;
     Ok((Some(surrogate), loss, pred))
+}
+
+/// One chunk's `Σ w·CE / norm` (graph attached) and argmax with candle's composites (the only
+/// path for soft labels).
+fn composite_chunk_loss(
+    logits: &Tensor,
+    lab: Vec<u32>,
+    rows_c: &[u32],
+    labels: &BlockLabels,
+    norm: f32,
+    soft: Option<&SoftLabels>,
+) -> Result<(Tensor, Tensor)> {
+    let dev = logits.device();
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let lse = (logits
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + max)?
+        .squeeze(1)?;
+    let w: Vec<f32> = rows_c.iter().map(|&i| labels.weights[i as usize]).collect();
+    let lab = Tensor::from_vec(lab, (rows_c.len(), 1), dev)?;
+    let mut target_logit = logits.gather(&lab, 1)?.squeeze(1)?;
+    if let Some(sl) = soft {
+        // H(p, q) = lse − Σ p·logits (Σ p = 1): mix the label's logit with p's expectation
+        let pos: Vec<u32> = rows_c.iter().map(|&i| sl.position[i as usize]).collect();
+        let pos = Tensor::from_vec(pos, rows_c.len(), dev)?;
+        let p = sl.probs.index_select(&pos, 0)?;
+        let expected = (p * logits)?.sum(D::Minus1)?;
+        target_logit = ((target_logit * (1.0 - sl.alpha))? + (expected * sl.alpha)?)?;
+    }
+    let w = Tensor::from_vec(w, rows_c.len(), dev)?;
+    let part = (((lse - target_logit)? * w)?.sum_all()? / norm.max(1e-6) as f64)?;
+    Ok((part, logits.argmax(D::Minus1)?))
 }
 
 #[cfg(test)]
@@ -443,5 +484,15 @@ mod tests {
         assert_eq!(stats.accuracy, report.accuracy);
         assert_eq!(stats.streak, report.streak);
         assert_same_gradient(&g_whole, &g_chunk, hidden.as_tensor());
+        // the fused cross-entropy kernel gives the same loss, gradient and argmax
+        let (sur_f, loss_f, pred_f) =
+            chunked_loss_with(true, &lm_head, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
+        let g_fused = sur_f.unwrap().backward().unwrap();
+        assert!(
+            (loss_f - loss).abs() < 1e-5,
+            "fused loss {loss_f} vs {loss}"
+        );
+        assert_eq!(pred_f, pred);
+        assert_same_gradient(&g_chunk, &g_fused, hidden.as_tensor());
     }
 }

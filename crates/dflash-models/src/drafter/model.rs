@@ -18,6 +18,7 @@ use crate::{ModelError, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use dflash_core::block_attention::{block_attention, HIDDEN};
+use dflash_core::flash_block::{self, flash_block_attention};
 use dflash_core::{Grad, KvCache, RmsNorm, RotaryEmbedding};
 
 fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
@@ -318,28 +319,43 @@ impl DFlashDrafter {
             let q = self.rotary.apply(&q, &cos, &sin, grad)?;
             let blk = self.kv_at(layer, &h, &cos, &sin, grad)?;
             let ctx = ctx_kv(li)?;
-            let (cm, bm) = match masks.iter().find(|(a, _)| *a == layer.attn) {
-                Some((_, m)) => m.clone(),
+            // the fused kernels take the standard DFlash layer: context before the anchor,
+            // the whole own block
+            let fused =
+                if flash_block::enabled() && layer.attn.window.is_none() && !layer.attn.causal {
+                    let visible: Vec<u32> =
+                        anchors.iter().map(|&a| a.min(ctx_len as u32)).collect();
+                    flash_block_attention(&q, &ctx.k, &ctx.v, &blk.k, &blk.v, &visible, bs, scale)?
+                } else {
+                    None
+                };
+            let o = match fused {
+                Some(o) => o,
                 None => {
-                    let m = (
-                        self.context_mask(layer.attn, b, anchors, ctx_len)?,
-                        self.block_mask(layer.attn)?,
-                    );
-                    masks.push((layer.attn, m.clone()));
-                    m
+                    let (cm, bm) = match masks.iter().find(|(a, _)| *a == layer.attn) {
+                        Some((_, m)) => m.clone(),
+                        None => {
+                            let m = (
+                                self.context_mask(layer.attn, b, anchors, ctx_len)?,
+                                self.block_mask(layer.attn)?,
+                            );
+                            masks.push((layer.attn, m.clone()));
+                            m
+                        }
+                    };
+                    block_attention(
+                        &q,
+                        &ctx.k,
+                        &ctx.v,
+                        &blk.k,
+                        &blk.v,
+                        cm.as_ref(),
+                        bm.as_ref(),
+                        bs,
+                        scale,
+                    )?
                 }
             };
-            let o = block_attention(
-                &q,
-                &ctx.k,
-                &ctx.v,
-                &blk.k,
-                &blk.v,
-                cm.as_ref(),
-                bm.as_ref(),
-                bs,
-                scale,
-            )?;
             x = (x + layer.o_proj.forward(&o)?)?;
             let h = layer.post_attention_layernorm.forward(&x, grad)?;
             let g = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;

@@ -1,0 +1,276 @@
+//! `dflash bench attention`: the fused block attention against the composite on one device, at
+//! a training micro-batch's shapes. Prints (and writes with `--out`) JSON: the largest
+//! difference of the output and of each input gradient relative to the composite's largest
+//! value, and the median forward and forward+backward seconds of both paths.
+//!
+//! Invariants: both paths get the same inputs and the same output weights; times are taken
+//! between device synchronisations after one warm-up round (which pays NVRTC and PTX loading).
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use clap::{Args, Subcommand};
+use dflash_core::block_attention::{block_attention, HIDDEN};
+use dflash_core::flash_block::flash_block_attention;
+use std::time::Instant;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Fused vs composite block attention: parity and time, forward and backward.
+    Attention(AttentionArgs),
+    /// Fused vs composite weighted cross-entropy over a chunk of LM-head logits.
+    CrossEntropy(CrossEntropyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CrossEntropyArgs {
+    /// Rows of logits (one training loss chunk).
+    #[arg(long, default_value_t = 5461)]
+    rows: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 49152)]
+    vocab: usize,
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Also write the JSON here.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct AttentionArgs {
+    /// Sequences in the micro-batch.
+    #[arg(long, default_value_t = 9)]
+    batch: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 9)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 3)]
+    kv_heads: usize,
+    /// Blocks per sequence.
+    #[arg(long, default_value_t = 128)]
+    blocks: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Context rows per sequence.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Timed rounds (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32 or bf16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Also write the JSON here.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+pub fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Attention(a) => attention(a),
+        BenchCommand::CrossEntropy(a) => cross_entropy(a),
+    }
+}
+
+/// Median seconds of `rounds` runs of `f` between synchronisations, after one warm-up run.
+fn timed(dev: &Device, rounds: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut v = vec![];
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        v.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(median(v))
+}
+
+fn write_report(report: &serde_json::Value, out: Option<&std::path::Path>) -> Result<()> {
+    let text = serde_json::to_string_pretty(report)?;
+    println!("{text}");
+    if let Some(p) = out {
+        let tmp = p.with_extension("tmp");
+        std::fs::write(&tmp, &text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, p).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
+
+fn cross_entropy(a: CrossEntropyArgs) -> Result<()> {
+    use candle_core::D;
+    let dev = dflash_core::parse_device(&a.device)?;
+    if a.rounds == 0 || a.rows == 0 || a.vocab == 0 {
+        anyhow::bail!("--rounds, --rows and --vocab must be positive");
+    }
+    let x = Var::from_tensor(
+        &(Tensor::randn(0f32, 1.0, (a.rows, a.vocab), &Device::Cpu)? * 3.0)?.to_device(&dev)?,
+    )?;
+    let labels: Vec<u32> = (0..a.rows).map(|i| ((i * 7919) % a.vocab) as u32).collect();
+    let weights: Vec<f32> = (0..a.rows)
+        .map(|i| (-((i % 15) as f32) / 7.0).exp())
+        .collect();
+    let fused = || -> Result<(Tensor, Tensor, Tensor)> {
+        let out =
+            dflash_core::cross_entropy::weighted_cross_entropy(x.as_tensor(), &labels, &weights)?;
+        let loss = out.narrow(1, 0, 1)?.sum_all()?;
+        let g = loss
+            .backward()?
+            .get(x.as_tensor())
+            .context("gradient")?
+            .clone();
+        Ok((
+            loss,
+            g,
+            out.narrow(1, 2, 1)?.squeeze(1)?.to_dtype(DType::U32)?,
+        ))
+    };
+    let composite = || -> Result<(Tensor, Tensor, Tensor)> {
+        let xt = x.as_tensor();
+        let max = xt.max_keepdim(D::Minus1)?.detach();
+        let lse = (xt
+            .broadcast_sub(&max)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?
+            + max)?;
+        let logp = xt.broadcast_sub(&lse)?;
+        let idx = Tensor::from_slice(&labels, (a.rows, 1), &dev)?;
+        let w = Tensor::from_slice(&weights, a.rows, &dev)?;
+        let loss = (logp.gather(&idx, 1)?.squeeze(1)? * w)?.sum_all()?.neg()?;
+        let g = loss
+            .backward()?
+            .get(x.as_tensor())
+            .context("gradient")?
+            .clone();
+        Ok((loss, g, x.as_tensor().argmax(D::Minus1)?))
+    };
+    let (lf, gf, af) = fused()?;
+    let (lc, gc, ac) = composite()?;
+    let (lf, lc) = (lf.to_scalar::<f32>()?, lc.to_scalar::<f32>()?);
+    let gsize = gc.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
+    let gdiff = (&gf - &gc)?.abs()?.max_all()?.to_scalar::<f32>()? / gsize;
+    let (af, ac): (Vec<u32>, Vec<u32>) = (af.to_vec1()?, ac.to_vec1()?);
+    let argmax_differs = af.iter().zip(&ac).filter(|(x, y)| x != y).count();
+    let tc = timed(&dev, a.rounds, &|| composite().map(|_| ()))?;
+    let tf = timed(&dev, a.rounds, &|| fused().map(|_| ()))?;
+    let report = serde_json::json!({
+        "device": a.device, "rows": a.rows, "vocab": a.vocab,
+        "loss": {"composite": lc, "fused": lf, "relative_difference": (lf - lc).abs() / lc.abs().max(1e-30)},
+        "gradient_max_relative_difference": gdiff, "argmax_rows_differing": argmax_differs,
+        "seconds": {"composite_forward_backward": tc, "fused_forward_backward": tf},
+        "speedup": tc / tf,
+    });
+    write_report(&report, a.out.as_deref())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn attention(a: AttentionArgs) -> Result<()> {
+    let dev = dflash_core::parse_device(&a.device)?;
+    let dtype = dflash_core::parse_dtype(&a.dtype)?;
+    if a.rounds == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) || a.block_size == 0
+    {
+        anyhow::bail!("--rounds, --kv-heads and --block-size must be positive and divide --heads");
+    }
+    let (b, h, kv, n, bs, s, d) = (
+        a.batch,
+        a.heads,
+        a.kv_heads,
+        a.blocks,
+        a.block_size,
+        a.context,
+        a.head_dim,
+    );
+    let rows = n * bs;
+    let rand = |shape: (usize, usize, usize, usize)| -> Result<Var> {
+        let t = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?;
+        Ok(Var::from_tensor(&t.to_device(&dev)?)?)
+    };
+    let inputs = [
+        rand((b, h, rows, d))?,
+        rand((b, kv, s, d))?,
+        rand((b, kv, s, d))?,
+        rand((b, kv, rows, d))?,
+        rand((b, kv, rows, d))?,
+    ];
+    let t: Vec<&Tensor> = inputs.iter().map(|v| v.as_tensor()).collect();
+    // anchors spread over the context, as random anchors in a sequence of `s` rows
+    let visible: Vec<u32> = (0..b * n)
+        .map(|i| ((i * 7919 + 13) % (s + 1)) as u32)
+        .collect();
+    let mut mask = vec![HIDDEN; b * n * s];
+    for (blk, &v) in visible.iter().enumerate() {
+        mask[blk * s..blk * s + v as usize].fill(0.0);
+    }
+    let mask = Tensor::from_vec(mask, (b, n, 1, s), &dev)?;
+    let w = Tensor::randn(0f32, 1.0, (b, rows, h * d), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(&dev)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let forward = |fused: bool| -> Result<Tensor> {
+        if fused {
+            flash_block_attention(t[0], t[1], t[2], t[3], t[4], &visible, bs, scale)?
+                .context("these shapes are outside the fused kernels' limits")
+        } else {
+            Ok(block_attention(
+                t[0],
+                t[1],
+                t[2],
+                t[3],
+                t[4],
+                Some(&mask),
+                None,
+                bs,
+                scale,
+            )?)
+        }
+    };
+    let with_grads = |fused: bool| -> Result<Vec<Tensor>> {
+        let o = forward(fused)?;
+        let g = (&o * &w)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let mut out = vec![o];
+        for x in &t {
+            out.push(g.get(x).context("missing gradient")?.clone());
+        }
+        Ok(out)
+    };
+    let time = |f: &dyn Fn() -> Result<()>| timed(&dev, a.rounds, f);
+    let composite = with_grads(false)?;
+    let fused = with_grads(true)?;
+    let names = ["output", "d_q", "d_ctx_k", "d_ctx_v", "d_blk_k", "d_blk_v"];
+    let mut parity = serde_json::Map::new();
+    let mut worst = 0f32;
+    for ((name, c), f) in names.iter().zip(&composite).zip(&fused) {
+        let c = c.to_dtype(DType::F32)?;
+        let f = f.to_dtype(DType::F32)?;
+        let size = c.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
+        let diff = (&c - &f)?.abs()?.max_all()?.to_scalar::<f32>()? / size;
+        worst = worst.max(diff);
+        parity.insert(name.to_string(), serde_json::json!(diff));
+    }
+    let fwd_c = time(&|| forward(false).map(|_| ()))?;
+    let fwd_f = time(&|| forward(true).map(|_| ()))?;
+    let all_c = time(&|| with_grads(false).map(|_| ()))?;
+    let all_f = time(&|| with_grads(true).map(|_| ()))?;
+    let report = serde_json::json!({
+        "device": a.device, "dtype": a.dtype,
+        "shape": {"batch": b, "heads": h, "kv_heads": kv, "blocks": n, "block_size": bs,
+                  "context": s, "head_dim": d},
+        "max_relative_difference": parity, "worst": worst,
+        "seconds": {"composite_forward": fwd_c, "fused_forward": fwd_f,
+                    "composite_forward_backward": all_c, "fused_forward_backward": all_f},
+        "speedup": {"forward": fwd_c / fwd_f, "forward_backward": all_c / all_f},
+    });
+    write_report(&report, a.out.as_deref())
+}

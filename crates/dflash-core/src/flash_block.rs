@@ -1,0 +1,441 @@
+//! Fused DFlash block attention: the same function as [`crate::block_attention`] for the
+//! standard DFlash layer (block rows see the context keys strictly before their anchor and every
+//! key of their own block), computed without materialising a score tensor. One row at a time,
+//! online softmax in f32, forward and analytic backward (flash-attention style: the backward
+//! recomputes probabilities from the row's log-normaliser and uses `D = dO·O`).
+//!
+//! Invariants:
+//! - Equals `block_attention` with the anchor mask and no block mask, in value and in every
+//!   gradient, up to float rounding (tested on the CPU reference; `dflash bench attention`
+//!   compares the CUDA kernels against the composite on the device).
+//! - The CUDA kernels (`flash_block.cu`, NVRTC) mirror the CPU reference loop for loop; neither
+//!   uses atomics, so results do not depend on scheduling.
+//! - Off unless `DFLASH_FUSED_ATTENTION=1` (the CUDA kernels are new; the composite stays the
+//!   default until the H200 parity check and timing are recorded in docs/benchmarks.md).
+//! - [`flash_block_attention`] returns `None` for shapes outside the kernels' limits (block
+//!   larger than 16, more than 128 rows per kv group, shared memory above 48 KiB, no context);
+//!   the caller then takes the composite.
+
+use crate::{CoreError, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+
+/// Keys per tile of the row kernels, and the largest block size they take.
+pub const MAX_BLOCK: usize = 16;
+/// Context keys per thread block in the key-parallel backward kernel.
+const KEYS_PER_CTA: usize = 32;
+/// Shared memory a kernel may use without an opt-in.
+const SHARED_LIMIT: usize = 48 * 1024;
+
+/// True when `DFLASH_FUSED_ATTENTION=1` (read at each call, so one process can compare both
+/// paths; the lookup is negligible next to an attention layer).
+pub fn enabled() -> bool {
+    std::env::var("DFLASH_FUSED_ATTENTION").as_deref() == Ok("1")
+}
+
+static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many attentions the fused op has computed in this process (tests check the switch).
+pub fn calls() -> usize {
+    CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Problem sizes: `nb` sequences, `h`/`kv` heads, `r = n·B` block rows, `s` context rows, head
+/// dim `d`, block `bs`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Dims {
+    pub nb: usize,
+    pub h: usize,
+    pub kv: usize,
+    pub r: usize,
+    pub s: usize,
+    pub d: usize,
+    pub bs: usize,
+    pub scale: f32,
+}
+
+impl Dims {
+    pub fn rep(&self) -> usize {
+        self.h / self.kv
+    }
+    pub fn n(&self) -> usize {
+        self.r / self.bs
+    }
+    pub fn rows(&self) -> usize {
+        self.rep() * self.bs
+    }
+    pub fn q_len(&self) -> usize {
+        self.nb * self.h * self.r * self.d
+    }
+    /// Elements of one plane (keys or values) of the context / block tensors.
+    pub fn ctx_plane(&self) -> usize {
+        self.nb * self.kv * self.s * self.d
+    }
+    pub fn blk_plane(&self) -> usize {
+        self.nb * self.kv * self.r * self.d
+    }
+    /// Shared memory (bytes) of each CUDA kernel: forward/row backward, block-key and
+    /// context-key backward.
+    pub fn shared_bytes(&self) -> [usize; 3] {
+        let (d, rows, bs) = (self.d, self.rows(), self.bs);
+        let row_kernel = 2 * MAX_BLOCK * d;
+        let blk = 2 * rows * d + 2 * bs * (d + 1) + 2 * rows * bs + 2 * rows;
+        let ctx = 2 * KEYS_PER_CTA * (d + 1) + 2 * rows * d + 2 * rows;
+        [row_kernel * 4, blk * 4, ctx * 4]
+    }
+    fn fits(&self) -> bool {
+        self.bs >= 1
+            && self.bs <= MAX_BLOCK
+            && self.rows() <= 128
+            && self.d <= 128
+            && self.s > 0
+            && self.shared_bytes().iter().all(|&b| b <= SHARED_LIMIT)
+    }
+}
+
+/// Fused block attention. `q` `[b, heads, n·B, d]`; `ctx_k`, `ctx_v` `[b, kv_heads, S, d]`;
+/// `blk_k`, `blk_v` `[b, kv_heads, n·B, d]`; `visible[i·n + k]` the number of context rows block
+/// `k` of sequence `i` sees (rows `0..visible`, clamped to `S`). Returns `[b, n·B, heads·d]` like
+/// [`crate::block_attention`], or `None` when the shapes are outside the kernels' limits.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_block_attention(
+    q: &Tensor,
+    ctx_k: &Tensor,
+    ctx_v: &Tensor,
+    blk_k: &Tensor,
+    blk_v: &Tensor,
+    visible: &[u32],
+    block: usize,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    let (nb, h, r, d) = q.dims4()?;
+    let (_, kv, s, _) = ctx_k.dims4()?;
+    if block == 0 || r % block != 0 || kv == 0 || h % kv != 0 {
+        return Err(CoreError::InvalidInput(format!(
+            "flash block attention: {r} rows, block {block}, {h}/{kv} heads"
+        )));
+    }
+    let dims = Dims {
+        nb,
+        h,
+        kv,
+        r,
+        s,
+        d,
+        bs: block,
+        scale: scale as f32,
+    };
+    if visible.len() != nb * dims.n()
+        || ctx_v.dims() != ctx_k.dims()
+        || blk_k.dims() != [nb, kv, r, d]
+        || blk_v.dims() != blk_k.dims()
+    {
+        return Err(CoreError::InvalidInput(format!(
+            "flash block attention: q {:?}, context {:?}/{:?}, block {:?}/{:?}, {} visibility entries",
+            q.dims(),
+            ctx_k.dims(),
+            ctx_v.dims(),
+            blk_k.dims(),
+            blk_v.dims(),
+            visible.len()
+        )));
+    }
+    let dtype = q.dtype();
+    if !dims.fits()
+        || !matches!(dtype, DType::F32 | DType::BF16)
+        || [ctx_k, ctx_v, blk_k, blk_v]
+            .iter()
+            .any(|t| t.dtype() != dtype)
+    {
+        return Ok(None);
+    }
+    let ctx_kv = Tensor::stack(&[ctx_k, ctx_v], 0)?;
+    let blk_kv = Tensor::stack(&[blk_k, blk_v], 0)?;
+    let op = FlashBlockOp {
+        dims,
+        visible: visible.iter().map(|&v| v.min(s as u32)).collect(),
+    };
+    let o = q.contiguous()?.apply_op3(&ctx_kv, &blk_kv, op)?;
+    CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(Some(o.transpose(1, 2)?.reshape((nb, r, h * d))?))
+}
+
+/// The graph node: inputs `q`, `ctx_kv` `[2, b, kv, S, d]`, `blk_kv` `[2, b, kv, n·B, d]`;
+/// output `o` `[b, heads, n·B, d]`.
+struct FlashBlockOp {
+    dims: Dims,
+    visible: Vec<u32>,
+}
+
+/// The backward as a node without a backward: inputs `[q, dO, O]` stacked, `ctx_kv`, `blk_kv`;
+/// output the flat `[dq | d ctx_kv | d blk_kv]`.
+struct FlashBlockGradOp {
+    dims: Dims,
+    visible: Vec<u32>,
+}
+
+fn contiguous_f32(s: &CpuStorage, l: &Layout) -> candle_core::Result<Vec<f32>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("flash block attention: non-contiguous".into()))?;
+    Ok(match s {
+        CpuStorage::F32(v) => v[a..b].to_vec(),
+        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+        _ => candle_core::bail!("flash block attention: f32 or bf16 only"),
+    })
+}
+
+fn storage_of(v: Vec<f32>, dtype: DType) -> candle_core::Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v),
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        _ => candle_core::bail!("flash block attention: f32 or bf16 only"),
+    })
+}
+
+/// Where one row's data sits (mirrors `row_map` of the CUDA source).
+struct Row {
+    q: usize,
+    ctx: usize,
+    blk: usize,
+    visible: usize,
+}
+
+fn rows_of(dims: Dims, visible: &[u32]) -> impl Iterator<Item = Row> + '_ {
+    let (n, rep, d) = (dims.n(), dims.rep(), dims.d);
+    (0..dims.nb).flat_map(move |bi| {
+        (0..dims.h).flat_map(move |hh| {
+            (0..dims.r).map(move |i| {
+                let (g, k) = (hh / rep, i / dims.bs);
+                Row {
+                    q: ((bi * dims.h + hh) * dims.r + i) * d,
+                    ctx: (bi * dims.kv + g) * dims.s * d,
+                    blk: ((bi * dims.kv + g) * dims.r + k * dims.bs) * d,
+                    visible: (visible[bi * n + k] as usize).min(dims.s),
+                }
+            })
+        })
+    })
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The keys of a row: `(offset of the key in its plane, plane)`, context first.
+fn keys(dims: &Dims, row: &Row) -> impl Iterator<Item = (usize, bool)> {
+    let (d, ctx_off) = (dims.d, row.ctx);
+    let ctx = (0..row.visible).map(move |t| (ctx_off + t * d, true));
+    let (blk, bs) = (row.blk, dims.bs);
+    ctx.chain((0..bs).map(move |u| (blk + u * d, false)))
+}
+
+/// CPU reference forward: `o` `[b, heads, r, d]` and the log-normaliser of every row.
+pub(crate) fn forward_reference(
+    dims: &Dims,
+    visible: &[u32],
+    q: &[f32],
+    ctx_kv: &[f32],
+    blk_kv: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let d = dims.d;
+    let (cp, bp) = (dims.ctx_plane(), dims.blk_plane());
+    let mut o = vec![0f32; dims.q_len()];
+    let mut lse = vec![0f32; dims.q_len() / d];
+    for row in rows_of(*dims, visible) {
+        let qv: Vec<f32> = q[row.q..row.q + d].iter().map(|x| x * dims.scale).collect();
+        let key = |(off, ctx): (usize, bool)| {
+            if ctx {
+                &ctx_kv[off..off + d]
+            } else {
+                &blk_kv[off..off + d]
+            }
+        };
+        let val = |(off, ctx): (usize, bool)| {
+            if ctx {
+                &ctx_kv[cp + off..cp + off + d]
+            } else {
+                &blk_kv[bp + off..bp + off + d]
+            }
+        };
+        let scores: Vec<f32> = keys(dims, &row).map(|k| dot(&qv, key(k))).collect();
+        let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut z = 0f32;
+        let out = &mut o[row.q..row.q + d];
+        for (sc, k) in scores.iter().zip(keys(dims, &row)) {
+            let p = (sc - m).exp();
+            z += p;
+            for (oo, vv) in out.iter_mut().zip(val(k)) {
+                *oo += p * vv;
+            }
+        }
+        out.iter_mut().for_each(|x| *x /= z);
+        lse[row.q / d] = m + z.ln();
+    }
+    (o, lse)
+}
+
+/// CPU reference backward: `(dq, d ctx_kv, d blk_kv)` from `dO` and the forward's output `o`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_reference(
+    dims: &Dims,
+    visible: &[u32],
+    q: &[f32],
+    dout: &[f32],
+    o: &[f32],
+    ctx_kv: &[f32],
+    blk_kv: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let d = dims.d;
+    let (cp, bp) = (dims.ctx_plane(), dims.blk_plane());
+    let (_, lse) = forward_reference(dims, visible, q, ctx_kv, blk_kv);
+    let mut dq = vec![0f32; q.len()];
+    let mut dctx = vec![0f32; ctx_kv.len()];
+    let mut dblk = vec![0f32; blk_kv.len()];
+    for row in rows_of(*dims, visible) {
+        let qv: Vec<f32> = q[row.q..row.q + d].iter().map(|x| x * dims.scale).collect();
+        let dov = &dout[row.q..row.q + d];
+        let dd = dot(dov, &o[row.q..row.q + d]);
+        let l = lse[row.q / d];
+        for (off, ctx) in keys(dims, &row) {
+            let (kvec, vvec) = if ctx {
+                (&ctx_kv[off..off + d], &ctx_kv[cp + off..cp + off + d])
+            } else {
+                (&blk_kv[off..off + d], &blk_kv[bp + off..bp + off + d])
+            };
+            let p = (dot(&qv, kvec) - l).exp();
+            let ds = p * (dot(dov, vvec) - dd);
+            for (x, kk) in dq[row.q..row.q + d].iter_mut().zip(kvec) {
+                *x += ds * kk * dims.scale;
+            }
+            let (g, plane) = if ctx {
+                (&mut dctx, cp)
+            } else {
+                (&mut dblk, bp)
+            };
+            for j in 0..d {
+                g[off + j] += ds * qv[j];
+                g[plane + off + j] += p * dov[j];
+            }
+        }
+    }
+    (dq, dctx, dblk)
+}
+
+impl CustomOp3 for FlashBlockOp {
+    fn name(&self) -> &'static str {
+        "dflash-flash-block-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &Layout,
+        c: &CpuStorage,
+        lc: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (qv, cv, bv) = (
+            contiguous_f32(q, lq)?,
+            contiguous_f32(c, lc)?,
+            contiguous_f32(b, lb)?,
+        );
+        let (o, _) = forward_reference(&self.dims, &self.visible, &qv, &cv, &bv);
+        Ok((storage_of(o, q.dtype())?, lq.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        c: &candle_core::CudaStorage,
+        lc: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let o =
+            crate::flash_block_cuda::forward(&self.dims, &self.visible, (q, lq), (c, lc), (b, lb))?;
+        Ok((o, lq.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        ctx_kv: &Tensor,
+        blk_kv: &Tensor,
+        o: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let qdo = Tensor::stack(&[q, &grad.to_dtype(q.dtype())?, o], 0)?;
+        let flat = qdo.apply_op3_no_bwd(
+            &ctx_kv.contiguous()?,
+            &blk_kv.contiguous()?,
+            &FlashBlockGradOp {
+                dims: self.dims,
+                visible: self.visible.clone(),
+            },
+        )?;
+        let (nq, nc, nbk) = (
+            self.dims.q_len(),
+            2 * self.dims.ctx_plane(),
+            2 * self.dims.blk_plane(),
+        );
+        let dq = flat.narrow(0, 0, nq)?.reshape(q.shape())?;
+        let dc = flat.narrow(0, nq, nc)?.reshape(ctx_kv.shape())?;
+        let db = flat.narrow(0, nq + nc, nbk)?.reshape(blk_kv.shape())?;
+        Ok((Some(dq), Some(dc), Some(db)))
+    }
+}
+
+impl CustomOp3 for FlashBlockGradOp {
+    fn name(&self) -> &'static str {
+        "dflash-flash-block-attention-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qdo: &CpuStorage,
+        lq: &Layout,
+        c: &CpuStorage,
+        lc: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let all = contiguous_f32(qdo, lq)?;
+        let nq = self.dims.q_len();
+        let (q, rest) = all.split_at(nq);
+        let (dout, o) = rest.split_at(nq);
+        let (cv, bv) = (contiguous_f32(c, lc)?, contiguous_f32(b, lb)?);
+        let (mut dq, dc, db) = backward_reference(&self.dims, &self.visible, q, dout, o, &cv, &bv);
+        dq.extend(dc);
+        dq.extend(db);
+        let len = dq.len();
+        Ok((storage_of(dq, qdo.dtype())?, Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qdo: &candle_core::CudaStorage,
+        lq: &Layout,
+        c: &candle_core::CudaStorage,
+        lc: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (g, len) = crate::flash_block_cuda::backward(
+            &self.dims,
+            &self.visible,
+            (qdo, lq),
+            (c, lc),
+            (b, lb),
+        )?;
+        Ok((g, Shape::from(len)))
+    }
+}
+
+#[cfg(test)]
+#[path = "flash_block_tests.rs"]
+mod tests;

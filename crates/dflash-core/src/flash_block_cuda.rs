@@ -1,0 +1,228 @@
+//! Launches of the fused block-attention kernels (`flash_block.cu`), compiled by NVRTC once per
+//! head dim and cached for the process.
+//!
+//! Invariants: every input is read through its contiguous offsets (an input that is not
+//! contiguous is an error, never a silent misread); every output element is written by exactly
+//! one thread, so outputs are allocated uninitialised; launches go on candle's stream, in order,
+//! so the backward's scratch (log-normalisers and `D`) is complete before its readers run.
+
+use crate::flash_block::{Dims, MAX_BLOCK};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Layout};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+const SOURCE: &str = include_str!("flash_block.cu");
+const KEYS_PER_CTA: u32 = 32;
+
+/// PTX for head dim `d` (compiled on first use).
+fn ptx(d: usize) -> candle_core::Result<String> {
+    static CACHE: Mutex<Option<HashMap<usize, String>>> = Mutex::new(None);
+    let mut cache = CACHE.lock().expect("ptx cache poisoned");
+    let map = cache.get_or_insert_with(HashMap::new);
+    if let Some(p) = map.get(&d) {
+        return Ok(p.clone());
+    }
+    let src = format!("#define HD {d}\n{SOURCE}");
+    let ptx = candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(src).map_err(|e| {
+        candle_core::Error::Msg(format!("flash block attention: NVRTC failed: {e:?}"))
+    })?;
+    let p = ptx.to_src();
+    map.insert(d, p.clone());
+    Ok(p)
+}
+
+/// Loads kernel `$name` for head dim `$d` on `$dev` (a macro: candle does not export the type).
+macro_rules! func {
+    ($dev:expr, $d:expr, $name:expr) => {
+        $dev.get_or_load_custom_func(&$name, &format!("dflash_flash_block_hd{}", $d), &ptx($d)?)
+    };
+}
+
+fn view<'a, T: CudaDType + DeviceRepr>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> candle_core::Result<CudaView<'a, T>> {
+    let (a, b) = l.contiguous_offsets().ok_or_else(|| {
+        candle_core::Error::Msg("flash block attention: non-contiguous input".into())
+    })?;
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+fn suffix(dtype: DType) -> candle_core::Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => candle_core::bail!("flash block attention: {d:?} not supported"),
+    }
+}
+
+/// Grid `(n blocks, b·kv)`, one thread per row of a kv group (rounded up to a warp).
+fn row_config(dims: &Dims, shared: usize) -> LaunchConfig {
+    let threads = dims.rows().div_ceil(32) * 32;
+    LaunchConfig {
+        grid_dim: (dims.n() as u32, (dims.nb * dims.kv) as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    }
+}
+
+type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+pub(crate) fn forward(
+    dims: &Dims,
+    visible: &[u32],
+    q: Arg,
+    ctx_kv: Arg,
+    blk_kv: Arg,
+) -> candle_core::Result<CudaStorage> {
+    match q.0.dtype() {
+        DType::F32 => forward_t::<f32>(dims, visible, q, ctx_kv, blk_kv),
+        DType::BF16 => forward_t::<half::bf16>(dims, visible, q, ctx_kv, blk_kv),
+        d => candle_core::bail!("flash block attention: {d:?} not supported"),
+    }
+}
+
+fn forward_t<T: CudaDType + DeviceRepr>(
+    dims: &Dims,
+    visible: &[u32],
+    q: Arg,
+    ctx_kv: Arg,
+    blk_kv: Arg,
+) -> candle_core::Result<CudaStorage> {
+    let dev = q.0.device().clone();
+    let sfx = suffix(q.0.dtype())?;
+    let (qv, cv, bv) = (
+        view::<T>(q.0, q.1)?,
+        view::<T>(ctx_kv.0, ctx_kv.1)?,
+        view::<T>(blk_kv.0, blk_kv.1)?,
+    );
+    let vis: CudaSlice<u32> = dev.clone_htod(visible)?;
+    // SAFETY: every element is written by the kernel (one thread per row and dim).
+    let out = unsafe { dev.alloc::<T>(dims.q_len())? };
+    let f = func!(dev, dims.d, format!("flash_block_fwd_{sfx}"))?;
+    let mut b = f.builder();
+    b.arg(&qv).arg(&cv).arg(&bv).arg(&vis).arg(&out);
+    let ints = [dims.nb, dims.h, dims.kv, dims.r, dims.s, dims.bs].map(|x| x as i32);
+    for x in &ints {
+        b.arg(x);
+    }
+    b.arg(&dims.scale);
+    // SAFETY: the arguments match the kernel's signature; the grid covers every row.
+    unsafe { b.launch(row_config(dims, 2 * MAX_BLOCK * dims.d * 4)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+pub(crate) fn backward(
+    dims: &Dims,
+    visible: &[u32],
+    qdo: Arg,
+    ctx_kv: Arg,
+    blk_kv: Arg,
+) -> candle_core::Result<(CudaStorage, usize)> {
+    match qdo.0.dtype() {
+        DType::F32 => backward_t::<f32>(dims, visible, qdo, ctx_kv, blk_kv),
+        DType::BF16 => backward_t::<half::bf16>(dims, visible, qdo, ctx_kv, blk_kv),
+        d => candle_core::bail!("flash block attention: {d:?} not supported"),
+    }
+}
+
+fn backward_t<T: CudaDType + DeviceRepr>(
+    dims: &Dims,
+    visible: &[u32],
+    qdo: Arg,
+    ctx_kv: Arg,
+    blk_kv: Arg,
+) -> candle_core::Result<(CudaStorage, usize)> {
+    let dev = qdo.0.device().clone();
+    let sfx = suffix(qdo.0.dtype())?;
+    let nq = dims.q_len();
+    let all = view::<T>(qdo.0, qdo.1)?;
+    let (q, dout, o) = (
+        all.slice(0..nq),
+        all.slice(nq..2 * nq),
+        all.slice(2 * nq..3 * nq),
+    );
+    let (cv, bv) = (
+        view::<T>(ctx_kv.0, ctx_kv.1)?,
+        view::<T>(blk_kv.0, blk_kv.1)?,
+    );
+    let vis: CudaSlice<u32> = dev.clone_htod(visible)?;
+    let (nc, nbk) = (2 * dims.ctx_plane(), 2 * dims.blk_plane());
+    let len = nq + nc + nbk;
+    // SAFETY: the three gradient kernels together write every element once.
+    let mut out = unsafe { dev.alloc::<T>(len)? };
+    // SAFETY: written by the row kernel before the other two read them.
+    let lse = unsafe { dev.alloc::<f32>(nq / dims.d)? };
+    let dd = unsafe { dev.alloc::<f32>(nq / dims.d)? };
+    let ints = [dims.nb, dims.h, dims.kv, dims.r, dims.s, dims.bs].map(|x| x as i32);
+    let [_, shared_blk, shared_ctx] = dims.shared_bytes();
+    {
+        let mut dq = out.slice_mut(0..nq);
+        let f = func!(dev, dims.d, format!("flash_block_bwd_q_{sfx}"))?;
+        let mut b = f.builder();
+        b.arg(&q).arg(&dout).arg(&o).arg(&cv).arg(&bv).arg(&vis);
+        b.arg(&mut dq).arg(&lse).arg(&dd);
+        for x in &ints {
+            b.arg(x);
+        }
+        b.arg(&dims.scale);
+        // SAFETY: matches the kernel's signature; the grid covers every row.
+        unsafe { b.launch(row_config(dims, 2 * MAX_BLOCK * dims.d * 4)) }.w()?;
+    }
+    {
+        let mut dblk = out.slice_mut(nq + nc..len);
+        let f = func!(dev, dims.d, format!("flash_block_bwd_blk_{sfx}"))?;
+        let mut b = f.builder();
+        b.arg(&q)
+            .arg(&dout)
+            .arg(&bv)
+            .arg(&lse)
+            .arg(&dd)
+            .arg(&mut dblk);
+        let blk_ints = [dims.nb, dims.h, dims.kv, dims.r, dims.bs].map(|x| x as i32);
+        for x in &blk_ints {
+            b.arg(x);
+        }
+        b.arg(&dims.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (dims.n() as u32, (dims.nb * dims.kv) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: shared_blk as u32,
+        };
+        // SAFETY: matches the kernel's signature; one thread block per block and kv group.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    {
+        let mut dctx = out.slice_mut(nq..nq + nc);
+        let f = func!(dev, dims.d, format!("flash_block_bwd_kv_{sfx}"))?;
+        let mut b = f.builder();
+        b.arg(&q)
+            .arg(&dout)
+            .arg(&cv)
+            .arg(&vis)
+            .arg(&lse)
+            .arg(&dd)
+            .arg(&mut dctx);
+        for x in &ints {
+            b.arg(x);
+        }
+        b.arg(&dims.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (dims.s as u32).div_ceil(KEYS_PER_CTA),
+                (dims.nb * dims.kv) as u32,
+                1,
+            ),
+            block_dim: (KEYS_PER_CTA, 1, 1),
+            shared_mem_bytes: shared_ctx as u32,
+        };
+        // SAFETY: matches the kernel's signature; the grid covers every context key.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), len))
+}

@@ -1,0 +1,124 @@
+//! The drafter with the fused block attention (`DFLASH_FUSED_ATTENTION=1`) computes the same
+//! training logits and parameter gradients as with the composite, and the same inference draft.
+//! Its own test binary: the switch is an environment variable of the process, and this is the
+//! only test here that sets it.
+
+mod common;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use common::*;
+use dflash_core::Grad;
+use dflash_models::drafter::{config_for_target, random_weights};
+use dflash_models::{load_target, DFlashDrafter, ForwardRequest, LogitRows, TargetModel};
+
+fn sequence_taps(m: &dyn TargetModel, tokens: &[u32], layers: &[usize]) -> Tensor {
+    let mut cache = m.new_cache(tokens.len()).unwrap();
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let req = ForwardRequest {
+        tokens,
+        positions: &pos,
+        mask: dflash_core::AttentionMask::Causal,
+        taps: layers,
+        logits: LogitRows::None,
+    };
+    Tensor::cat(&m.forward(&req, &mut cache).unwrap().taps, 1).unwrap()
+}
+
+/// Training logits of two sequences and the gradient of every parameter, with the switch set.
+fn run(fused: bool, target: &dyn TargetModel, drafter: &DFlashDrafter, vm: &VarMap) -> Vec<Tensor> {
+    std::env::set_var("DFLASH_FUSED_ATTENTION", if fused { "1" } else { "0" });
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 263).collect();
+    let taps = sequence_taps(target, &tokens, drafter.target_layers());
+    let ctx = Tensor::stack(
+        &[
+            taps.narrow(0, 0, 20).unwrap(),
+            taps.narrow(0, 20, 20).unwrap(),
+        ],
+        0,
+    )
+    .unwrap();
+    // anchor 0 sees no context; anchors in the middle and at the end of the sequence
+    let anchors = [0u32, 7, 13, 19, 2, 11, 16, 18];
+    let hidden = drafter
+        .forward_train_batch(target, &ctx, &tokens, &anchors, Grad::On)
+        .unwrap();
+    let logits = target.lm_head(&hidden).unwrap();
+    let w = Tensor::arange(0f32, logits.elem_count() as f32, &Device::Cpu)
+        .unwrap()
+        .affine(1e-4, 0.0)
+        .unwrap()
+        .sin()
+        .unwrap()
+        .reshape(logits.shape())
+        .unwrap();
+    let grads = (&logits * &w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let data = vm.data().lock().unwrap();
+    let mut out = vec![logits.detach()];
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for n in names {
+        out.push(grads.get(data[n].as_tensor()).expect(n).clone());
+    }
+    // inference: one block after 20 context rows (every row visible)
+    let mut cache = drafter.new_cache(64);
+    let draft = drafter
+        .draft(
+            target,
+            &mut cache,
+            &taps.narrow(0, 0, 20).unwrap(),
+            tokens[20],
+            20,
+        )
+        .unwrap();
+    out.push(draft);
+    out
+}
+
+#[test]
+fn fused_attention_equals_the_composite_in_training_and_drafting() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let cfg = config_for_target(&t, 2, 4, 262);
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap();
+        for (k, v) in random_weights(&cfg, 5).unwrap() {
+            let v = if k.ends_with("norm.weight") {
+                v
+            } else {
+                (v * 4.0).unwrap()
+            };
+            data.insert(k, Var::from_tensor(&v).unwrap());
+        }
+    }
+    let drafter =
+        DFlashDrafter::new(&cfg, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+    let before = dflash_core::flash_block::calls();
+    let composite = run(false, t.model.as_ref(), &drafter, &vm);
+    assert_eq!(
+        dflash_core::flash_block::calls(),
+        before,
+        "the switch is off"
+    );
+    let fused = run(true, t.model.as_ref(), &drafter, &vm);
+    // two layers, one training forward and one draft
+    assert_eq!(
+        dflash_core::flash_block::calls(),
+        before + 4,
+        "the fused path ran"
+    );
+    assert_eq!(composite.len(), fused.len());
+    for (i, (a, b)) in composite.iter().zip(&fused).enumerate() {
+        let err = max_abs_diff(a, b);
+        let size = max_abs(a).max(1.0);
+        assert!(
+            err <= 1e-4 * size,
+            "tensor {i}: differs by {err} (max {size})"
+        );
+    }
+    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+}
