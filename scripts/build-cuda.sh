@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 export CUDA_HOME=/opt/cuda13 PATH=/opt/cuda13/bin:$PATH CUDA_COMPUTE_CAP=90
 export LIBRARY_PATH=/opt/cuda13/lib64:/opt/cuda13/lib64/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+python3 scripts/check-kernels.py  # the NVRTC kernels compile (as at run time on the GPU)
 cargo build --release --features cuda -p dflash-cli
 tests=$(cargo test --release --features cuda -p dflash-models --test reference_fixtures --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys

@@ -19,14 +19,15 @@
 # A session with earlier data and weights: call 1 `setup` (carry .dev/gguf.part_aa,
 # dist/cuda/dflash.xz); call 2 `stash` (carry .dev/warm, .dev/data.tar.xz, .dev/prompts.jsonl.xz);
 # call 3 `data [bench] [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
-# Next session (fused kernels unmeasured on the GPU): call 3 = `data bench ab regen train` with
+# Next session (fused kernels unmeasured on the GPU): call 3 = `data bench ab` with
 # AB_ARMS="/tmp/keep/warm:40 /tmp/keep/warm,DFLASH_FUSED_ATTENTION=1:40
-# /tmp/keep/warm,DFLASH_FUSED_LOSS=1:40", REGEN_SECONDS=240 (the 4th run overfit 7.1 k examples;
-# regen continues at prompt shard 7 of 20), KEEP_DATA=1 at collect; export the switches that
-# measured faster with identical losses before `train`/`resume`.
+# /tmp/keep/warm,DFLASH_FUSED_LOSS=1:40"; call 4 = `regen train` with REGEN_SECONDS=240 (the 4th
+# run overfit 7.1 k examples; regen continues at prompt shard 7 of 20) and the switches that
+# measured faster with the same losses exported; call 5 = `resume collect eval` with KEEP_DATA=1.
+# A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
-#   stage bench : `dflash bench attention` and `dflash bench cross-entropy` on the GPU (fused vs
+#   stage bench : `dflash bench attention|causal-attention|cross-entropy` on the GPU (fused vs
 #                 composite kernels, parity and seconds); `ab` arms `INIT,DFLASH_FUSED_ATTENTION=1`
 #                 and `INIT,DFLASH_FUSED_LOSS=1` then measure them in a training step
 #   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
@@ -195,6 +196,17 @@ print(sys.argv[1].split('/')[-1], 'worst rel diff %.2e' % r['worst'],
       'fwd+bwd %.4f -> %.4f s' % (s['composite_forward_backward'], s['fused_forward_backward']))
 " $L/bench-attention-$DT-$CTX.json 2>/dev/null
     done
+  done
+  # the target's causal attention: a training micro-batch's taps, and a 16-token verify over 512
+  for SPEC in "f32 4 1024 0" "bf16 4 1024 0" "bf16 1 16 512"; do
+    read -r DT B QN PAST <<< "$SPEC"; F=$L/bench-causal-$DT-$B-$QN-$PAST.json
+    $D bench causal-attention --device cuda --dtype $DT --batch $B --queries $QN --past $PAST \
+      --rounds 5 --out $F > /dev/null 2> $F.err || { echo "bench causal $SPEC failed:"; tail -5 $F.err; }
+    python3 -c "
+import json,sys
+r=json.load(open(sys.argv[1])); s=r['seconds']
+print(sys.argv[1].split('/')[-1], 'rel diff %.2e' % r['max_relative_difference'], '%.5f -> %.5f s' % (s['composite'], s['fused']))
+" $F 2>/dev/null
   done
   $D bench cross-entropy --device cuda --rounds 5 --out $L/bench-cross-entropy.json > /dev/null \
     2> $L/bench-cross-entropy.err || { echo "bench cross-entropy failed:"; tail -5 $L/bench-cross-entropy.err; }

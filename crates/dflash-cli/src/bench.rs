@@ -19,6 +19,37 @@ pub enum BenchCommand {
     Attention(AttentionArgs),
     /// Fused vs composite weighted cross-entropy over a chunk of LM-head logits.
     CrossEntropy(CrossEntropyArgs),
+    /// Fused vs composite causal attention (the target's forward, no gradient).
+    CausalAttention(CausalArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CausalArgs {
+    /// Sequences in the batch.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    #[arg(long, default_value_t = 9)]
+    heads: usize,
+    #[arg(long, default_value_t = 3)]
+    kv_heads: usize,
+    /// Query rows per sequence.
+    #[arg(long, default_value_t = 1024)]
+    queries: usize,
+    /// Cached rows before the queries.
+    #[arg(long, default_value_t = 0)]
+    past: usize,
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32 or bf16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Also write the JSON here.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -76,6 +107,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Attention(a) => attention(a),
         BenchCommand::CrossEntropy(a) => cross_entropy(a),
+        BenchCommand::CausalAttention(a) => causal_attention(a),
     }
 }
 
@@ -167,6 +199,55 @@ fn cross_entropy(a: CrossEntropyArgs) -> Result<()> {
         "gradient_max_relative_difference": gdiff, "argmax_rows_differing": argmax_differs,
         "seconds": {"composite_forward_backward": tc, "fused_forward_backward": tf},
         "speedup": tc / tf,
+    });
+    write_report(&report, a.out.as_deref())
+}
+
+fn causal_attention(a: CausalArgs) -> Result<()> {
+    let dev = dflash_core::parse_device(&a.device)?;
+    let dtype = dflash_core::parse_dtype(&a.dtype)?;
+    if a.rounds == 0 || a.queries == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
+        anyhow::bail!("--rounds and --queries must be positive, --kv-heads must divide --heads");
+    }
+    let (b, t, s) = (a.batch, a.queries, a.past + a.queries);
+    let rand = |shape: (usize, usize, usize, usize)| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(&dev)?)
+    };
+    let q = rand((b, a.heads, t, a.head_dim))?;
+    let k = rand((b, a.kv_heads, s, a.head_dim))?;
+    let v = rand((b, a.kv_heads, s, a.head_dim))?;
+    let mask = dflash_core::AttentionMask::Causal.build(t, s, &dev)?;
+    let scale = 1.0 / (a.head_dim as f64).sqrt();
+    let composite = || -> Result<Tensor> {
+        Ok(dflash_core::attention(
+            &q,
+            &k,
+            &v,
+            mask.as_ref(),
+            scale,
+            dflash_core::Grad::Off,
+        )?)
+    };
+    let fused = || -> Result<Tensor> {
+        dflash_core::flash_block::flash_causal_attention(&q, &k, &v, scale)?
+            .context("these shapes are outside the fused kernel's limits")
+    };
+    let (c, f) = (
+        composite()?.to_dtype(DType::F32)?,
+        fused()?.to_dtype(DType::F32)?,
+    );
+    let size = c.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
+    let diff = (&c - &f)?.abs()?.max_all()?.to_scalar::<f32>()? / size;
+    let tc = timed(&dev, a.rounds, &|| composite().map(|_| ()))?;
+    let tf = timed(&dev, a.rounds, &|| fused().map(|_| ()))?;
+    let report = serde_json::json!({
+        "device": a.device, "dtype": a.dtype,
+        "shape": {"batch": b, "heads": a.heads, "kv_heads": a.kv_heads, "queries": t,
+                  "past": a.past, "head_dim": a.head_dim},
+        "max_relative_difference": diff,
+        "seconds": {"composite": tc, "fused": tf}, "speedup": tc / tf,
     });
     write_report(&report, a.out.as_deref())
 }

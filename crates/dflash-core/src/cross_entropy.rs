@@ -10,14 +10,20 @@
 //!   ignored (callers never use them).
 //! - Equals the composite (tested on the CPU reference); the CUDA kernels (`cross_entropy.cu`,
 //!   NVRTC) mirror the reference and use no atomics.
-//! - Off unless `DFLASH_FUSED_LOSS=1` until its H200 measurement is recorded.
+//! - `DFLASH_FUSED_LOSS=1` / `=0` force it on / off; unset, it is on for the CPU (measured 1.9×
+//!   faster on the loss phase there, same losses) and off on CUDA until its H200 measurement is
+//!   recorded.
 
 use crate::{CoreError, Result};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 
-/// True when `DFLASH_FUSED_LOSS=1` (read at each call).
-pub fn enabled() -> bool {
-    std::env::var("DFLASH_FUSED_LOSS").as_deref() == Ok("1")
+/// Whether the fused loss runs on `device` (see the module invariants; read at each call).
+pub fn enabled(device: &candle_core::Device) -> bool {
+    match std::env::var("DFLASH_FUSED_LOSS").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => device.is_cpu(),
+    }
 }
 
 /// See the module invariants. `logits` `[rows, V]` f32; `labels` and `weights` one per row.
@@ -42,6 +48,27 @@ pub fn weighted_cross_entropy(logits: &Tensor, labels: &[u32], weights: &[f32]) 
         weights: weights.to_vec(),
     };
     Ok(logits.contiguous()?.apply_op1(op)?)
+}
+
+/// The forward of [`weighted_cross_entropy`] and the gradient of its column-0 sum w.r.t. the
+/// logits, `w·(softmax − onehot)` `[rows, V]` f32, without a graph (for a caller that applies the
+/// frozen LM head's transpose itself).
+pub fn weighted_cross_entropy_and_grad(
+    logits: &Tensor,
+    labels: &[u32],
+    weights: &[f32],
+) -> Result<(Tensor, Tensor)> {
+    let out = weighted_cross_entropy(&logits.detach(), labels, weights)?.detach();
+    let ones = Tensor::ones(out.shape(), DType::F32, out.device())?;
+    let op = CrossEntropyGradOp {
+        labels: labels.to_vec(),
+        weights: weights.to_vec(),
+    };
+    let grad = logits
+        .detach()
+        .contiguous()?
+        .apply_op3_no_bwd(&out, &ones, &op)?;
+    Ok((out, grad))
 }
 
 struct CrossEntropyOp {
@@ -329,6 +356,24 @@ mod tests {
             .to_vec1()
             .unwrap();
         assert_eq!(got, am);
+    }
+
+    #[test]
+    fn the_explicit_gradient_equals_the_graph_gradient() {
+        let x = Var::from_tensor(&logits(4, 23)).unwrap();
+        let (labels, weights) = ([1u32, 22, 0, 5], [0.5f32, 1.0, 2.0, 0.0]);
+        let out = weighted_cross_entropy(x.as_tensor(), &labels, &weights).unwrap();
+        let g = out
+            .narrow(1, 0, 1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (out2, g2) = weighted_cross_entropy_and_grad(x.as_tensor(), &labels, &weights).unwrap();
+        assert_eq!(crate::test_util::max_abs_diff(&out, &out2), 0.0);
+        let err = crate::test_util::max_abs_diff(g.get(x.as_tensor()).unwrap(), &g2);
+        assert!(err == 0.0, "explicit gradient differs by {err}");
     }
 
     #[test]

@@ -9,6 +9,11 @@
 //   on scheduling (the backward is deterministic).
 // Thread mapping of the row kernels: one thread block per (block k, sequence·kv group), one
 // thread per (head of the group, slot) row; rows = (H / KV)·B ≤ blockDim.x.
+// The forward also serves causal attention (the target's): `causal` hides own-block key u from
+// slot j < u, the last block may be partial (R need not be a multiple of B), and the block keys
+// are rows BOFF + k·B .. of a tensor with BR rows per (sequence, kv group) — for the target the
+// context tensor itself (BR = S, BOFF = the cached prefix). The backward takes the DFlash case
+// only (full blocks, not causal, BR = R, BOFF = 0).
 
 typedef unsigned short bf16_t;
 #define NEG_INF __int_as_float(0xff800000)
@@ -34,34 +39,35 @@ struct RowMap {
 };
 
 __device__ __forceinline__ RowMap row_map(const unsigned int* vis, int nb, int H, int KV, int R,
-                                          int S, int B) {
+                                          int S, int B, int BR, int BOFF) {
   RowMap m;
   m.k = blockIdx.x;
   const int bg = blockIdx.y;
   m.bi = bg / KV;
   m.g = bg % KV;
-  m.n = R / B;
+  m.n = (R + B - 1) / B;
   m.rep = H / KV;
   m.rows = m.rep * B;
   const int t = threadIdx.x;
-  m.active = t < m.rows;
+  m.active = t < m.rows && m.k * B + t % B < R;
   m.hh = m.g * m.rep + (m.active ? t / B : 0);
-  m.i = m.k * B + (m.active ? t % B : 0);
+  m.i = m.active ? m.k * B + t % B : 0;
   m.qoff = (((long long)m.bi * H + m.hh) * R + m.i) * HD;
   m.nv = min((int)vis[m.bi * m.n + m.k], S);
   m.cplane = (long long)nb * KV * S * HD;
-  m.bplane = (long long)nb * KV * R * HD;
+  m.bplane = (long long)nb * KV * BR * HD;
   m.coff = ((long long)m.bi * KV + m.g) * S * HD;
-  m.boff = (((long long)m.bi * KV + m.g) * R + (long long)m.k * B) * HD;
+  m.boff = (((long long)m.bi * KV + m.g) * BR + BOFF + (long long)m.k * B) * HD;
   return m;
 }
 
 // Tile `tile` of a row's keys: context tiles first, then (tile == ctiles) the own block.
 template <typename T>
 __device__ __forceinline__ int load_tile(const RowMap& m, int tile, int ctiles, const T* ckv,
-                                         const T* bkv, int B, float* ks, float* vs, bool values) {
+                                         const T* bkv, int B, int R, float* ks, float* vs,
+                                         bool values) {
   const bool own = tile == ctiles;
-  const int cnt = own ? B : min(KT, m.nv - tile * KT);
+  const int cnt = own ? min(B, R - m.k * B) : min(KT, m.nv - tile * KT);
   const T* src = own ? bkv : ckv;
   const long long off = own ? m.boff : m.coff + (long long)tile * KT * HD;
   const long long plane = own ? m.bplane : m.cplane;
@@ -76,11 +82,13 @@ __device__ __forceinline__ int load_tile(const RowMap& m, int tile, int ctiles, 
 
 template <typename T>
 __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned int* vis, T* out,
-                         int nb, int H, int KV, int R, int S, int B, float scale) {
+                         int nb, int H, int KV, int R, int S, int B, int BR, int BOFF, int causal,
+                         float scale) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + KT * HD;
-  const RowMap m = row_map(vis, nb, H, KV, R, S, B);
+  const RowMap m = row_map(vis, nb, H, KV, R, S, B, BR, BOFF);
+  const int slot = threadIdx.x % B;
   float qv[HD], o[HD];
 #pragma unroll
   for (int d = 0; d < HD; ++d) {
@@ -90,14 +98,16 @@ __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned 
   float mx = NEG_INF, l = 0.f;
   const int ctiles = (m.nv + KT - 1) / KT;
   for (int tile = 0; tile <= ctiles; ++tile) {
-    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, ks, vs, true);
+    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, R, ks, vs, true);
     if (!m.active) continue;
+    // own-block keys past the slot are hidden in causal attention
+    const int seen = (causal && tile == ctiles) ? min(cnt, slot + 1) : cnt;
     float sc[KT];
     float tmax = NEG_INF;
 #pragma unroll
     for (int u = 0; u < KT; ++u) {
       float a = NEG_INF;
-      if (u < cnt) {
+      if (u < seen) {
         a = 0.f;
 #pragma unroll
         for (int d = 0; d < HD; ++d) a = fmaf(qv[d], ks[u * HD + d], a);
@@ -112,7 +122,7 @@ __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned 
     for (int d = 0; d < HD; ++d) o[d] *= corr;
 #pragma unroll
     for (int u = 0; u < KT; ++u) {
-      if (u < cnt) {
+      if (u < seen) {
         const float p = __expf(sc[u] - mn);
         l += p;
 #pragma unroll
@@ -137,7 +147,7 @@ __device__ void bwd_q_impl(const T* q, const T* dout, const T* o, const T* ckv, 
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + KT * HD;
-  const RowMap m = row_map(vis, nb, H, KV, R, S, B);
+  const RowMap m = row_map(vis, nb, H, KV, R, S, B, R, 0);
   float qv[HD], dov[HD], acc[HD];
   float dd = 0.f;
 #pragma unroll
@@ -150,7 +160,7 @@ __device__ void bwd_q_impl(const T* q, const T* dout, const T* o, const T* ckv, 
   const int ctiles = (m.nv + KT - 1) / KT;
   float mx = NEG_INF, l = 0.f;
   for (int tile = 0; tile <= ctiles; ++tile) {
-    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, ks, vs, false);
+    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, R, ks, vs, false);
     if (!m.active) continue;
     for (int u = 0; u < cnt; ++u) {
       float a = 0.f;
@@ -168,7 +178,7 @@ __device__ void bwd_q_impl(const T* q, const T* dout, const T* o, const T* ckv, 
     dd_out[row] = dd;
   }
   for (int tile = 0; tile <= ctiles; ++tile) {
-    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, ks, vs, true);
+    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, R, ks, vs, true);
     if (!m.active) continue;
     for (int u = 0; u < cnt; ++u) {
       float a = 0.f, dp = 0.f;
@@ -321,8 +331,9 @@ __device__ void bwd_kv_impl(const T* q, const T* dout, const T* ckv, const unsig
 
 #define ENTRY(TY, SUF)                                                                           \
   extern "C" __global__ void flash_block_fwd_##SUF(const TY* q, const TY* ckv, const TY* bkv,    \
-      const unsigned int* vis, TY* out, int nb, int H, int KV, int R, int S, int B, float sc) {  \
-    fwd_impl<TY>(q, ckv, bkv, vis, out, nb, H, KV, R, S, B, sc);                                 \
+      const unsigned int* vis, TY* out, int nb, int H, int KV, int R, int S, int B, int BR,      \
+      int BOFF, int causal, float sc) {                                                          \
+    fwd_impl<TY>(q, ckv, bkv, vis, out, nb, H, KV, R, S, B, BR, BOFF, causal, sc);               \
   }                                                                                              \
   extern "C" __global__ void flash_block_bwd_q_##SUF(const TY* q, const TY* dout, const TY* o,   \
       const TY* ckv, const TY* bkv, const unsigned int* vis, TY* dq, float* lse, float* dd,      \

@@ -52,14 +52,36 @@ pub(crate) struct Dims {
     pub d: usize,
     pub bs: usize,
     pub scale: f32,
+    /// Own-block key `u` hidden from slot `j < u` (the target's causal attention; forward only).
+    pub causal: bool,
+    /// Rows per (sequence, kv group) of the block-key tensor, and the first block key's row.
+    pub blk_rows: usize,
+    pub blk_offset: usize,
 }
 
 impl Dims {
+    /// The DFlash layout: full blocks, own keys in their own `[b, kv, r, d]` tensor.
+    fn dflash(nb: usize, h: usize, kv: usize, r: usize, s: usize, d: usize, bs: usize) -> Dims {
+        Dims {
+            nb,
+            h,
+            kv,
+            r,
+            s,
+            d,
+            bs,
+            scale: 1.0,
+            causal: false,
+            blk_rows: r,
+            blk_offset: 0,
+        }
+    }
     pub fn rep(&self) -> usize {
         self.h / self.kv
     }
+    /// Blocks per sequence (the last may be partial in causal attention).
     pub fn n(&self) -> usize {
-        self.r / self.bs
+        self.r.div_ceil(self.bs)
     }
     pub fn rows(&self) -> usize {
         self.rep() * self.bs
@@ -72,7 +94,7 @@ impl Dims {
         self.nb * self.kv * self.s * self.d
     }
     pub fn blk_plane(&self) -> usize {
-        self.nb * self.kv * self.r * self.d
+        self.nb * self.kv * self.blk_rows * self.d
     }
     /// Shared memory (bytes) of each CUDA kernel: forward/row backward, block-key and
     /// context-key backward.
@@ -83,13 +105,18 @@ impl Dims {
         let ctx = 2 * KEYS_PER_CTA * (d + 1) + 2 * rows * d + 2 * rows;
         [row_kernel * 4, blk * 4, ctx * 4]
     }
-    fn fits(&self) -> bool {
+    /// Within the forward kernel's limits.
+    fn fits_forward(&self) -> bool {
         self.bs >= 1
             && self.bs <= MAX_BLOCK
             && self.rows() <= 128
             && self.d <= 128
             && self.s > 0
-            && self.shared_bytes().iter().all(|&b| b <= SHARED_LIMIT)
+            && self.shared_bytes()[0] <= SHARED_LIMIT
+    }
+    /// Within the limits of the forward and the three backward kernels.
+    fn fits(&self) -> bool {
+        self.fits_forward() && self.shared_bytes().iter().all(|&b| b <= SHARED_LIMIT)
     }
 }
 
@@ -110,20 +137,14 @@ pub fn flash_block_attention(
 ) -> Result<Option<Tensor>> {
     let (nb, h, r, d) = q.dims4()?;
     let (_, kv, s, _) = ctx_k.dims4()?;
-    if block == 0 || r % block != 0 || kv == 0 || h % kv != 0 {
+    if block == 0 || !r.is_multiple_of(block) || kv == 0 || !h.is_multiple_of(kv) {
         return Err(CoreError::InvalidInput(format!(
             "flash block attention: {r} rows, block {block}, {h}/{kv} heads"
         )));
     }
     let dims = Dims {
-        nb,
-        h,
-        kv,
-        r,
-        s,
-        d,
-        bs: block,
         scale: scale as f32,
+        ..Dims::dflash(nb, h, kv, r, s, d, block)
     };
     if visible.len() != nb * dims.n()
         || ctx_v.dims() != ctx_k.dims()
@@ -158,6 +179,59 @@ pub fn flash_block_attention(
     let o = q.contiguous()?.apply_op3(&ctx_kv, &blk_kv, op)?;
     CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Ok(Some(o.transpose(1, 2)?.reshape((nb, r, h * d))?))
+}
+
+/// Causal attention, forward only (the frozen target): `q` `[b, heads, T, d]` at positions
+/// `past .. past + T` against `k`, `v` `[b, kv_heads, past + T, d]`; query `i` sees keys
+/// `0 ..= past + i`. Returns `[b, heads, T, d]` like [`crate::attention`], or `None` when the
+/// shapes are outside the kernels' limits. No gradient flows through it.
+pub fn flash_causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    let (nb, h, t, d) = q.dims4()?;
+    let (_, kv, s, _) = k.dims4()?;
+    if kv == 0
+        || !h.is_multiple_of(kv)
+        || s < t
+        || v.dims() != k.dims()
+        || k.dim(0)? != nb
+        || k.dim(3)? != d
+    {
+        return Err(CoreError::InvalidInput(format!(
+            "causal attention: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    let past = s - t;
+    let dims = Dims {
+        scale: scale as f32,
+        causal: true,
+        blk_rows: s,
+        blk_offset: past,
+        ..Dims::dflash(nb, h, kv, t, s, d, MAX_BLOCK)
+    };
+    let dtype = q.dtype();
+    if !dims.fits_forward()
+        || !matches!(dtype, DType::F32 | DType::BF16)
+        || k.dtype() != dtype
+        || v.dtype() != dtype
+    {
+        return Ok(None);
+    }
+    let n = dims.n();
+    let visible: Vec<u32> = (0..nb * n)
+        .map(|i| (past + (i % n) * MAX_BLOCK) as u32)
+        .collect();
+    let kv_t = Tensor::stack(&[k, v], 0)?;
+    let op = FlashBlockOp { dims, visible };
+    let o = q.contiguous()?.apply_op3_no_bwd(&kv_t, &kv_t, &op)?;
+    CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(Some(o))
 }
 
 /// The graph node: inputs `q`, `ctx_kv` `[2, b, kv, S, d]`, `blk_kv` `[2, b, kv, n·B, d]`;
@@ -199,6 +273,8 @@ struct Row {
     ctx: usize,
     blk: usize,
     visible: usize,
+    /// Own-block keys this row sees.
+    own: usize,
 }
 
 fn rows_of(dims: Dims, visible: &[u32]) -> impl Iterator<Item = Row> + '_ {
@@ -207,11 +283,17 @@ fn rows_of(dims: Dims, visible: &[u32]) -> impl Iterator<Item = Row> + '_ {
         (0..dims.h).flat_map(move |hh| {
             (0..dims.r).map(move |i| {
                 let (g, k) = (hh / rep, i / dims.bs);
+                let in_block = dims.bs.min(dims.r - k * dims.bs);
                 Row {
                     q: ((bi * dims.h + hh) * dims.r + i) * d,
                     ctx: (bi * dims.kv + g) * dims.s * d,
-                    blk: ((bi * dims.kv + g) * dims.r + k * dims.bs) * d,
+                    blk: ((bi * dims.kv + g) * dims.blk_rows + dims.blk_offset + k * dims.bs) * d,
                     visible: (visible[bi * n + k] as usize).min(dims.s),
+                    own: if dims.causal {
+                        in_block.min(i % dims.bs + 1)
+                    } else {
+                        in_block
+                    },
                 }
             })
         })
@@ -226,8 +308,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn keys(dims: &Dims, row: &Row) -> impl Iterator<Item = (usize, bool)> {
     let (d, ctx_off) = (dims.d, row.ctx);
     let ctx = (0..row.visible).map(move |t| (ctx_off + t * d, true));
-    let (blk, bs) = (row.blk, dims.bs);
-    ctx.chain((0..bs).map(move |u| (blk + u * d, false)))
+    let blk = row.blk;
+    ctx.chain((0..row.own).map(move |u| (blk + u * d, false)))
 }
 
 /// CPU reference forward: `o` `[b, heads, r, d]` and the log-normaliser of every row.
@@ -368,6 +450,10 @@ impl CustomOp3 for FlashBlockOp {
         o: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = &self.dims;
+        if d.causal || !d.r.is_multiple_of(d.bs) || d.blk_rows != d.r || d.blk_offset != 0 {
+            candle_core::bail!("flash block attention: no backward for the causal layout");
+        }
         let qdo = Tensor::stack(&[q, &grad.to_dtype(q.dtype())?, o], 0)?;
         let flat = qdo.apply_op3_no_bwd(
             &ctx_kv.contiguous()?,

@@ -107,7 +107,18 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let f = func!(dev, dims.d, format!("flash_block_fwd_{sfx}"))?;
     let mut b = f.builder();
     b.arg(&qv).arg(&cv).arg(&bv).arg(&vis).arg(&out);
-    let ints = [dims.nb, dims.h, dims.kv, dims.r, dims.s, dims.bs].map(|x| x as i32);
+    let ints = [
+        dims.nb,
+        dims.h,
+        dims.kv,
+        dims.r,
+        dims.s,
+        dims.bs,
+        dims.blk_rows,
+        dims.blk_offset,
+        dims.causal as usize,
+    ]
+    .map(|x| x as i32);
     for x in &ints {
         b.arg(x);
     }

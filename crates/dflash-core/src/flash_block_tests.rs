@@ -218,6 +218,19 @@ fn shapes_outside_the_limits_fall_back() {
     )
     .unwrap();
     assert!(got.is_none());
+    // the causal path is forward only: no gradient reaches q
+    let q = Var::from_tensor(&z((1, 2, 4, 8))).unwrap();
+    let k = z((1, 1, 4, 8));
+    let o = flash_causal_attention(q.as_tensor(), &k, &k, 1.0)
+        .unwrap()
+        .unwrap();
+    assert!(o
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap()
+        .get(q.as_tensor())
+        .is_none());
     // a visibility table of the wrong length is an error, not a misread
     let bad = flash_block_attention(
         &z((1, 1, 8, 8)),
@@ -230,4 +243,25 @@ fn shapes_outside_the_limits_fall_back() {
         1.0,
     );
     assert!(bad.is_err());
+}
+
+/// Causal attention with a cached prefix, GQA and a partial last block equals the composite.
+#[test]
+fn causal_forward_equals_the_composite_attention() {
+    for &(past, t) in &[(0usize, 37usize), (5, 16), (11, 1), (0, 3)] {
+        let (b, h, kv, d) = (2, 6, 2, 8);
+        let mut seed = 99 + past as u64 * 31 + t as u64;
+        let q = noise((b, h, t, d), &mut seed);
+        let k = noise((b, kv, past + t, d), &mut seed);
+        let v = noise((b, kv, past + t, d), &mut seed);
+        let mask = crate::AttentionMask::Causal
+            .build(t, past + t, &Device::Cpu)
+            .unwrap();
+        let want = crate::attention(&q, &k, &v, mask.as_ref(), 0.3, crate::Grad::Off).unwrap();
+        let got = flash_causal_attention(&q, &k, &v, 0.3)
+            .unwrap()
+            .expect("within limits");
+        let err = max_abs_diff(&got, &want);
+        assert!(err < 2e-5, "past {past}, {t} queries: differs by {err}");
+    }
 }

@@ -108,6 +108,8 @@ pub fn generate_ar_batch(
             tokens: &toks,
             positions: &pos,
             mask: Tensor::from_vec(mask, (rows.len(), n, c1), &dev)?,
+            // left padding: the mask hides each row's pad keys
+            causal: false,
             taps: &[],
             logits: if c1 == width {
                 LogitRows::Last
@@ -173,6 +175,7 @@ pub fn generate_ar_batch(
             tokens: &toks,
             positions: &pos,
             mask,
+            causal: false,
             taps: &[],
             logits: LogitRows::Last,
         };

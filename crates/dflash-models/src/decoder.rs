@@ -13,7 +13,10 @@ use crate::target::{
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
-use dflash_core::{attention, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding, SequenceCache};
+use dflash_core::{
+    attention, flash_block, AttentionMask, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding,
+    SequenceCache,
+};
 
 fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
     Ok(Linear::new(
@@ -60,11 +63,14 @@ impl Attention {
         })
     }
 
+    /// `causal`: `mask` is the plain causal one (query `i` sees keys `0 ..= past + i`), so the
+    /// fused kernel may replace it (`DFLASH_FUSED_ATTENTION=1`).
     fn forward(
         &self,
         x: &Tensor,
         rope: &Rope,
         mask: Option<&Tensor>,
+        causal: bool,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
@@ -83,7 +89,15 @@ impl Attention {
         let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
         let (k_all, v_all) = cache.append(&k, &v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?;
+        let fused = if causal && flash_block::enabled() {
+            flash_block::flash_causal_attention(&q, &k_all, &v_all, scale)?
+        } else {
+            None
+        };
+        let o = match fused {
+            Some(o) => o,
+            None => attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?,
+        };
         let o = o
             .transpose(1, 2)?
             .reshape((b, n, self.n_heads * self.head_dim))?;
@@ -197,6 +211,7 @@ impl Decoder {
         mut x: Tensor,
         rope: &Rope,
         mask: Option<&Tensor>,
+        causal: bool,
         cache: &mut SequenceCache,
         tap_layers: &[usize],
     ) -> Result<(Tensor, Vec<Tensor>)> {
@@ -204,7 +219,7 @@ impl Decoder {
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let LayerCache::Attention(kv) = lc;
             let h = layer.input_layernorm.forward(&x, Grad::Off)?;
-            x = (x + layer.self_attn.forward(&h, rope, mask, kv)?)?;
+            x = (x + layer.self_attn.forward(&h, rope, mask, causal, kv)?)?;
             let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
             x = (&x + layer.mlp.forward(&h)?)?;
             for (slot, &t) in taps.iter_mut().zip(tap_layers) {
@@ -260,7 +275,8 @@ impl TargetModel for Decoder {
         };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
-        let (x, taps) = self.layers_forward(x, &rope, mask.as_ref(), cache, req.taps)?;
+        let causal = matches!(req.mask, AttentionMask::Causal);
+        let (x, taps) = self.layers_forward(x, &rope, mask.as_ref(), causal, cache, req.taps)?;
         let taps = taps
             .iter()
             .map(|t| t.squeeze(0))
@@ -318,7 +334,7 @@ impl TargetModel for Decoder {
                 self.layers.len()
             )));
         }
-        let (x, taps) = self.layers_forward(x, &rope, Some(&mask), cache, req.taps)?;
+        let (x, taps) = self.layers_forward(x, &rope, Some(&mask), req.causal, cache, req.taps)?;
         let x = match req.logits {
             LogitRows::None => return Ok(ForwardOutput { logits: None, taps }),
             LogitRows::Last => x.narrow(1, n - 1, 1)?,
@@ -343,5 +359,13 @@ impl TargetModel for Decoder {
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(&hidden.to_dtype(DType::F32)?)?)
+    }
+
+    fn lm_head_input_grad(&self, grad_logits: &Tensor) -> Result<Tensor> {
+        // logits = h·Wᵀ, so dh = dlogits·W
+        Ok(grad_logits
+            .to_dtype(DType::F32)?
+            .contiguous()?
+            .matmul(self.lm_head.weight())?)
     }
 }

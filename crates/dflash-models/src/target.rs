@@ -53,6 +53,9 @@ pub struct BatchForwardRequest<'a> {
     pub positions: &'a [u32],
     /// Additive f32 mask `[batch, n, past + n]` (0 visible, -inf hidden); every row sees a key.
     pub mask: Tensor,
+    /// `mask` is the plain causal one for every sequence (row `i` sees keys `0 ..= past + i`;
+    /// right padding only), so a fused causal kernel may stand in for it.
+    pub causal: bool,
     /// Decoder layers whose outputs come back, as `[batch, n, hidden]` each (training taps).
     pub taps: &'a [usize],
     /// `Last` or `All` (logits `[batch, rows, vocab]`), or `None`.
@@ -103,4 +106,8 @@ pub trait TargetModel: Send {
     fn embed(&self, tokens: &Tensor) -> Result<Tensor>;
     /// The LM head alone (no final norm): `[n, hidden] -> [n, vocab]` f32.
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor>;
+    /// The gradient of a loss w.r.t. the LM head's input from its gradient w.r.t. the logits
+    /// (`[n, vocab]` f32 → `[n, hidden]` f32). The head is frozen, so no weight gradient is formed
+    /// (candle's matmul backward would compute one and throw it away).
+    fn lm_head_input_grad(&self, grad_logits: &Tensor) -> Result<Tensor>;
 }

@@ -1,5 +1,6 @@
-//! The drafter with the fused block attention (`DFLASH_FUSED_ATTENTION=1`) computes the same
-//! training logits and parameter gradients as with the composite, and the same inference draft.
+//! With the fused attention (`DFLASH_FUSED_ATTENTION=1`) the drafter computes the same training
+//! logits, parameter gradients and inference draft as with the composite, and the target the
+//! same logits and taps (causal prefill, cached continuation, batched forward).
 //! Its own test binary: the switch is an environment variable of the process, and this is the
 //! only test here that sets it.
 
@@ -26,9 +27,11 @@ fn sequence_taps(m: &dyn TargetModel, tokens: &[u32], layers: &[usize]) -> Tenso
 
 /// Training logits of two sequences and the gradient of every parameter, with the switch set.
 fn run(fused: bool, target: &dyn TargetModel, drafter: &DFlashDrafter, vm: &VarMap) -> Vec<Tensor> {
-    std::env::set_var("DFLASH_FUSED_ATTENTION", if fused { "1" } else { "0" });
     let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 263).collect();
+    // the taps through the composite, so the count below is the drafter's alone
+    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
     let taps = sequence_taps(target, &tokens, drafter.target_layers());
+    std::env::set_var("DFLASH_FUSED_ATTENTION", if fused { "1" } else { "0" });
     let ctx = Tensor::stack(
         &[
             taps.narrow(0, 0, 20).unwrap(),
@@ -80,7 +83,7 @@ fn run(fused: bool, target: &dyn TargetModel, drafter: &DFlashDrafter, vm: &VarM
 }
 
 #[test]
-fn fused_attention_equals_the_composite_in_training_and_drafting() {
+fn fused_attention_equals_the_composite_in_the_drafter_and_the_target() {
     let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
     let cfg = config_for_target(&t, 2, 4, 262);
     let vm = VarMap::new();
@@ -121,4 +124,82 @@ fn fused_attention_equals_the_composite_in_training_and_drafting() {
         );
     }
     std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+    fused_causal_attention_equals_the_composite_in_the_target();
+}
+
+/// Logits and taps of a causal prefill, a cached continuation and a batched causal forward.
+fn target_outputs(fused: bool, t: &dyn TargetModel) -> Vec<Tensor> {
+    std::env::set_var("DFLASH_FUSED_ATTENTION", if fused { "1" } else { "0" });
+    let tokens: Vec<u32> = (0..29).map(|i| (i * 53 + 7) % 263).collect();
+    let mut cache = t.new_cache(64).unwrap();
+    let mut out = vec![];
+    for (a, b) in [(0usize, 21usize), (21, 29)] {
+        let pos: Vec<u32> = (a as u32..b as u32).collect();
+        let req = ForwardRequest {
+            tokens: &tokens[a..b],
+            positions: &pos,
+            mask: dflash_core::AttentionMask::Causal,
+            taps: &[0, 1],
+            logits: LogitRows::All,
+        };
+        let o = t.forward(&req, &mut cache).unwrap();
+        out.push(o.logits.unwrap());
+        out.extend(o.taps);
+    }
+    let (b, s) = (2usize, 13usize);
+    let mut causal = vec![0f32; s * s];
+    for i in 0..s {
+        causal[i * s + i + 1..(i + 1) * s].fill(f32::NEG_INFINITY);
+    }
+    let mask = Tensor::from_vec(causal, (1, s, s), &Device::Cpu)
+        .unwrap()
+        .broadcast_as((b, s, s))
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();
+    let req = dflash_models::BatchForwardRequest {
+        batch: b,
+        tokens: &tokens[..b * s],
+        positions: &pos,
+        mask,
+        causal: true,
+        taps: &[1],
+        logits: LogitRows::All,
+    };
+    let mut cache = t.new_cache(s).unwrap();
+    let o = t.forward_batch(&req, &mut cache).unwrap();
+    out.push(o.logits.unwrap());
+    out.extend(o.taps);
+    out
+}
+
+/// The target's causal attention through the fused kernel (called from the one test: the
+/// switch is process-wide, so the comparisons run one after the other).
+fn fused_causal_attention_equals_the_composite_in_the_target() {
+    let t = load_target(&fixtures().join("tiny-qwen3"), &Device::Cpu, DType::F32).unwrap();
+    let before = dflash_core::flash_block::calls();
+    let composite = target_outputs(false, t.model.as_ref());
+    assert_eq!(
+        dflash_core::flash_block::calls(),
+        before,
+        "the switch is off"
+    );
+    let fused = target_outputs(true, t.model.as_ref());
+    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+    // three causal forwards through every layer
+    let layers = t.config.num_hidden_layers;
+    assert_eq!(
+        dflash_core::flash_block::calls(),
+        before + 3 * layers,
+        "the fused path ran"
+    );
+    for (i, (a, b)) in composite.iter().zip(&fused).enumerate() {
+        let err = max_abs_diff(a, b);
+        let size = max_abs(a).max(1.0);
+        assert!(
+            err <= 1e-4 * size,
+            "tensor {i}: differs by {err} (max {size})"
+        );
+    }
 }

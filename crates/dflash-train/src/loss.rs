@@ -168,29 +168,39 @@ pub struct SoftLabels<'a> {
 /// `(surrogate, loss, pred)`: `surrogate.backward()` gives exactly the gradients of
 /// `Σ w·CE / norm` (the LM head's input gradient is computed chunk by chunk, then pushed through the
 /// drafter once); `pred` holds argmax ids (`u32::MAX` on unweighted rows).
-/// The fused cross-entropy kernel takes the plain loss when `DFLASH_FUSED_LOSS=1`.
+/// The LM head as the loss sees it: the forward, and the frozen head's input gradient from a
+/// logits gradient (`TargetModel::lm_head_input_grad`).
+pub struct LmHead<'a> {
+    pub forward: &'a dyn Fn(&Tensor) -> Result<Tensor>,
+    pub input_grad: &'a dyn Fn(&Tensor) -> Result<Tensor>,
+}
+
+/// Where the fused loss is on (`dflash_core::cross_entropy::enabled`) the plain loss takes the
+/// fused cross-entropy kernel and the head's explicit input gradient (no graph through the logits:
+/// one GEMM each way, no weight gradient).
 pub fn chunked_block_loss(
-    lm_head: &dyn Fn(&Tensor) -> Result<Tensor>,
+    head: &LmHead,
     hidden: &Tensor,
     labels: &BlockLabels,
     norm: f32,
     max_logits: usize,
     soft: Option<&SoftLabels>,
 ) -> Result<(Option<Tensor>, f64, Vec<u32>)> {
-    let fused = soft.is_none() && dflash_core::cross_entropy::enabled();
-    chunked_loss_with(fused, lm_head, hidden, labels, norm, max_logits, soft)
+    let fused = soft.is_none() && dflash_core::cross_entropy::enabled(hidden.device());
+    chunked_loss_with(fused, head, hidden, labels, norm, max_logits, soft)
 }
 
 /// [`chunked_block_loss`] with the loss path chosen by the caller (`fused` needs `soft = None`).
 fn chunked_loss_with(
     fused: bool,
-    lm_head: &dyn Fn(&Tensor) -> Result<Tensor>,
+    head: &LmHead,
     hidden: &Tensor,
     labels: &BlockLabels,
     norm: f32,
     max_logits: usize,
     soft: Option<&SoftLabels>,
 ) -> Result<(Option<Tensor>, f64, Vec<u32>)> {
+    let lm_head = head.forward;
     let rows = hidden.dim(0)?;
     if let Some(sl) = soft {
         if sl.position.len() != rows || !(0.0..=1.0).contains(&sl.alpha) {
@@ -221,7 +231,8 @@ fn chunked_loss_with(
     let probe = lm_head(&leaf.as_tensor().narrow(0, 0, 1)?)?;
     let vocab = probe.dim(1)?;
     let chunk = (max_logits / vocab).max(1);
-    let mut grad: Option<Tensor> = None;
+    // each chunk's rows of the head-input gradient, in order
+    let mut grads: Vec<Tensor> = vec![];
     // the loss and the argmax stay on the device until every chunk is queued: one read-back
     let mut loss: Option<Tensor> = None;
     let mut argmax: Vec<Tensor> = vec![];
@@ -229,17 +240,26 @@ fn chunked_loss_with(
         let x = leaf.as_tensor().narrow(0, c * chunk, rows_c.len())?;
         let logits = lm_head(&x)?.to_dtype(DType::F32)?;
         let lab: Vec<u32> = rows_c.iter().map(|&i| labels.labels[i as usize]).collect();
-        let (part, am) = if fused && soft.is_none() {
-            // one fused pass: Σ w·CE / norm and the argmax
+        let (part, am, g) = if fused && soft.is_none() {
+            // one fused pass: Σ w·CE / norm, its logits gradient and the argmax; then the
+            // frozen head's transpose
             let w: Vec<f32> = rows_c
                 .iter()
                 .map(|&i| labels.weights[i as usize] / norm.max(1e-6))
                 .collect();
-            let out = dflash_core::cross_entropy::weighted_cross_entropy(&logits, &lab, &w)?;
+            let (out, dlogits) =
+                dflash_core::cross_entropy::weighted_cross_entropy_and_grad(&logits, &lab, &w)?;
             let am = out.narrow(1, 2, 1)?.squeeze(1)?.to_dtype(DType::U32)?;
-            (out.narrow(1, 0, 1)?.sum_all()?, am)
+            let g = (head.input_grad)(&dlogits)?;
+            (out.narrow(1, 0, 1)?.sum_all()?, am, g)
         } else {
-            composite_chunk_loss(&logits, lab, rows_c, labels, norm, soft)?
+            let (part, am) = composite_chunk_loss(&logits, lab, rows_c, labels, norm, soft)?;
+            let g = part.backward()?;
+            let g = g.get(leaf.as_tensor()).cloned().ok_or_else(|| {
+                TrainError::InvalidInput("no gradient reaches the LM head input".into())
+            })?;
+            // the leaf's gradient is zero outside this chunk
+            (part, am, g.narrow(0, c * chunk, rows_c.len())?)
         };
         let part_value = part.detach();
         loss = Some(match loss {
@@ -247,14 +267,7 @@ fn chunked_loss_with(
             None => part_value,
         });
         argmax.push(am);
-        let g = part.backward()?;
-        let g = g.get(leaf.as_tensor()).cloned().ok_or_else(|| {
-            TrainError::InvalidInput("no gradient reaches the LM head input".into())
-        })?;
-        grad = Some(match grad {
-            Some(acc) => (acc + g)?,
-            None => g,
-        });
+        grads.push(g.to_dtype(DType::F32)?);
     }
     let am: Vec<u32> = Tensor::cat(&argmax, 0)?
         .to_device(&Device::Cpu)?
@@ -266,7 +279,7 @@ fn chunked_loss_with(
         Some(l) => l.to_device(&Device::Cpu)?.to_scalar::<f32>()? as f64,
         None => 0.0,
     };
-    let grad = grad.expect("at least one chunk").detach();
+    let grad = Tensor::cat(&grads, 0)?.detach();
     let surrogate = (sel * grad.to_dtype(hidden.dtype())?)?.sum_all()?;
     Ok((Some(surrogate), loss, pred))
 }
@@ -347,6 +360,11 @@ mod tests {
         let (nb, bs, h, v, npos) = (3usize, 4usize, 5usize, 7usize, 6usize);
         let (hidden, head) = hidden_and_head(nb * bs, h, v);
         let lm_head = |x: &Tensor| Ok(x.matmul(&head.t()?)?);
+        let input_grad = |g: &Tensor| Ok(g.matmul(&head)?);
+        let lm = LmHead {
+            forward: &lm_head,
+            input_grad: &input_grad,
+        };
         let tokens: Vec<u32> = (0..12).map(|i| (i * 3 + 1) % v as u32).collect();
         let mask = [true; 12];
         let l = block_labels(&tokens, &mask, &[0, 4, 7], bs, 2.0);
@@ -364,8 +382,7 @@ mod tests {
             alpha,
         };
         let (sur, loss, _) =
-            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, Some(&soft))
-                .unwrap();
+            chunked_block_loss(&lm, hidden.as_tensor(), &l, total, 2 * v, Some(&soft)).unwrap();
         let g_chunk = sur.unwrap().backward().unwrap();
         // the same on whole tensors
         let logp =
@@ -401,9 +418,9 @@ mod tests {
             alpha: 1.0,
         };
         let (_, soft_loss, _) =
-            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, Some(&one)).unwrap();
+            chunked_block_loss(&lm, hidden.as_tensor(), &l, total, 2 * v, Some(&one)).unwrap();
         let (_, hard_loss, _) =
-            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
+            chunked_block_loss(&lm, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
         assert!(
             (soft_loss - hard_loss).abs() < 1e-5,
             "{soft_loss} vs {hard_loss}"
@@ -414,9 +431,7 @@ mod tests {
             position: &position[1..],
             alpha,
         };
-        assert!(
-            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, Some(&bad)).is_err()
-        );
+        assert!(chunked_block_loss(&lm, hidden.as_tensor(), &l, total, 2 * v, Some(&bad)).is_err());
     }
 
     /// Deterministic drafter rows `[rows, h]` (a variable) and an LM head `[v, h]`.
@@ -463,6 +478,11 @@ mod tests {
         let (nb, bs, h, v) = (3usize, 4usize, 5usize, 7usize);
         let (hidden, head) = hidden_and_head(nb * bs, h, v);
         let lm_head = |x: &Tensor| Ok(x.matmul(&head.t()?)?);
+        let input_grad = |g: &Tensor| Ok(g.matmul(&head)?);
+        let lm = LmHead {
+            forward: &lm_head,
+            input_grad: &input_grad,
+        };
         let tokens: Vec<u32> = (0..12).map(|i| (i * 3 + 1) % v as u32).collect();
         let mask = [
             false, true, true, true, true, true, true, true, true, false, true, true,
@@ -477,7 +497,7 @@ mod tests {
         let total: f32 = l.weights.iter().sum();
         // 2 rows per chunk: several chunks, one partial
         let (sur, loss, pred) =
-            chunked_block_loss(&lm_head, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
+            chunked_block_loss(&lm, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
         let g_chunk = sur.unwrap().backward().unwrap();
         assert!((loss as f32 - whole.to_scalar::<f32>().unwrap()).abs() < 1e-5);
         let stats = BlockStats::of(&pred, &l, bs).report(loss as f32);
@@ -486,7 +506,7 @@ mod tests {
         assert_same_gradient(&g_whole, &g_chunk, hidden.as_tensor());
         // the fused cross-entropy kernel gives the same loss, gradient and argmax
         let (sur_f, loss_f, pred_f) =
-            chunked_loss_with(true, &lm_head, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
+            chunked_loss_with(true, &lm, hidden.as_tensor(), &l, total, 2 * v, None).unwrap();
         let g_fused = sur_f.unwrap().backward().unwrap();
         assert!(
             (loss_f - loss).abs() < 1e-5,

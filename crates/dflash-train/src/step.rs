@@ -11,7 +11,7 @@
 
 use crate::anchors::sample_anchors;
 use crate::loss::{
-    block_labels, chunked_block_loss, BlockLabels, BlockStats, LossReport, SoftLabels,
+    block_labels, chunked_block_loss, BlockLabels, BlockStats, LmHead, LossReport, SoftLabels,
 };
 use crate::optim::{AdamW, LrSchedule};
 use crate::profile::PhaseTimer;
@@ -67,6 +67,8 @@ pub fn batch_target_forward(
         tokens,
         positions: &pos,
         mask,
+        // right-padded sequences under the plain causal mask
+        causal: true,
         taps: layers,
         logits: if probs {
             LogitRows::All
@@ -299,6 +301,11 @@ impl TrainStep {
             let hidden = drafter.forward_train_batch(target, &taps, &tokens, &anchors, Grad::On)?;
             timer.mark("drafter_forward")?;
             let lm_head = |x: &Tensor| Ok(target.lm_head(x)?);
+            let input_grad = |g: &Tensor| Ok(target.lm_head_input_grad(g)?);
+            let head = LmHead {
+                forward: &lm_head,
+                input_grad: &input_grad,
+            };
             // soft-label rows only when distilling (the positions are per micro-batch host work)
             let position = match probs {
                 Some(_) => soft_label_positions(s, n, bs, &anchors),
@@ -310,7 +317,7 @@ impl TrainStep {
                 alpha: self.distill,
             });
             let (surrogate, part, pred) = chunked_block_loss(
-                &lm_head,
+                &head,
                 &hidden,
                 &labels,
                 total_weight,

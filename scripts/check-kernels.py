@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Compiles the NVRTC kernel sources (crates/dflash-core/src/*.cu) with libnvrtc, as the CUDA binary
+does at run time, so a compile error shows up here instead of on the GPU machine. Needs the CUDA 13
+libraries of scripts/setup-cuda-build.sh (no GPU). Usage: scripts/check-kernels.py [LIBNVRTC]"""
+import ctypes
+import glob
+import os
+import sys
+
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+nvrtc = sys.argv[1] if len(sys.argv) > 1 else "/opt/cuda13/lib64/libnvrtc.so.13"
+# NVRTC loads its builtins library by name at compile time: load it first, from the same folder
+for builtins in sorted(glob.glob(os.path.join(os.path.dirname(nvrtc), "libnvrtc-builtins.so.*"))):
+    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL(nvrtc)
+
+
+def compile_source(src, name):
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None):
+        sys.exit(f"{name}: nvrtcCreateProgram failed")
+    result = lib.nvrtcCompileProgram(prog, 0, None)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    ptx = ctypes.c_size_t()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx))
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    status = "ok" if result == 0 else f"FAILED ({result})"
+    print(f"{name}: {status}, {ptx.value} bytes of PTX")
+    if log.value.strip():
+        print(log.value.decode())
+    return result == 0
+
+
+ok = True
+for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu"))):
+    src = open(path).read()
+    base = os.path.basename(path)
+    if "HD" in src:  # compiled once per head dim at run time
+        for hd in (64, 128):
+            ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")
+    else:
+        ok &= compile_source(src, base)
+sys.exit(0 if ok else 1)
