@@ -198,6 +198,26 @@ __device__ void bwd_q_impl(const T* q, const T* dout, const T* o, const T* ckv, 
   }
 }
 
+// The rows of block `k` of sequence `bi`, every head of kv group `g`, into shared memory: scaled
+// queries, output gradients, log-normalisers and D (row r = head g·rep + r / B, slot r % B).
+template <typename T>
+__device__ __forceinline__ void load_block_rows(const T* q, const T* dout, const float* lse,
+                                                const float* ddv, float* qs, float* dos,
+                                                float* ls, float* dl, int bi, int g, int k,
+                                                int H, int R, int B, int rep, float scale) {
+  const int rows = rep * B;
+  for (int e = threadIdx.x; e < rows * HD; e += blockDim.x) {
+    const int r = e / HD, d = e % HD;
+    const long long row = ((long long)bi * H + g * rep + r / B) * R + (long long)k * B + r % B;
+    qs[e] = ld(q, row * HD + d) * scale;
+    dos[e] = ld(dout, row * HD + d);
+    if (d == 0) {
+      ls[r] = lse[row];
+      dl[r] = ddv[row];
+    }
+  }
+}
+
 // Gradients of a block's own keys and values: one thread block per (block, sequence·kv group),
 // reducing over the block's rows of every head of the group.
 template <typename T>
@@ -217,16 +237,7 @@ __device__ void bwd_blk_impl(const T* q, const T* dout, const T* bkv, const floa
   float* dl = ls + rows;           // [rows]
   const long long bplane = (long long)nb * KV * R * HD;
   const long long boff = (((long long)bi * KV + g) * R + (long long)k * B) * HD;
-  for (int e = threadIdx.x; e < rows * HD; e += blockDim.x) {
-    const int r = e / HD, d = e % HD;
-    const long long row = ((long long)bi * H + g * rep + r / B) * R + (long long)k * B + r % B;
-    qs[e] = ld(q, row * HD + d) * scale;
-    dos[e] = ld(dout, row * HD + d);
-    if (d == 0) {
-      ls[r] = lse[row];
-      dl[r] = ddv[row];
-    }
-  }
+  load_block_rows(q, dout, lse, ddv, qs, dos, ls, dl, bi, g, k, H, R, B, rep, scale);
   for (int e = threadIdx.x; e < B * HD; e += blockDim.x) {
     const int u = e / HD, d = e % HD;
     kb[u * HDP + d] = ld(bkv, boff + e);
@@ -292,16 +303,7 @@ __device__ void bwd_kv_impl(const T* q, const T* dout, const T* ckv, const unsig
     const int nvk = min((int)vis[bi * n + kk], S);
     if (nvk <= j0) continue;  // uniform over the thread block
     __syncthreads();
-    for (int e = t; e < rows * HD; e += blockDim.x) {
-      const int r = e / HD, d = e % HD;
-      const long long row = ((long long)bi * H + g * rep + r / B) * R + (long long)kk * B + r % B;
-      qs[e] = ld(q, row * HD + d) * scale;
-      dos[e] = ld(dout, row * HD + d);
-      if (d == 0) {
-        ls[r] = lse[row];
-        dl[r] = ddv[row];
-      }
-    }
+    load_block_rows(q, dout, lse, ddv, qs, dos, ls, dl, bi, g, kk, H, R, B, rep, scale);
     __syncthreads();
     if (j >= nvk) continue;
     for (int r = 0; r < rows; ++r) {

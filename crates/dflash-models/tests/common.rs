@@ -100,3 +100,21 @@ pub fn argmax_rows(t: &Tensor) -> Vec<u32> {
         .to_vec1()
         .unwrap()
 }
+
+/// Taps of `tokens` (one causal forward from position 0), concatenated: `[n, layers·hidden]`.
+pub fn sequence_taps(
+    m: &dyn dflash_models::TargetModel,
+    tokens: &[u32],
+    layers: &[usize],
+) -> Tensor {
+    let mut cache = m.new_cache(tokens.len()).unwrap();
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let req = dflash_models::ForwardRequest {
+        tokens,
+        positions: &pos,
+        mask: dflash_core::AttentionMask::Causal,
+        taps: layers,
+        logits: dflash_models::LogitRows::None,
+    };
+    Tensor::cat(&m.forward(&req, &mut cache).unwrap().taps, 1).unwrap()
+}

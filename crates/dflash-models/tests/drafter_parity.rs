@@ -8,22 +8,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::*;
 use dflash_core::Grad;
 use dflash_models::drafter::{config_for_target, load_drafter, random_weights, save_drafter};
-use dflash_models::{
-    load_target, DFlashConfig, DFlashDrafter, ForwardRequest, LogitRows, TargetModel,
-};
-
-fn sequence_taps(m: &dyn TargetModel, tokens: &[u32], layers: &[usize]) -> Tensor {
-    let mut cache = m.new_cache(tokens.len()).unwrap();
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let req = ForwardRequest {
-        tokens,
-        positions: &pos,
-        mask: dflash_core::AttentionMask::Causal,
-        taps: layers,
-        logits: LogitRows::None,
-    };
-    Tensor::cat(&m.forward(&req, &mut cache).unwrap().taps, 1).unwrap()
-}
+use dflash_models::{load_target, DFlashConfig, DFlashDrafter, TargetModel};
 
 fn drafter_from(cfg: &DFlashConfig, seed: u64) -> (DFlashDrafter, VarMap) {
     let vm = VarMap::new();

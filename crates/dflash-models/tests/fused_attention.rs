@@ -5,6 +5,7 @@
 //! only test here that sets it.
 
 mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use common::*;
@@ -12,17 +13,16 @@ use dflash_core::Grad;
 use dflash_models::drafter::{config_for_target, random_weights};
 use dflash_models::{load_target, DFlashDrafter, ForwardRequest, LogitRows, TargetModel};
 
-fn sequence_taps(m: &dyn TargetModel, tokens: &[u32], layers: &[usize]) -> Tensor {
-    let mut cache = m.new_cache(tokens.len()).unwrap();
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let req = ForwardRequest {
-        tokens,
-        positions: &pos,
-        mask: dflash_core::AttentionMask::Causal,
-        taps: layers,
-        logits: LogitRows::None,
-    };
-    Tensor::cat(&m.forward(&req, &mut cache).unwrap().taps, 1).unwrap()
+/// Every tensor of `b` within 1e-4 (relative to the larger of 1 and `a`'s largest value) of `a`.
+fn assert_all_close(a: &[Tensor], b: &[Tensor]) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let (err, size) = (max_abs_diff(x, y), max_abs(x).max(1.0));
+        assert!(
+            err <= 1e-4 * size,
+            "tensor {i}: differs by {err} (max {size})"
+        );
+    }
 }
 
 /// Training logits of two sequences and the gradient of every parameter, with the switch set.
@@ -114,15 +114,7 @@ fn fused_attention_equals_the_composite_in_the_drafter_and_the_target() {
         before + 4,
         "the fused path ran"
     );
-    assert_eq!(composite.len(), fused.len());
-    for (i, (a, b)) in composite.iter().zip(&fused).enumerate() {
-        let err = max_abs_diff(a, b);
-        let size = max_abs(a).max(1.0);
-        assert!(
-            err <= 1e-4 * size,
-            "tensor {i}: differs by {err} (max {size})"
-        );
-    }
+    assert_all_close(&composite, &fused);
     std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
     fused_causal_attention_equals_the_composite_in_the_target();
 }
@@ -194,12 +186,5 @@ fn fused_causal_attention_equals_the_composite_in_the_target() {
         before + 3 * layers,
         "the fused path ran"
     );
-    for (i, (a, b)) in composite.iter().zip(&fused).enumerate() {
-        let err = max_abs_diff(a, b);
-        let size = max_abs(a).max(1.0);
-        assert!(
-            err <= 1e-4 * size,
-            "tensor {i}: differs by {err} (max {size})"
-        );
-    }
+    assert_all_close(&composite, &fused);
 }
