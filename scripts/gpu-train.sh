@@ -21,7 +21,9 @@
 # call 3 `data [bench] [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
 # Next session (fused kernels unmeasured on the GPU): call 3 = `data bench ab` with
 # AB_ARMS="/tmp/keep/warm:40 /tmp/keep/warm,DFLASH_FUSED_ATTENTION=1:40
-# /tmp/keep/warm,DFLASH_FUSED_LOSS=1:40"; call 4 = `regen train` with REGEN_SECONDS=240 (the 4th
+# /tmp/keep/warm,DFLASH_FUSED_LOSS=1:40" (and, if both hold, `…,DFLASH_FUSED_ATTENTION=1,
+# DFLASH_FUSED_LOSS=1,ANCHORS=256:40`: fused attention makes a block cheap next to the target
+# forward that feeds it); call 4 = `regen train` with REGEN_SECONDS=240 (the 4th
 # run overfit 7.1 k examples; regen continues at prompt shard 7 of 20) and the switches that
 # measured faster with the same losses exported; call 5 = `resume collect eval` with KEEP_DATA=1.
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
