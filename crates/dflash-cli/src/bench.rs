@@ -247,6 +247,9 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
         "shape": {"batch": b, "heads": a.heads, "kv_heads": a.kv_heads, "queries": t,
                   "past": a.past, "head_dim": a.head_dim},
         "max_relative_difference": diff,
+        // visible (query, key) pairs × 2·d multiply-adds, per second of the fused kernel
+        "fused_tflops": (b * a.heads) as f64 * (t as f64 * a.past as f64 + (t * (t + 1) / 2) as f64)
+            * 4.0 * a.head_dim as f64 / tf / 1e12,
         "seconds": {"composite": tc, "fused": tf}, "speedup": tc / tf,
     });
     write_report(&report, a.out.as_deref())
@@ -344,10 +347,18 @@ fn attention(a: AttentionArgs) -> Result<()> {
     let fwd_f = time(&|| forward(true).map(|_| ()))?;
     let all_c = time(&|| with_grads(false).map(|_| ()))?;
     let all_f = time(&|| with_grads(true).map(|_| ()))?;
+    // useful work of the fused forward: every visible (row, key) pair costs 2·d multiply-adds
+    // (q·k and p·v); the composite also computes the hidden context pairs
+    let pairs: f64 = visible
+        .iter()
+        .map(|&v| (h * bs) as f64 * (v as f64 + bs as f64))
+        .sum();
+    let fwd_flops = 4.0 * pairs * d as f64;
     let report = serde_json::json!({
         "device": a.device, "dtype": a.dtype,
         "shape": {"batch": b, "heads": h, "kv_heads": kv, "blocks": n, "block_size": bs,
                   "context": s, "head_dim": d},
+        "fused_forward_tflops": fwd_flops / fwd_f / 1e12,
         "max_relative_difference": parity, "worst": worst,
         "seconds": {"composite_forward": fwd_c, "fused_forward": fwd_f,
                     "composite_forward_backward": all_c, "fused_forward_backward": all_f},
