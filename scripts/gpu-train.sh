@@ -25,7 +25,8 @@
 # DFLASH_FUSED_LOSS=1,ANCHORS=256:40`: fused attention makes a block cheap next to the target
 # forward that feeds it); call 4 = `regen train` with REGEN_SECONDS=240 (the 4th
 # run overfit 7.1 k examples; regen continues at prompt shard 7 of 20) and the switches that
-# measured faster with the same losses exported; call 5 = `resume collect eval` with KEEP_DATA=1.
+# measured faster with the same losses exported (DFLASH_FUSED_ATTENTION also reaches regen's
+# left-padded prefill and decode); call 5 = `resume collect eval` with KEEP_DATA=1.
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks

@@ -12,8 +12,10 @@
 // The forward also serves causal attention (the target's): `causal` hides own-block key u from
 // slot j < u, the last block may be partial (R need not be a multiple of B), and the block keys
 // are rows BOFF + k·B .. of a tensor with BR rows per (sequence, kv group) — for the target the
-// context tensor itself (BR = S, BOFF = the cached prefix). The backward takes the DFlash case
-// only (full blocks, not causal, BR = R, BOFF = 0).
+// context tensor itself (BR = S, BOFF = the cached prefix). `first[bi]` hides the keys before it
+// from every row of sequence bi except a row's own key (left padding: a padding query sees only
+// itself); 0 for the DFlash drafter. The backward takes the DFlash case only (full blocks, not
+// causal, BR = R, BOFF = 0, first = 0).
 
 typedef unsigned short bf16_t;
 #define NEG_INF __int_as_float(0xff800000)
@@ -81,9 +83,9 @@ __device__ __forceinline__ int load_tile(const RowMap& m, int tile, int ctiles, 
 }
 
 template <typename T>
-__device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned int* vis, T* out,
-                         int nb, int H, int KV, int R, int S, int B, int BR, int BOFF, int causal,
-                         float scale) {
+__device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned int* vis,
+                         const unsigned int* first, T* out, int nb, int H, int KV, int R, int S,
+                         int B, int BR, int BOFF, int causal, float scale) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + KT * HD;
@@ -97,17 +99,23 @@ __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned 
   }
   float mx = NEG_INF, l = 0.f;
   const int ctiles = (m.nv + KT - 1) / KT;
-  for (int tile = 0; tile <= ctiles; ++tile) {
+  const int f = (int)first[m.bi];
+  // context tiles wholly before `first` hold no visible key: start at the tile holding it
+  const int t0 = f >= m.nv ? ctiles : f / KT;
+  for (int tile = t0; tile <= ctiles; ++tile) {
     const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, R, ks, vs, true);
     if (!m.active) continue;
+    const bool own = tile == ctiles;
     // own-block keys past the slot are hidden in causal attention
-    const int seen = (causal && tile == ctiles) ? min(cnt, slot + 1) : cnt;
+    const int seen = (causal && own) ? min(cnt, slot + 1) : cnt;
+    // the row of key u in the context tensor
+    const int base = own ? BOFF + m.k * B : tile * KT;
     float sc[KT];
     float tmax = NEG_INF;
 #pragma unroll
     for (int u = 0; u < KT; ++u) {
       float a = NEG_INF;
-      if (u < seen) {
+      if (u < seen && (base + u >= f || (own && u == slot))) {
         a = 0.f;
 #pragma unroll
         for (int d = 0; d < HD; ++d) a = fmaf(qv[d], ks[u * HD + d], a);
@@ -115,6 +123,7 @@ __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned 
       sc[u] = a;
       tmax = fmaxf(tmax, a);
     }
+    if (tmax == NEG_INF) continue;  // nothing visible in this tile
     const float mn = fmaxf(mx, tmax);
     const float corr = __expf(mx - mn);
     l *= corr;
@@ -122,7 +131,7 @@ __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned 
     for (int d = 0; d < HD; ++d) o[d] *= corr;
 #pragma unroll
     for (int u = 0; u < KT; ++u) {
-      if (u < seen) {
+      if (sc[u] != NEG_INF) {
         const float p = __expf(sc[u] - mn);
         l += p;
 #pragma unroll
@@ -333,9 +342,9 @@ __device__ void bwd_kv_impl(const T* q, const T* dout, const T* ckv, const unsig
 
 #define ENTRY(TY, SUF)                                                                           \
   extern "C" __global__ void flash_block_fwd_##SUF(const TY* q, const TY* ckv, const TY* bkv,    \
-      const unsigned int* vis, TY* out, int nb, int H, int KV, int R, int S, int B, int BR,      \
-      int BOFF, int causal, float sc) {                                                          \
-    fwd_impl<TY>(q, ckv, bkv, vis, out, nb, H, KV, R, S, B, BR, BOFF, causal, sc);               \
+      const unsigned int* vis, const unsigned int* first, TY* out, int nb, int H, int KV, int R, \
+      int S, int B, int BR, int BOFF, int causal, float sc) {                                    \
+    fwd_impl<TY>(q, ckv, bkv, vis, first, out, nb, H, KV, R, S, B, BR, BOFF, causal, sc);        \
   }                                                                                              \
   extern "C" __global__ void flash_block_bwd_q_##SUF(const TY* q, const TY* dout, const TY* o,   \
       const TY* ckv, const TY* bkv, const unsigned int* vis, TY* dq, float* lse, float* dd,      \

@@ -175,6 +175,7 @@ pub fn flash_block_attention(
     let op = FlashBlockOp {
         dims,
         visible: visible.iter().map(|&v| v.min(s as u32)).collect(),
+        first: vec![0; nb],
     };
     let o = q.contiguous()?.apply_op3(&ctx_kv, &blk_kv, op)?;
     CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -183,12 +184,15 @@ pub fn flash_block_attention(
 
 /// Causal attention, forward only (the frozen target): `q` `[b, heads, T, d]` at positions
 /// `past .. past + T` against `k`, `v` `[b, kv_heads, past + T, d]`; query `i` sees keys
-/// `0 ..= past + i`. Returns `[b, heads, T, d]` like [`crate::attention`], or `None` when the
-/// shapes are outside the kernels' limits. No gradient flows through it.
+/// `0 ..= past + i`, except that `first[b]` (left padding) hides sequence `b`'s keys before it
+/// from every query but the key's own (a padding query sees only itself). Returns `[b, heads, T,
+/// d]` like [`crate::attention`], or `None` when the shapes are outside the kernels' limits. No
+/// gradient flows through it.
 pub fn flash_causal_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    first: &[u32],
     scale: f64,
 ) -> Result<Option<Tensor>> {
     let (nb, h, t, d) = q.dims4()?;
@@ -199,12 +203,14 @@ pub fn flash_causal_attention(
         || v.dims() != k.dims()
         || k.dim(0)? != nb
         || k.dim(3)? != d
+        || first.len() != nb
     {
         return Err(CoreError::InvalidInput(format!(
-            "causal attention: q {:?}, k {:?}, v {:?}",
+            "causal attention: q {:?}, k {:?}, v {:?}, {} first keys",
             q.dims(),
             k.dims(),
-            v.dims()
+            v.dims(),
+            first.len()
         )));
     }
     let past = s - t;
@@ -228,7 +234,11 @@ pub fn flash_causal_attention(
         .map(|i| (past + (i % n) * MAX_BLOCK) as u32)
         .collect();
     let kv_t = Tensor::stack(&[k, v], 0)?;
-    let op = FlashBlockOp { dims, visible };
+    let op = FlashBlockOp {
+        dims,
+        visible,
+        first: first.to_vec(),
+    };
     let o = q.contiguous()?.apply_op3_no_bwd(&kv_t, &kv_t, &op)?;
     CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Ok(Some(o))
@@ -239,6 +249,8 @@ pub fn flash_causal_attention(
 struct FlashBlockOp {
     dims: Dims,
     visible: Vec<u32>,
+    /// Per sequence: keys before it are hidden (left padding), except a row's own key.
+    first: Vec<u32>,
 }
 
 /// The backward as a node without a backward: inputs `[q, dO, O]` stacked, `ctx_kv`, `blk_kv`;
@@ -273,11 +285,15 @@ struct Row {
     ctx: usize,
     blk: usize,
     visible: usize,
-    /// Own-block keys this row sees.
+    /// Own-block keys this row sees (before `first`'s rule), the context row of own key 0, the
+    /// row's slot, and the sequence's first visible key.
     own: usize,
+    own_base: usize,
+    slot: usize,
+    first: usize,
 }
 
-fn rows_of(dims: Dims, visible: &[u32]) -> impl Iterator<Item = Row> + '_ {
+fn rows_of<'a>(dims: Dims, visible: &'a [u32], first: &'a [u32]) -> impl Iterator<Item = Row> + 'a {
     let (n, rep, d) = (dims.n(), dims.rep(), dims.d);
     (0..dims.nb).flat_map(move |bi| {
         (0..dims.h).flat_map(move |hh| {
@@ -294,6 +310,9 @@ fn rows_of(dims: Dims, visible: &[u32]) -> impl Iterator<Item = Row> + '_ {
                     } else {
                         in_block
                     },
+                    own_base: dims.blk_offset + k * dims.bs,
+                    slot: i % dims.bs,
+                    first: first[bi] as usize,
                 }
             })
         })
@@ -307,15 +326,17 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// The keys of a row: `(offset of the key in its plane, plane)`, context first.
 fn keys(dims: &Dims, row: &Row) -> impl Iterator<Item = (usize, bool)> {
     let (d, ctx_off) = (dims.d, row.ctx);
-    let ctx = (0..row.visible).map(move |t| (ctx_off + t * d, true));
-    let blk = row.blk;
-    ctx.chain((0..row.own).map(move |u| (blk + u * d, false)))
+    let ctx = (row.first.min(row.visible)..row.visible).map(move |t| (ctx_off + t * d, true));
+    let (blk, base, slot, first) = (row.blk, row.own_base, row.slot, row.first);
+    let own = (0..row.own).filter(move |&u| base + u >= first || u == slot);
+    ctx.chain(own.map(move |u| (blk + u * d, false)))
 }
 
 /// CPU reference forward: `o` `[b, heads, r, d]` and the log-normaliser of every row.
 pub(crate) fn forward_reference(
     dims: &Dims,
     visible: &[u32],
+    first: &[u32],
     q: &[f32],
     ctx_kv: &[f32],
     blk_kv: &[f32],
@@ -324,7 +345,7 @@ pub(crate) fn forward_reference(
     let (cp, bp) = (dims.ctx_plane(), dims.blk_plane());
     let mut o = vec![0f32; dims.q_len()];
     let mut lse = vec![0f32; dims.q_len() / d];
-    for row in rows_of(*dims, visible) {
+    for row in rows_of(*dims, visible, first) {
         let qv: Vec<f32> = q[row.q..row.q + d].iter().map(|x| x * dims.scale).collect();
         let key = |(off, ctx): (usize, bool)| {
             if ctx {
@@ -362,6 +383,7 @@ pub(crate) fn forward_reference(
 pub(crate) fn backward_reference(
     dims: &Dims,
     visible: &[u32],
+    first: &[u32],
     q: &[f32],
     dout: &[f32],
     o: &[f32],
@@ -370,11 +392,11 @@ pub(crate) fn backward_reference(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let d = dims.d;
     let (cp, bp) = (dims.ctx_plane(), dims.blk_plane());
-    let (_, lse) = forward_reference(dims, visible, q, ctx_kv, blk_kv);
+    let (_, lse) = forward_reference(dims, visible, first, q, ctx_kv, blk_kv);
     let mut dq = vec![0f32; q.len()];
     let mut dctx = vec![0f32; ctx_kv.len()];
     let mut dblk = vec![0f32; blk_kv.len()];
-    for row in rows_of(*dims, visible) {
+    for row in rows_of(*dims, visible, first) {
         let qv: Vec<f32> = q[row.q..row.q + d].iter().map(|x| x * dims.scale).collect();
         let dov = &dout[row.q..row.q + d];
         let dd = dot(dov, &o[row.q..row.q + d]);
@@ -423,7 +445,7 @@ impl CustomOp3 for FlashBlockOp {
             contiguous_f32(c, lc)?,
             contiguous_f32(b, lb)?,
         );
-        let (o, _) = forward_reference(&self.dims, &self.visible, &qv, &cv, &bv);
+        let (o, _) = forward_reference(&self.dims, &self.visible, &self.first, &qv, &cv, &bv);
         Ok((storage_of(o, q.dtype())?, lq.shape().clone()))
     }
 
@@ -437,8 +459,14 @@ impl CustomOp3 for FlashBlockOp {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let o =
-            crate::flash_block_cuda::forward(&self.dims, &self.visible, (q, lq), (c, lc), (b, lb))?;
+        let o = crate::flash_block_cuda::forward(
+            &self.dims,
+            &self.visible,
+            &self.first,
+            (q, lq),
+            (c, lc),
+            (b, lb),
+        )?;
         Ok((o, lq.shape().clone()))
     }
 
@@ -494,7 +522,9 @@ impl CustomOp3 for FlashBlockGradOp {
         let (q, rest) = all.split_at(nq);
         let (dout, o) = rest.split_at(nq);
         let (cv, bv) = (contiguous_f32(c, lc)?, contiguous_f32(b, lb)?);
-        let (mut dq, dc, db) = backward_reference(&self.dims, &self.visible, q, dout, o, &cv, &bv);
+        let first = vec![0; self.dims.nb];
+        let (mut dq, dc, db) =
+            backward_reference(&self.dims, &self.visible, &first, q, dout, o, &cv, &bv);
         dq.extend(dc);
         dq.extend(db);
         let len = dq.len();

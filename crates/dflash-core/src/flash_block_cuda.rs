@@ -76,13 +76,14 @@ type Arg<'a> = (&'a CudaStorage, &'a Layout);
 pub(crate) fn forward(
     dims: &Dims,
     visible: &[u32],
+    first: &[u32],
     q: Arg,
     ctx_kv: Arg,
     blk_kv: Arg,
 ) -> candle_core::Result<CudaStorage> {
     match q.0.dtype() {
-        DType::F32 => forward_t::<f32>(dims, visible, q, ctx_kv, blk_kv),
-        DType::BF16 => forward_t::<half::bf16>(dims, visible, q, ctx_kv, blk_kv),
+        DType::F32 => forward_t::<f32>(dims, visible, first, q, ctx_kv, blk_kv),
+        DType::BF16 => forward_t::<half::bf16>(dims, visible, first, q, ctx_kv, blk_kv),
         d => candle_core::bail!("flash block attention: {d:?} not supported"),
     }
 }
@@ -90,6 +91,7 @@ pub(crate) fn forward(
 fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     visible: &[u32],
+    first: &[u32],
     q: Arg,
     ctx_kv: Arg,
     blk_kv: Arg,
@@ -102,11 +104,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         view::<T>(blk_kv.0, blk_kv.1)?,
     );
     let vis: CudaSlice<u32> = dev.clone_htod(visible)?;
+    let first: CudaSlice<u32> = dev.clone_htod(first)?;
     // SAFETY: every element is written by the kernel (one thread per row and dim).
     let out = unsafe { dev.alloc::<T>(dims.q_len())? };
     let f = func!(dev, dims.d, format!("flash_block_fwd_{sfx}"))?;
     let mut b = f.builder();
-    b.arg(&qv).arg(&cv).arg(&bv).arg(&vis).arg(&out);
+    b.arg(&qv).arg(&cv).arg(&bv).arg(&vis).arg(&first).arg(&out);
     let ints = [
         dims.nb,
         dims.h,

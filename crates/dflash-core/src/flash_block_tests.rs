@@ -221,7 +221,7 @@ fn shapes_outside_the_limits_fall_back() {
     // the causal path is forward only: no gradient reaches q
     let q = Var::from_tensor(&z((1, 2, 4, 8))).unwrap();
     let k = z((1, 1, 4, 8));
-    let o = flash_causal_attention(q.as_tensor(), &k, &k, 1.0)
+    let o = flash_causal_attention(q.as_tensor(), &k, &k, &[0], 1.0)
         .unwrap()
         .unwrap();
     assert!(o
@@ -258,7 +258,40 @@ fn causal_forward_equals_the_composite_attention() {
             .build(t, past + t, &Device::Cpu)
             .unwrap();
         let want = crate::attention(&q, &k, &v, mask.as_ref(), 0.3, crate::Grad::Off).unwrap();
-        let got = flash_causal_attention(&q, &k, &v, 0.3)
+        let got = flash_causal_attention(&q, &k, &v, &[0, 0], 0.3)
+            .unwrap()
+            .expect("within limits");
+        let err = max_abs_diff(&got, &want);
+        assert!(err < 2e-5, "past {past}, {t} queries: differs by {err}");
+    }
+}
+
+/// Left padding (batched prefill and decode): keys before a row's `first` are hidden except a
+/// padding query's own key, as in the batched decoder's per-sequence mask.
+#[test]
+fn causal_forward_with_left_padding_equals_the_masked_composite() {
+    let (b, h, kv, d) = (3, 4, 2, 8);
+    let pads = [5u32, 0, 19];
+    for &(past, t) in &[(0usize, 21usize), (21, 1), (4, 17)] {
+        let s = past + t;
+        let mut seed = 7 + past as u64 + 3 * t as u64;
+        let q = noise((b, h, t, d), &mut seed);
+        let k = noise((b, kv, s, d), &mut seed);
+        let v = noise((b, kv, s, d), &mut seed);
+        let mut m = vec![f32::NEG_INFINITY; b * t * s];
+        for (bi, &pad) in pads.iter().enumerate() {
+            for i in 0..t {
+                let g = past + i;
+                for j in 0..=g {
+                    if j >= pad as usize || j == g {
+                        m[(bi * t + i) * s + j] = 0.0;
+                    }
+                }
+            }
+        }
+        let mask = Tensor::from_vec(m, (b, t, s), &Device::Cpu).unwrap();
+        let want = crate::attention(&q, &k, &v, Some(&mask), 0.4, crate::Grad::Off).unwrap();
+        let got = flash_causal_attention(&q, &k, &v, &pads, 0.4)
             .unwrap()
             .expect("within limits");
         let err = max_abs_diff(&got, &want);

@@ -87,6 +87,7 @@ pub fn generate_ar_batch(
     while c0 < width {
         let c1 = (c0 + chunk).min(width);
         let n = c1 - c0;
+        let pads: Vec<u32> = rows.iter().map(|r| r.pad as u32).collect();
         let (mut toks, mut pos, mut mask) = (vec![], vec![], vec![]);
         for (r, p) in rows.iter().zip(prompts) {
             for g in c0..c1 {
@@ -108,8 +109,8 @@ pub fn generate_ar_batch(
             tokens: &toks,
             positions: &pos,
             mask: Tensor::from_vec(mask, (rows.len(), n, c1), &dev)?,
-            // left padding: the mask hides each row's pad keys
-            causal: false,
+            // causal behind each row's left padding
+            causal_from: Some(&pads),
             taps: &[],
             logits: if c1 == width {
                 LogitRows::Last
@@ -168,6 +169,7 @@ pub fn generate_ar_batch(
             .map(|r| r.out.last().copied().unwrap_or(0))
             .collect();
         let pos: Vec<u32> = rows.iter().map(|r| (width - r.pad + step) as u32).collect();
+        let pads: Vec<u32> = rows.iter().map(|r| r.pad as u32).collect();
         let kv_len = cache.len() + 1;
         let mask = key_mask.narrow(1, 0, kv_len)?.unsqueeze(1)?;
         let req = BatchForwardRequest {
@@ -175,7 +177,7 @@ pub fn generate_ar_batch(
             tokens: &toks,
             positions: &pos,
             mask,
-            causal: false,
+            causal_from: Some(&pads),
             taps: &[],
             logits: LogitRows::Last,
         };

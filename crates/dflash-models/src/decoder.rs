@@ -63,14 +63,15 @@ impl Attention {
         })
     }
 
-    /// `causal`: `mask` is the plain causal one (query `i` sees keys `0 ..= past + i`), so the
-    /// fused kernel may replace it (`DFLASH_FUSED_ATTENTION=1`).
+    /// `causal_from`: `mask` is causal with each sequence's keys before its entry hidden (see
+    /// `BatchForwardRequest::causal_from`), so the fused kernel may replace it
+    /// (`DFLASH_FUSED_ATTENTION=1`).
     fn forward(
         &self,
         x: &Tensor,
         rope: &Rope,
         mask: Option<&Tensor>,
-        causal: bool,
+        causal_from: Option<&[u32]>,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
@@ -89,10 +90,11 @@ impl Attention {
         let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
         let (k_all, v_all) = cache.append(&k, &v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let fused = if causal && flash_block::enabled() {
-            flash_block::flash_causal_attention(&q, &k_all, &v_all, scale)?
-        } else {
-            None
+        let fused = match causal_from {
+            Some(first) if flash_block::enabled() => {
+                flash_block::flash_causal_attention(&q, &k_all, &v_all, first, scale)?
+            }
+            _ => None,
         };
         let o = match fused {
             Some(o) => o,
@@ -211,7 +213,7 @@ impl Decoder {
         mut x: Tensor,
         rope: &Rope,
         mask: Option<&Tensor>,
-        causal: bool,
+        causal_from: Option<&[u32]>,
         cache: &mut SequenceCache,
         tap_layers: &[usize],
     ) -> Result<(Tensor, Vec<Tensor>)> {
@@ -219,7 +221,7 @@ impl Decoder {
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let LayerCache::Attention(kv) = lc;
             let h = layer.input_layernorm.forward(&x, Grad::Off)?;
-            x = (x + layer.self_attn.forward(&h, rope, mask, causal, kv)?)?;
+            x = (x + layer.self_attn.forward(&h, rope, mask, causal_from, kv)?)?;
             let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
             x = (&x + layer.mlp.forward(&h)?)?;
             for (slot, &t) in taps.iter_mut().zip(tap_layers) {
@@ -275,8 +277,12 @@ impl TargetModel for Decoder {
         };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
-        let causal = matches!(req.mask, AttentionMask::Causal);
-        let (x, taps) = self.layers_forward(x, &rope, mask.as_ref(), causal, cache, req.taps)?;
+        let causal_from: Option<&[u32]> = match req.mask {
+            AttentionMask::Causal => Some(&[0]),
+            _ => None,
+        };
+        let (x, taps) =
+            self.layers_forward(x, &rope, mask.as_ref(), causal_from, cache, req.taps)?;
         let taps = taps
             .iter()
             .map(|t| t.squeeze(0))
@@ -334,7 +340,8 @@ impl TargetModel for Decoder {
                 self.layers.len()
             )));
         }
-        let (x, taps) = self.layers_forward(x, &rope, Some(&mask), req.causal, cache, req.taps)?;
+        let (x, taps) =
+            self.layers_forward(x, &rope, Some(&mask), req.causal_from, cache, req.taps)?;
         let x = match req.logits {
             LogitRows::None => return Ok(ForwardOutput { logits: None, taps }),
             LogitRows::Last => x.narrow(1, n - 1, 1)?,

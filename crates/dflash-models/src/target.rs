@@ -53,9 +53,10 @@ pub struct BatchForwardRequest<'a> {
     pub positions: &'a [u32],
     /// Additive f32 mask `[batch, n, past + n]` (0 visible, -inf hidden); every row sees a key.
     pub mask: Tensor,
-    /// `mask` is the plain causal one for every sequence (row `i` sees keys `0 ..= past + i`;
-    /// right padding only), so a fused causal kernel may stand in for it.
-    pub causal: bool,
+    /// `Some(first)`: `mask` is causal with sequence `b`'s keys before `first[b]` hidden (left
+    /// padding; a padding query sees only its own key), so a fused causal kernel may stand in for
+    /// it. `None`: any other mask.
+    pub causal_from: Option<&'a [u32]>,
     /// Decoder layers whose outputs come back, as `[batch, n, hidden]` each (training taps).
     pub taps: &'a [usize],
     /// `Last` or `All` (logits `[batch, rows, vocab]`), or `None`.

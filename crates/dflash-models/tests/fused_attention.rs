@@ -155,7 +155,7 @@ fn target_outputs(fused: bool, t: &dyn TargetModel) -> Vec<Tensor> {
         tokens: &tokens[..b * s],
         positions: &pos,
         mask,
-        causal: true,
+        causal_from: Some(&[0, 0]),
         taps: &[1],
         logits: LogitRows::All,
     };

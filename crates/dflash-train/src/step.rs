@@ -62,13 +62,14 @@ pub fn batch_target_forward(
     let mask = Tensor::from_vec(causal, (1, s, s), &dev)?.broadcast_as((b, s, s))?;
     let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();
     let mut cache = target.new_cache(s)?;
+    let first = vec![0u32; b];
     let req = BatchForwardRequest {
         batch: b,
         tokens,
         positions: &pos,
         mask,
         // right-padded sequences under the plain causal mask
-        causal: true,
+        causal_from: Some(&first),
         taps: layers,
         logits: if probs {
             LogitRows::All
