@@ -40,16 +40,11 @@ pub struct CausalArgs {
     past: usize,
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
-    #[arg(long, default_value_t = 5)]
-    rounds: usize,
-    #[arg(long, default_value = "cpu")]
-    device: String,
     /// f32 or bf16.
     #[arg(long, default_value = "bf16")]
     dtype: String,
-    /// Also write the JSON here.
-    #[arg(long)]
-    out: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 #[derive(Args, Debug)]
@@ -60,13 +55,8 @@ pub struct CrossEntropyArgs {
     /// Vocabulary size.
     #[arg(long, default_value_t = 49152)]
     vocab: usize,
-    #[arg(long, default_value_t = 5)]
-    rounds: usize,
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Also write the JSON here.
-    #[arg(long)]
-    out: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 #[derive(Args, Debug)]
@@ -90,14 +80,21 @@ pub struct AttentionArgs {
     context: usize,
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
+    /// f32 or bf16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// What every bench takes: the device, how many timed rounds, where to write the JSON.
+#[derive(Args, Debug)]
+pub struct RunArgs {
     /// Timed rounds (after one warm-up).
     #[arg(long, default_value_t = 5)]
     rounds: usize,
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// f32 or bf16.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
     /// Also write the JSON here.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -138,8 +135,8 @@ fn write_report(report: &serde_json::Value, out: Option<&std::path::Path>) -> Re
 
 fn cross_entropy(a: CrossEntropyArgs) -> Result<()> {
     use candle_core::D;
-    let dev = dflash_core::parse_device(&a.device)?;
-    if a.rounds == 0 || a.rows == 0 || a.vocab == 0 {
+    let dev = dflash_core::parse_device(&a.run.device)?;
+    if a.run.rounds == 0 || a.rows == 0 || a.vocab == 0 {
         anyhow::bail!("--rounds, --rows and --vocab must be positive");
     }
     let x = Var::from_tensor(
@@ -191,22 +188,23 @@ fn cross_entropy(a: CrossEntropyArgs) -> Result<()> {
     let gdiff = (&gf - &gc)?.abs()?.max_all()?.to_scalar::<f32>()? / gsize;
     let (af, ac): (Vec<u32>, Vec<u32>) = (af.to_vec1()?, ac.to_vec1()?);
     let argmax_differs = af.iter().zip(&ac).filter(|(x, y)| x != y).count();
-    let tc = timed(&dev, a.rounds, &|| composite().map(|_| ()))?;
-    let tf = timed(&dev, a.rounds, &|| fused().map(|_| ()))?;
+    let tc = timed(&dev, a.run.rounds, &|| composite().map(|_| ()))?;
+    let tf = timed(&dev, a.run.rounds, &|| fused().map(|_| ()))?;
     let report = serde_json::json!({
-        "device": a.device, "rows": a.rows, "vocab": a.vocab,
+        "device": a.run.device, "rows": a.rows, "vocab": a.vocab,
         "loss": {"composite": lc, "fused": lf, "relative_difference": (lf - lc).abs() / lc.abs().max(1e-30)},
         "gradient_max_relative_difference": gdiff, "argmax_rows_differing": argmax_differs,
         "seconds": {"composite_forward_backward": tc, "fused_forward_backward": tf},
         "speedup": tc / tf,
     });
-    write_report(&report, a.out.as_deref())
+    write_report(&report, a.run.out.as_deref())
 }
 
 fn causal_attention(a: CausalArgs) -> Result<()> {
-    let dev = dflash_core::parse_device(&a.device)?;
+    let dev = dflash_core::parse_device(&a.run.device)?;
     let dtype = dflash_core::parse_dtype(&a.dtype)?;
-    if a.rounds == 0 || a.queries == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
+    if a.run.rounds == 0 || a.queries == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads)
+    {
         anyhow::bail!("--rounds and --queries must be positive, --kv-heads must divide --heads");
     }
     let (b, t, s) = (a.batch, a.queries, a.past + a.queries);
@@ -240,10 +238,10 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
     );
     let size = c.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
     let diff = (&c - &f)?.abs()?.max_all()?.to_scalar::<f32>()? / size;
-    let tc = timed(&dev, a.rounds, &|| composite().map(|_| ()))?;
-    let tf = timed(&dev, a.rounds, &|| fused().map(|_| ()))?;
+    let tc = timed(&dev, a.run.rounds, &|| composite().map(|_| ()))?;
+    let tf = timed(&dev, a.run.rounds, &|| fused().map(|_| ()))?;
     let report = serde_json::json!({
-        "device": a.device, "dtype": a.dtype,
+        "device": a.run.device, "dtype": a.dtype,
         "shape": {"batch": b, "heads": a.heads, "kv_heads": a.kv_heads, "queries": t,
                   "past": a.past, "head_dim": a.head_dim},
         "max_relative_difference": diff,
@@ -252,7 +250,7 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
             * 4.0 * a.head_dim as f64 / tf / 1e12,
         "seconds": {"composite": tc, "fused": tf}, "speedup": tc / tf,
     });
-    write_report(&report, a.out.as_deref())
+    write_report(&report, a.run.out.as_deref())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -261,9 +259,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn attention(a: AttentionArgs) -> Result<()> {
-    let dev = dflash_core::parse_device(&a.device)?;
+    let dev = dflash_core::parse_device(&a.run.device)?;
     let dtype = dflash_core::parse_dtype(&a.dtype)?;
-    if a.rounds == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) || a.block_size == 0
+    if a.run.rounds == 0
+        || a.kv_heads == 0
+        || !a.heads.is_multiple_of(a.kv_heads)
+        || a.block_size == 0
     {
         anyhow::bail!("--rounds, --kv-heads and --block-size must be positive and divide --heads");
     }
@@ -329,7 +330,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
         }
         Ok(out)
     };
-    let time = |f: &dyn Fn() -> Result<()>| timed(&dev, a.rounds, f);
+    let time = |f: &dyn Fn() -> Result<()>| timed(&dev, a.run.rounds, f);
     let composite = with_grads(false)?;
     let fused = with_grads(true)?;
     let names = ["output", "d_q", "d_ctx_k", "d_ctx_v", "d_blk_k", "d_blk_v"];
@@ -355,7 +356,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
         .sum();
     let fwd_flops = 4.0 * pairs * d as f64;
     let report = serde_json::json!({
-        "device": a.device, "dtype": a.dtype,
+        "device": a.run.device, "dtype": a.dtype,
         "shape": {"batch": b, "heads": h, "kv_heads": kv, "blocks": n, "block_size": bs,
                   "context": s, "head_dim": d},
         "fused_forward_tflops": fwd_flops / fwd_f / 1e12,
@@ -364,5 +365,5 @@ fn attention(a: AttentionArgs) -> Result<()> {
                     "composite_forward_backward": all_c, "fused_forward_backward": all_f},
         "speedup": {"forward": fwd_c / fwd_f, "forward_backward": all_c / all_f},
     });
-    write_report(&report, a.out.as_deref())
+    write_report(&report, a.run.out.as_deref())
 }

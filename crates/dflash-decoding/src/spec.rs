@@ -129,15 +129,6 @@ enum Draft {
     Rows(Vec<Vec<f32>>, usize),
 }
 
-/// Row-wise log-softmax in f32 on the tensor's device.
-fn log_softmax_rows(t: &Tensor) -> Result<Tensor> {
-    let x = t.to_dtype(DType::F32)?;
-    let max = x.max_keepdim(candle_core::D::Minus1)?;
-    let shifted = x.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(candle_core::D::Minus1)?.log()?;
-    Ok(shifted.broadcast_sub(&lse)?)
-}
-
 fn rows_f32(t: &Tensor) -> Result<Vec<Vec<f32>>> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2()?)
 }
@@ -198,7 +189,11 @@ pub fn generate_speculative(
             SpecMode::DFlash => Draft::Ids(greedy_rows(&draft_logits)?),
             // log-softmax on the device: the host only picks each row's top-k
             SpecMode::DdTree { budget: nodes } => {
-                Draft::Rows(rows_f32(&log_softmax_rows(&draft_logits)?)?, nodes)
+                let lp = candle_nn::ops::log_softmax(
+                    &draft_logits.to_dtype(DType::F32)?,
+                    candle_core::D::Minus1,
+                )?;
+                Draft::Rows(rows_f32(&lp)?, nodes)
             }
         };
         let dt = td.elapsed().as_secs_f64();

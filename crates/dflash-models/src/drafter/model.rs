@@ -307,6 +307,8 @@ impl DFlashDrafter {
         let scale = 1.0 / (hd as f64).sqrt();
         // masks per distinct layer visibility (layers usually share them)
         type Masks = (Option<Tensor>, Option<Tensor>);
+        // context rows each block sees, for the fused kernel (the same in every layer)
+        let visible: Vec<u32> = anchors.iter().map(|&a| a.min(ctx_len as u32)).collect();
         let mut masks: Vec<(LayerAttention, Masks)> = vec![];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x, grad)?;
@@ -323,8 +325,6 @@ impl DFlashDrafter {
             // the whole own block
             let fused =
                 if flash_block::enabled() && layer.attn.window.is_none() && !layer.attn.causal {
-                    let visible: Vec<u32> =
-                        anchors.iter().map(|&a| a.min(ctx_len as u32)).collect();
                     flash_block_attention(&q, &ctx.k, &ctx.v, &blk.k, &blk.v, &visible, bs, scale)?
                 } else {
                     None
