@@ -19,20 +19,19 @@
 # A session with earlier data and weights: call 1 `setup` (carry .dev/gguf.part_aa,
 # dist/cuda/dflash.xz); call 2 `stash` (carry .dev/warm, .dev/data.tar.xz, .dev/prompts.jsonl.xz);
 # call 3 `data [bench] [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
-# Next session (fused kernels unmeasured on the GPU): call 3 = `data bench ab` with
-# AB_ARMS="/tmp/keep/warm:40 /tmp/keep/warm,DFLASH_FUSED_ATTENTION=1:40
-# /tmp/keep/warm,DFLASH_FUSED_LOSS=1:40" (and, if both hold, `…,DFLASH_FUSED_ATTENTION=1,
-# DFLASH_FUSED_LOSS=1,ANCHORS=256:40`: fused attention makes a block cheap next to the target
-# forward that feeds it); call 4 = `regen train` with REGEN_SECONDS=240 (the 4th
-# run overfit 7.1 k examples; regen continues at prompt shard 7 of 20) and the switches that
-# measured faster with the same losses exported (DFLASH_FUSED_ATTENTION also reaches regen's
-# left-padded prefill and decode); call 5 = `resume collect eval` with KEEP_DATA=1.
+# Next session (the fused kernels are the defaults now; the split backward kernels are measured by
+# `bench` only): call 3 = `data bench ab` with AB_ARMS="/tmp/keep/warm:40
+# /tmp/keep/warm,DFLASH_FLASH_BWD=row:40" (the split backward against the row one in a training
+# step); call 4 = `regen train` with REGEN_SECONDS≈200 (regen continues at prompt shard 14 of 20;
+# after that new data needs new prompts or sampled second answers) and SPS from call 3; call 5 =
+# `resume collect`, call 6 = `eval` (KEEP_DATA=1 on the last collect).
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
 #   stage bench : `dflash bench attention|causal-attention|cross-entropy` on the GPU (fused vs
-#                 composite kernels, parity and seconds); `ab` arms `INIT,DFLASH_FUSED_ATTENTION=1`
-#                 and `INIT,DFLASH_FUSED_LOSS=1` then measure them in a training step
+#                 composite kernels, parity and seconds; attention with both backward variants);
+#                 needs only the binary; `ab` arms (`INIT,DFLASH_FLASH_BWD=row`, ...) then measure
+#                 a change in a training step
 #   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
 #                 into $OUT (at most 8 files, 16 MiB each)
 # Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
@@ -186,24 +185,29 @@ bench)
   # the fused block attention against the composite on the H200: parity and time (JSON), at a
   # 4,096-token micro-batch's shapes (9 sequences × 128 blocks, 512 context rows) and a longer one
   [ -x $D ] || { echo "no binary"; exit 1; }
+  # (BWD=row: the one-thread-per-row backward kernels, DFLASH_FLASH_BWD=row; split: the default)
+  for BWD in split row; do
   for DT in f32 bf16; do
     for CTX in 512 1024; do
-      $D bench attention --device cuda --dtype $DT --context $CTX --rounds 5 \
-        --out $L/bench-attention-$DT-$CTX.json > /dev/null 2> $L/bench-attention-$DT-$CTX.err \
-        || { echo "bench $DT $CTX failed:"; tail -5 $L/bench-attention-$DT-$CTX.err; }
+      F=$L/bench-attention-$BWD-$DT-$CTX.json
+      DFLASH_FLASH_BWD=$BWD $D bench attention --device cuda --dtype $DT --context $CTX --rounds 5 \
+        --out $F > /dev/null 2> $F.err || { echo "bench $BWD $DT $CTX failed:"; tail -5 $F.err; }
       python3 -c "
 import json,sys
 r=json.load(open(sys.argv[1])); s=r['seconds']
 print(sys.argv[1].split('/')[-1], 'worst rel diff %.2e' % r['worst'],
       'fwd %.4f -> %.4f s' % (s['composite_forward'], s['fused_forward']),
       'fwd+bwd %.4f -> %.4f s' % (s['composite_forward_backward'], s['fused_forward_backward']))
-" $L/bench-attention-$DT-$CTX.json 2>/dev/null
+" $F 2>/dev/null
     done
   done
+  done
   # the target's causal attention: a training micro-batch's taps, and a 16-token verify over 512
-  for SPEC in "f32 4 1024 0" "bf16 4 1024 0" "bf16 1 16 512"; do
-    read -r DT B QN PAST <<< "$SPEC"; F=$L/bench-causal-$DT-$B-$QN-$PAST.json
-    $D bench causal-attention --device cuda --dtype $DT --batch $B --queries $QN --past $PAST \
+  # (and, with PAD, regen's left-padded batches: sequence i hides its first i·PAD keys)
+  for SPEC in "f32 4 1024 0 0" "bf16 4 1024 0 0" "bf16 1 16 512 0" "f32 8 200 0 23" "f32 8 1 300 37" \
+      "bf16 1 128 0 0" "bf16 1 256 0 0"; do
+    read -r DT B QN PAST PAD <<< "$SPEC"; F=$L/bench-causal-$DT-$B-$QN-$PAST-$PAD.json
+    $D bench causal-attention --device cuda --dtype $DT --batch $B --queries $QN --past $PAST --left-pad $PAD \
       --rounds 5 --out $F > /dev/null 2> $F.err || { echo "bench causal $SPEC failed:"; tail -5 $F.err; }
     python3 -c "
 import json,sys

@@ -38,6 +38,10 @@ pub struct CausalArgs {
     /// Cached rows before the queries.
     #[arg(long, default_value_t = 0)]
     past: usize,
+    /// Left padding: sequence i hides its first min(i·P, past + queries − 1) keys, as batched
+    /// regen does (a padding query sees only its own key).
+    #[arg(long, default_value_t = 0)]
+    left_pad: usize,
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
     /// f32 or bf16.
@@ -216,7 +220,25 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
     let q = rand((b, a.heads, t, a.head_dim))?;
     let k = rand((b, a.kv_heads, s, a.head_dim))?;
     let v = rand((b, a.kv_heads, s, a.head_dim))?;
-    let mask = dflash_core::AttentionMask::Causal.build(t, s, &dev)?;
+    let first: Vec<u32> = (0..b).map(|i| (i * a.left_pad).min(s - 1) as u32).collect();
+    let mask = if a.left_pad == 0 {
+        dflash_core::AttentionMask::Causal.build(t, s, &dev)?
+    } else {
+        // the batched decoder's per-sequence mask: causal, keys before `first` hidden except a
+        // row's own key
+        let mut m = vec![f32::NEG_INFINITY; b * t * s];
+        for (bi, &f) in first.iter().enumerate() {
+            for i in 0..t {
+                let own = a.past + i;
+                for j in 0..=own {
+                    if j >= f as usize || j == own {
+                        m[(bi * t + i) * s + j] = 0.0;
+                    }
+                }
+            }
+        }
+        Some(Tensor::from_vec(m, (b, t, s), &Device::Cpu)?.to_device(&dev)?)
+    };
     let scale = 1.0 / (a.head_dim as f64).sqrt();
     let composite = || -> Result<Tensor> {
         Ok(dflash_core::attention(
@@ -229,7 +251,7 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
         )?)
     };
     let fused = || -> Result<Tensor> {
-        dflash_core::flash_block::flash_causal_attention(&q, &k, &v, &vec![0; b], scale)?
+        dflash_core::flash_block::flash_causal_attention(&q, &k, &v, &first, scale)?
             .context("these shapes are outside the fused kernel's limits")
     };
     let (c, f) = (
@@ -243,7 +265,7 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
     let report = serde_json::json!({
         "device": a.run.device, "dtype": a.dtype,
         "shape": {"batch": b, "heads": a.heads, "kv_heads": a.kv_heads, "queries": t,
-                  "past": a.past, "head_dim": a.head_dim},
+                  "past": a.past, "left_pad": a.left_pad, "head_dim": a.head_dim},
         "max_relative_difference": diff,
         // visible (query, key) pairs × 2·d multiply-adds, per second of the fused kernel
         "fused_tflops": (b * a.heads) as f64 * (t as f64 * a.past as f64 + (t * (t + 1) / 2) as f64)

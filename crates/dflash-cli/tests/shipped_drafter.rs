@@ -39,12 +39,13 @@ fn files_are_in_the_zlab_layout_with_small_shards() {
     assert_eq!(config["hidden_size"], 576, "SmolLM2-135M's hidden size");
     assert_eq!(config["vocab_size"], 49152, "SmolLM2's vocabulary");
     assert_eq!(config["num_target_layers"], 30);
-    let taps = config["dflash_config"]["target_layer_ids"].as_array().unwrap();
+    let taps = config["dflash_config"]["target_layer_ids"]
+        .as_array()
+        .unwrap();
     assert_eq!(taps.len(), 5);
-    let index: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(dir.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
     let map = index["weight_map"].as_object().unwrap();
     let mut shards: Vec<&str> = map.values().map(|v| v.as_str().unwrap()).collect();
     shards.sort();
@@ -100,7 +101,10 @@ fn found_by_default_lossless_and_accepting() {
         let (text, err) = generate(&target, mode);
         assert_eq!(text, ar, "{mode} output differs from AR");
         let t = tau(&err);
-        assert!(t > 1.3, "{mode}: τ {t} — the shipped drafter barely accepts ({err})");
+        assert!(
+            t > 1.3,
+            "{mode}: τ {t} — the shipped drafter barely accepts ({err})"
+        );
     }
 }
 

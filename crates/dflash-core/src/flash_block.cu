@@ -41,7 +41,7 @@ struct RowMap {
 };
 
 __device__ __forceinline__ RowMap row_map(const unsigned int* vis, int nb, int H, int KV, int R,
-                                          int S, int B, int BR, int BOFF) {
+                                          int S, int B, int BR, int BOFF, int t) {
   RowMap m;
   m.k = blockIdx.x;
   const int bg = blockIdx.y;
@@ -50,7 +50,6 @@ __device__ __forceinline__ RowMap row_map(const unsigned int* vis, int nb, int H
   m.n = (R + B - 1) / B;
   m.rep = H / KV;
   m.rows = m.rep * B;
-  const int t = threadIdx.x;
   m.active = t < m.rows && m.k * B + t % B < R;
   m.hh = m.g * m.rep + (m.active ? t / B : 0);
   m.i = m.active ? m.k * B + t % B : 0;
@@ -89,7 +88,7 @@ __device__ void fwd_impl(const T* q, const T* ckv, const T* bkv, const unsigned 
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + KT * HD;
-  const RowMap m = row_map(vis, nb, H, KV, R, S, B, BR, BOFF);
+  const RowMap m = row_map(vis, nb, H, KV, R, S, B, BR, BOFF, threadIdx.x);
   const int slot = threadIdx.x % B;
   float qv[HD], o[HD];
 #pragma unroll
@@ -156,7 +155,7 @@ __device__ void bwd_q_impl(const T* q, const T* dout, const T* o, const T* ckv, 
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + KT * HD;
-  const RowMap m = row_map(vis, nb, H, KV, R, S, B, R, 0);
+  const RowMap m = row_map(vis, nb, H, KV, R, S, B, R, 0, threadIdx.x);
   float qv[HD], dov[HD], acc[HD];
   float dd = 0.f;
 #pragma unroll
@@ -340,6 +339,158 @@ __device__ void bwd_kv_impl(const T* q, const T* dout, const T* ckv, const unsig
   }
 }
 
+#if HD % 4 == 0
+// The split backward (the default): KP = 4 threads share a row (or a context key), thread p of
+// the group holding dims p, p + 4, ... (so a warp's reads of one shared row hit distinct banks);
+// dot products are summed over the group with two xor shuffles, after which all four threads
+// hold the same value. Fewer registers per thread than the one-thread-per-row kernels above, so
+// more warps per SM; the context-key kernel also splits the blocks it loops over into
+// gridDim.z parts and writes f32 partial sums that flash_block_sum adds in part order (no
+// atomics, deterministic).
+#define KP 4
+#define DP (HD / KP)
+
+__device__ __forceinline__ unsigned int group_mask() {
+  return 0xfu << ((threadIdx.x & 31) & ~3);
+}
+__device__ __forceinline__ float group_sum(float v, unsigned int mask) {
+  v += __shfl_xor_sync(mask, v, 1);
+  v += __shfl_xor_sync(mask, v, 2);
+  return v;
+}
+
+template <typename T>
+__device__ void bwd_q4_impl(const T* q, const T* dout, const T* o, const T* ckv, const T* bkv,
+                            const unsigned int* vis, T* dq, float* lse_out, float* dd_out, int nb,
+                            int H, int KV, int R, int S, int B, float scale) {
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = smem + KT * HD;
+  const int p = threadIdx.x % KP;
+  const RowMap m = row_map(vis, nb, H, KV, R, S, B, R, 0, threadIdx.x / KP);
+  const unsigned int gm = group_mask();
+  float qv[DP], dov[DP], acc[DP];
+  float dd = 0.f;
+#pragma unroll
+  for (int i = 0; i < DP; ++i) {
+    const int d = p + KP * i;
+    qv[i] = m.active ? ld(q, m.qoff + d) * scale : 0.f;
+    dov[i] = m.active ? ld(dout, m.qoff + d) : 0.f;
+    if (m.active) dd = fmaf(dov[i], ld(o, m.qoff + d), dd);
+    acc[i] = 0.f;
+  }
+  if (m.active) dd = group_sum(dd, gm);
+  const int ctiles = (m.nv + KT - 1) / KT;
+  float mx = NEG_INF, l = 0.f;
+  for (int tile = 0; tile <= ctiles; ++tile) {
+    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, R, ks, vs, false);
+    if (!m.active) continue;
+    for (int u = 0; u < cnt; ++u) {
+      float a = 0.f;
+#pragma unroll
+      for (int i = 0; i < DP; ++i) a = fmaf(qv[i], ks[u * HD + p + KP * i], a);
+      a = group_sum(a, gm);
+      const float mn = fmaxf(mx, a);
+      l = l * __expf(mx - mn) + __expf(a - mn);
+      mx = mn;
+    }
+  }
+  const float lse = mx + __logf(l);
+  const long long row = m.qoff / HD;
+  if (m.active && p == 0) {
+    lse_out[row] = lse;
+    dd_out[row] = dd;
+  }
+  for (int tile = 0; tile <= ctiles; ++tile) {
+    const int cnt = load_tile(m, tile, ctiles, ckv, bkv, B, R, ks, vs, true);
+    if (!m.active) continue;
+    for (int u = 0; u < cnt; ++u) {
+      float a = 0.f, dp = 0.f;
+#pragma unroll
+      for (int i = 0; i < DP; ++i) {
+        a = fmaf(qv[i], ks[u * HD + p + KP * i], a);
+        dp = fmaf(dov[i], vs[u * HD + p + KP * i], dp);
+      }
+      a = group_sum(a, gm);
+      dp = group_sum(dp, gm);
+      const float ds = __expf(a - lse) * (dp - dd);
+#pragma unroll
+      for (int i = 0; i < DP; ++i) acc[i] = fmaf(ds, ks[u * HD + p + KP * i], acc[i]);
+    }
+  }
+  if (m.active) {
+#pragma unroll
+    for (int i = 0; i < DP; ++i) st(dq, m.qoff + p + KP * i, acc[i] * scale);
+  }
+}
+
+// Context keys j0 .. j0 + KC of (sequence, kv group) blockIdx.y, KP threads per key, over the
+// blocks blockIdx.z·per .. of the sequence; partial dK, dV (f32) into part[blockIdx.z].
+template <typename T>
+__device__ void bwd_kv4_impl(const T* q, const T* dout, const T* ckv, const unsigned int* vis,
+                             const float* lse, const float* ddv, float* part, int nb, int H,
+                             int KV, int R, int S, int B, int per, float scale) {
+  extern __shared__ float smem[];
+  const int bg = blockIdx.y, bi = bg / KV, g = bg % KV;
+  const int rep = H / KV, rows = rep * B, n = R / B;
+  const int p = threadIdx.x % KP, j0 = blockIdx.x * KC, j = j0 + threadIdx.x / KP;
+  const int k0 = blockIdx.z * per, k1 = min(n, k0 + per);
+  float* qs = smem;             // [rows][HD], scaled
+  float* dos = qs + rows * HD;  // [rows][HD]
+  float* ls = dos + rows * HD;  // [rows]
+  float* dl = ls + rows;        // [rows]
+  const long long cplane = (long long)nb * KV * S * HD;
+  const long long coff = ((long long)bi * KV + g) * S * HD;
+  const bool in = j < S;
+  const unsigned int gm = group_mask();
+  float kr[DP], vr[DP], dk[DP], dv[DP];
+#pragma unroll
+  for (int i = 0; i < DP; ++i) {
+    const long long e = coff + (long long)j * HD + p + KP * i;
+    kr[i] = in ? ld(ckv, e) : 0.f;
+    vr[i] = in ? ld(ckv, cplane + e) : 0.f;
+    dk[i] = 0.f;
+    dv[i] = 0.f;
+  }
+  for (int kk = k0; kk < k1; ++kk) {
+    const int nvk = min((int)vis[bi * n + kk], S);
+    if (nvk <= j0) continue;  // uniform over the thread block
+    __syncthreads();
+    load_block_rows(q, dout, lse, ddv, qs, dos, ls, dl, bi, g, kk, H, R, B, rep, scale);
+    __syncthreads();
+    // every thread computes (the shuffles need the whole group); keys past nvk do not add
+    const bool live = j < nvk;
+    for (int r = 0; r < rows; ++r) {
+      float a = 0.f, dp = 0.f;
+#pragma unroll
+      for (int i = 0; i < DP; ++i) {
+        a = fmaf(qs[r * HD + p + KP * i], kr[i], a);
+        dp = fmaf(dos[r * HD + p + KP * i], vr[i], dp);
+      }
+      a = group_sum(a, gm);
+      dp = group_sum(dp, gm);
+      if (!live) continue;
+      const float pr = __expf(a - ls[r]);
+      const float ds = pr * (dp - dl[r]);
+#pragma unroll
+      for (int i = 0; i < DP; ++i) {
+        dv[i] = fmaf(pr, dos[r * HD + p + KP * i], dv[i]);
+        dk[i] = fmaf(ds, qs[r * HD + p + KP * i], dk[i]);
+      }
+    }
+  }
+  if (in) {
+    float* dst = part + (long long)blockIdx.z * 2 * cplane;
+#pragma unroll
+    for (int i = 0; i < DP; ++i) {
+      const long long e = coff + (long long)j * HD + p + KP * i;
+      dst[e] = dk[i];
+      dst[cplane + e] = dv[i];
+    }
+  }
+}
+#endif
+
 #define ENTRY(TY, SUF)                                                                           \
   extern "C" __global__ void flash_block_fwd_##SUF(const TY* q, const TY* ckv, const TY* bkv,    \
       const unsigned int* vis, const unsigned int* first, TY* out, int nb, int H, int KV, int R, \
@@ -362,5 +513,32 @@ __device__ void bwd_kv_impl(const T* q, const T* dout, const T* ckv, const unsig
     bwd_kv_impl<TY>(q, dout, ckv, vis, lse, dd, dckv, nb, H, KV, R, S, B, sc);                   \
   }
 
+#if HD % 4 == 0
+#define ENTRY4(TY, SUF)                                                                          \
+  extern "C" __global__ void flash_block_bwd_q4_##SUF(const TY* q, const TY* dout, const TY* o,  \
+      const TY* ckv, const TY* bkv, const unsigned int* vis, TY* dq, float* lse, float* dd,      \
+      int nb, int H, int KV, int R, int S, int B, float sc) {                                    \
+    bwd_q4_impl<TY>(q, dout, o, ckv, bkv, vis, dq, lse, dd, nb, H, KV, R, S, B, sc);             \
+  }                                                                                              \
+  extern "C" __global__ void flash_block_bwd_kv4_##SUF(const TY* q, const TY* dout,              \
+      const TY* ckv, const unsigned int* vis, const float* lse, const float* dd, float* part,    \
+      int nb, int H, int KV, int R, int S, int B, int per, float sc) {                           \
+    bwd_kv4_impl<TY>(q, dout, ckv, vis, lse, dd, part, nb, H, KV, R, S, B, per, sc);             \
+  }                                                                                              \
+  extern "C" __global__ void flash_block_sum_##SUF(const float* part, TY* out, long long len,    \
+      int parts) {                                                                               \
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < len;                \
+         e += (long long)gridDim.x * blockDim.x) {                                               \
+      float s = 0.f;                                                                             \
+      for (int z = 0; z < parts; ++z) s += part[(long long)z * len + e];                         \
+      st(out, e, s);                                                                             \
+    }                                                                                            \
+  }
+#else
+#define ENTRY4(TY, SUF)
+#endif
+
 ENTRY(float, f32)
 ENTRY(bf16_t, bf16)
+ENTRY4(float, f32)
+ENTRY4(bf16_t, bf16)

@@ -8,10 +8,14 @@
 //! - Equals `block_attention` with the anchor mask and no block mask, in value and in every
 //!   gradient, up to float rounding (tested on the CPU reference; `dflash bench attention`
 //!   compares the CUDA kernels against the composite on the device).
-//! - The CUDA kernels (`flash_block.cu`, NVRTC) mirror the CPU reference loop for loop; neither
-//!   uses atomics, so results do not depend on scheduling.
-//! - Off unless `DFLASH_FUSED_ATTENTION=1` (the CUDA kernels are new; the composite stays the
-//!   default until the H200 parity check and timing are recorded in docs/benchmarks.md).
+//! - The CUDA kernels (`flash_block.cu`, NVRTC) mirror the CPU reference loop for loop, except
+//!   that the default (split) backward sums each dot product over 4 threads and each context
+//!   key's gradient over parts of the blocks before adding the parts in order; no kernel uses
+//!   atomics, so results do not depend on scheduling (`DFLASH_FLASH_BWD=row` selects the
+//!   one-thread-per-row backward).
+//! - [`use_fused`] decides per call: the CUDA default for calls of many (query, key) pairs (where
+//!   the H200 measured it faster, at the composite's f32 rounding), `DFLASH_FUSED_ATTENTION`
+//!   overrides.
 //! - [`flash_block_attention`] returns `None` for shapes outside the kernels' limits (block
 //!   larger than 16, more than 128 rows per kv group, shared memory above 48 KiB, no context);
 //!   the caller then takes the composite.
@@ -27,10 +31,25 @@ const KEYS_PER_CTA: usize = 32;
 /// Shared memory a kernel may use without an opt-in.
 const SHARED_LIMIT: usize = 48 * 1024;
 
-/// True when `DFLASH_FUSED_ATTENTION=1` (read at each call, so one process can compare both
-/// paths; the lookup is negligible next to an attention layer).
-pub fn enabled() -> bool {
-    std::env::var("DFLASH_FUSED_ATTENTION").as_deref() == Ok("1")
+/// (query row, key) pairs of a call (batch × query rows × keys) from which the fused kernels are
+/// the CUDA default. Measured on the H200 (docs/benchmarks.md, session 7), causal attention: 1.8–2×
+/// faster than the composite at 4 × 1,024 × 1,024 (4.2 M pairs: training taps, long prefills),
+/// even at 8 × 200 × 200 (0.32 M), 2–6× slower at 1 × 256 × 256, 1 × 16 × 528 (a verify) and
+/// 8 × 1 × 337 (a batched decode step), where one thread block per 16-row tile leaves most SMs
+/// idle. Drafter training blocks (about 9 × 2,048 × 528 = 9.7 M pairs) measured 3.2× faster
+/// forward and backward; a 16-row draft stays below the threshold at any context up to 64 k.
+pub const FUSED_MIN_PAIRS: usize = 1 << 20;
+
+/// Whether an attention of `pairs` (query row, key) pairs on `device` takes the fused kernels:
+/// `DFLASH_FUSED_ATTENTION=1` / `=0` force them on / off (read at each call, so one process can
+/// compare both paths); unset, on for CUDA calls of at least [`FUSED_MIN_PAIRS`] pairs and off on
+/// the CPU (its reference is single-threaded loops, slower than the composite's GEMMs).
+pub fn use_fused(device: &candle_core::Device, pairs: usize) -> bool {
+    match std::env::var("DFLASH_FUSED_ATTENTION").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => device.is_cuda() && pairs >= FUSED_MIN_PAIRS,
+    }
 }
 
 static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

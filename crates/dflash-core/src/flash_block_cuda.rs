@@ -18,6 +18,18 @@ use std::sync::Mutex;
 
 const SOURCE: &str = include_str!("flash_block.cu");
 const KEYS_PER_CTA: u32 = 32;
+/// Threads sharing a row or a context key in the split backward kernels (`KP` in the source).
+const THREADS_PER_ROW: usize = 4;
+/// Thread blocks the split context-key kernel aims for (about 8 per SM of an H200's 132): the
+/// blocks a key's gradient sums over are split into parts until the grid has this many.
+const TARGET_CTAS: usize = 1024;
+
+/// The split backward kernels (4 threads a row, blocks split into parts) unless
+/// `DFLASH_FLASH_BWD=row` asks for the one-thread-per-row kernels (kept to compare; both are
+/// checked against the composite by `dflash bench attention`).
+fn split_backward(d: usize) -> bool {
+    d.is_multiple_of(THREADS_PER_ROW) && std::env::var("DFLASH_FLASH_BWD").as_deref() != Ok("row")
+}
 
 /// PTX for head dim `d` (compiled on first use).
 fn ptx(d: usize) -> candle_core::Result<String> {
@@ -175,9 +187,15 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     let dd = unsafe { dev.alloc::<f32>(nq / dims.d)? };
     let ints = [dims.nb, dims.h, dims.kv, dims.r, dims.s, dims.bs].map(|x| x as i32);
     let [_, shared_blk, shared_ctx] = dims.shared_bytes();
+    let split = split_backward(dims.d);
     {
         let mut dq = out.slice_mut(0..nq);
-        let f = func!(dev, dims.d, format!("flash_block_bwd_q_{sfx}"))?;
+        let name = if split {
+            "flash_block_bwd_q4"
+        } else {
+            "flash_block_bwd_q"
+        };
+        let f = func!(dev, dims.d, format!("{name}_{sfx}"))?;
         let mut b = f.builder();
         b.arg(&q).arg(&dout).arg(&o).arg(&cv).arg(&bv).arg(&vis);
         b.arg(&mut dq).arg(&lse).arg(&dd);
@@ -185,8 +203,12 @@ fn backward_t<T: CudaDType + DeviceRepr>(
             b.arg(x);
         }
         b.arg(&dims.scale);
+        let mut cfg = row_config(dims, 2 * MAX_BLOCK * dims.d * 4);
+        if split {
+            cfg.block_dim.0 = ((dims.rows() * THREADS_PER_ROW).div_ceil(32) * 32) as u32;
+        }
         // SAFETY: matches the kernel's signature; the grid covers every row.
-        unsafe { b.launch(row_config(dims, 2 * MAX_BLOCK * dims.d * 4)) }.w()?;
+        unsafe { b.launch(cfg) }.w()?;
     }
     {
         let mut dblk = out.slice_mut(nq + nc..len);
@@ -211,8 +233,49 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         // SAFETY: matches the kernel's signature; one thread block per block and kv group.
         unsafe { b.launch(cfg) }.w()?;
     }
-    {
-        let mut dctx = out.slice_mut(nq..nq + nc);
+    let mut dctx = out.slice_mut(nq..nq + nc);
+    let key_tiles = (dims.s as u32).div_ceil(KEYS_PER_CTA);
+    if split {
+        let base = key_tiles as usize * dims.nb * dims.kv;
+        let n = dims.n();
+        let per = n.div_ceil(TARGET_CTAS.div_ceil(base).clamp(1, n.min(16)));
+        let parts = n.div_ceil(per);
+        // SAFETY: every thread block writes its part's partial sums for all its keys.
+        let part = unsafe { dev.alloc::<f32>(parts * nc)? };
+        let f = func!(dev, dims.d, format!("flash_block_bwd_kv4_{sfx}"))?;
+        let mut b = f.builder();
+        b.arg(&q)
+            .arg(&dout)
+            .arg(&cv)
+            .arg(&vis)
+            .arg(&lse)
+            .arg(&dd)
+            .arg(&part);
+        for x in &ints {
+            b.arg(x);
+        }
+        let per = per as i32;
+        b.arg(&per).arg(&dims.scale);
+        let rows = dims.rows();
+        let cfg = LaunchConfig {
+            grid_dim: (key_tiles, (dims.nb * dims.kv) as u32, parts as u32),
+            block_dim: (KEYS_PER_CTA * THREADS_PER_ROW as u32, 1, 1),
+            shared_mem_bytes: ((2 * rows * dims.d + 2 * rows) * 4) as u32,
+        };
+        // SAFETY: matches the kernel's signature; the grid covers every key and part.
+        unsafe { b.launch(cfg) }.w()?;
+        let f = func!(dev, dims.d, format!("flash_block_sum_{sfx}"))?;
+        let mut b = f.builder();
+        let (len, parts) = (nc as i64, parts as i32);
+        b.arg(&part).arg(&mut dctx).arg(&len).arg(&parts);
+        let cfg = LaunchConfig {
+            grid_dim: (nc.div_ceil(256).min(8192) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches the kernel's signature; the grid-stride loop covers all `len`.
+        unsafe { b.launch(cfg) }.w()?;
+    } else {
         let f = func!(dev, dims.d, format!("flash_block_bwd_kv_{sfx}"))?;
         let mut b = f.builder();
         b.arg(&q)
@@ -227,11 +290,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         }
         b.arg(&dims.scale);
         let cfg = LaunchConfig {
-            grid_dim: (
-                (dims.s as u32).div_ceil(KEYS_PER_CTA),
-                (dims.nb * dims.kv) as u32,
-                1,
-            ),
+            grid_dim: (key_tiles, (dims.nb * dims.kv) as u32, 1),
             block_dim: (KEYS_PER_CTA, 1, 1),
             shared_mem_bytes: shared_ctx as u32,
         };

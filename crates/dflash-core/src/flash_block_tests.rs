@@ -298,3 +298,15 @@ fn causal_forward_with_left_padding_equals_the_masked_composite() {
         assert!(err < 2e-5, "past {past}, {t} queries: differs by {err}");
     }
 }
+
+/// The CPU never takes the fused kernels by default (its reference is single-threaded loops),
+/// however large the call; the switch forces them.
+#[test]
+fn cpu_default_is_the_composite() {
+    if std::env::var_os("DFLASH_FUSED_ATTENTION").is_some() {
+        eprintln!("DFLASH_FUSED_ATTENTION is set: the default is not observable");
+        return;
+    }
+    assert!(!use_fused(&Device::Cpu, usize::MAX));
+    assert!(!use_fused(&Device::Cpu, FUSED_MIN_PAIRS));
+}

@@ -91,7 +91,7 @@ impl Attention {
         let (k_all, v_all) = cache.append(&k, &v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let fused = match causal_from {
-            Some(first) if flash_block::enabled() => {
+            Some(first) if flash_block::use_fused(x.device(), b * n * k_all.dim(2)?) => {
                 flash_block::flash_causal_attention(&q, &k_all, &v_all, first, scale)?
             }
             _ => None,

@@ -186,7 +186,7 @@ pub fn chunked_block_loss(
     max_logits: usize,
     soft: Option<&SoftLabels>,
 ) -> Result<(Option<Tensor>, f64, Vec<u32>)> {
-    let fused = soft.is_none() && dflash_core::cross_entropy::enabled(hidden.device());
+    let fused = soft.is_none() && dflash_core::cross_entropy::enabled();
     chunked_loss_with(fused, head, hidden, labels, norm, max_logits, soft)
 }
 

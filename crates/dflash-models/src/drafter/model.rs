@@ -323,12 +323,14 @@ impl DFlashDrafter {
             let ctx = ctx_kv(li)?;
             // the fused kernels take the standard DFlash layer: context before the anchor,
             // the whole own block
-            let fused =
-                if flash_block::enabled() && layer.attn.window.is_none() && !layer.attn.causal {
-                    flash_block_attention(&q, &ctx.k, &ctx.v, &blk.k, &blk.v, &visible, bs, scale)?
-                } else {
-                    None
-                };
+            let fused = if flash_block::use_fused(&self.device, b * rows * (ctx_len + bs))
+                && layer.attn.window.is_none()
+                && !layer.attn.causal
+            {
+                flash_block_attention(&q, &ctx.k, &ctx.v, &blk.k, &blk.v, &visible, bs, scale)?
+            } else {
+                None
+            };
             let o = match fused {
                 Some(o) => o,
                 None => {
