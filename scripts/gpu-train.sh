@@ -22,8 +22,9 @@
 # Next session (the fused kernels are the defaults now; the split backward kernels are measured by
 # `bench` only): call 3 = `data bench ab` with AB_ARMS="/tmp/keep/warm:40
 # /tmp/keep/warm,DFLASH_FLASH_BWD=row:40" (the split backward against the row one in a training
-# step); call 4 = `regen train` with REGEN_SECONDS≈200 (regen continues at prompt shard 14 of 20;
-# after that new data needs new prompts or sampled second answers) and SPS from call 3; call 5 =
+# step); call 4 = `regen train` with REGEN_SECONDS≈200 (regen continues at prompt shard 14 of 38:
+# .dev/prompts.jsonl is the first 19,710 prompts unchanged plus 13,223 from `prepare_prompts.py
+# --extend`: ShareGPT second turns and more code tasks) and SPS from call 3; call 5 =
 # `resume collect`, call 6 = `eval` (KEEP_DATA=1 on the last collect).
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen

@@ -10,7 +10,16 @@ Sources (see ../shared/docs/models-and-data.md):
     docstring, phrased like the HumanEval harness), so the drafter sees the target writing code.
 Lines are shuffled with a fixed seed so any prefix is a mix of all sources.
 
+With --extend OLD.jsonl the output is OLD's lines unchanged (so `data regen`, which resumes by
+prompt shard, continues where it stopped) followed by prompts OLD lacks, shuffled:
+  - ShareGPT second human turns, after the first human turn and the original answer, as
+    {"messages": [user, assistant, user]} (the target answers the second turn; MT-Bench is two
+    turns), total length at most 2 × --max-chars;
+  - more code tasks (at most --code): standard-library and site-packages functions with a
+    docstring that OLD does not have.
+
 usage: prepare_prompts.py SHAREGPT_JSON OUT.jsonl [--max-chars 3000] [--code 3000]
+                          [--extend OLD.jsonl]
 """
 import argparse, ast, glob, json, os, random, sys, sysconfig
 
@@ -18,7 +27,7 @@ GSM_SUFFIX = "\nPlease reason step by step, and put your final answer within \\b
 CODE_WRAP = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
 
 
-def sharegpt_first_turns(path):
+def sharegpt_conversations(path):
     dec = json.JSONDecoder()
     with open(path, encoding="utf-8", errors="replace") as f:
         buf = f.read()
@@ -35,13 +44,31 @@ def sharegpt_first_turns(path):
             break  # the truncated tail
         conv = obj.get("conversations") or []
         if conv and conv[0].get("from") == "human":
-            yield conv[0].get("value", "")
+            yield conv
 
 
-def code_tasks(limit, rng):
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
-    rng.shuffle(files)
+def sharegpt_first_turns(path):
+    for conv in sharegpt_conversations(path):
+        yield conv[0].get("value", "")
+
+
+def sharegpt_second_turns(path, max_chars):
+    roles = {"human": "user", "gpt": "assistant"}
+    for conv in sharegpt_conversations(path):
+        if len(conv) < 3 or [c.get("from") for c in conv[:3]] != ["human", "gpt", "human"]:
+            continue
+        msgs = [{"role": roles[c["from"]], "content": (c.get("value") or "").strip()} for c in conv[:3]]
+        if all(len(m["content"]) >= 8 for m in msgs) and sum(len(m["content"]) for m in msgs) <= max_chars:
+            yield msgs
+
+
+def code_tasks(limit, rng, roots=("stdlib",)):
+    files = []
+    for r in roots:
+        root = sysconfig.get_paths()[r]
+        part = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+        rng.shuffle(part)
+        files += part
     out = []
     for fn in files:
         if "/test" in fn or "idlelib" in fn:
@@ -68,14 +95,47 @@ def code_tasks(limit, rng):
     return out
 
 
+def extend(a, rng):
+    old = [l for l in open(a.extend, encoding="utf-8") if l.strip()]
+    seen = set()
+    for l in old:
+        r = json.loads(l)
+        seen.add(r.get("prompt") or json.dumps(r.get("messages"), ensure_ascii=False))
+    new = []
+    for msgs in sharegpt_second_turns(a.sharegpt, 2 * a.max_chars):
+        key = json.dumps(msgs, ensure_ascii=False)
+        if key not in seen:
+            seen.add(key)
+            new.append({"messages": msgs, "source": "sharegpt_turn2"})
+    n_turn2 = len(new)
+    n_code = 0
+    for p in code_tasks(10**9, rng, roots=("stdlib", "purelib")):
+        if n_code >= a.code:
+            break
+        if p not in seen:
+            seen.add(p)
+            new.append({"prompt": p, "source": "code"})
+            n_code += 1
+    rng.shuffle(new)
+    with open(a.out, "w") as f:
+        f.writelines(old)
+        for r in new:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"{len(old)} prompts kept from {a.extend}, then {len(new)} new: {n_turn2} sharegpt second turns, "
+          f"{len(new) - n_turn2} code -> {a.out}", file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("sharegpt")
     ap.add_argument("out")
     ap.add_argument("--max-chars", type=int, default=3000)
     ap.add_argument("--code", type=int, default=3000)
+    ap.add_argument("--extend")
     a = ap.parse_args()
     rng = random.Random(1)
+    if a.extend:
+        return extend(a, rng)
     rows, seen = [], set()
     for p in sharegpt_first_turns(a.sharegpt):
         p = p.strip()
