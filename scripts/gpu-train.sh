@@ -12,7 +12,8 @@
 #                 AB_SECONDS from the same plan and seed (phase times and learning curves side by
 #                 side in $L/ab-*.jsonl)
 #   stage ncu   : Nsight Compute's kernel times over NCU_STEPS steps of one micro-batch, summed by
-#                 kernel name against the wall time (is a step GPU-bound, and on which kernels?)
+#                 kernel name against the wall time (is a step GPU-bound, and on which kernels?);
+#                 NCU_SKIP / NCU_COUNT select a window of kernels (the backward starts after ~9.4 k)
 #   stage stash : keep what this call carried of .dev/warm (a drafter to warm-start from, then
 #                 INIT=/tmp/keep/warm), .dev/data.tar.xz (regen data from an earlier session) and
 #                 .dev/prompts.jsonl.xz (so the call carrying .dev/gguf.part_ab stays under 64 MiB)
@@ -24,7 +25,9 @@
 # /tmp/keep/warm,DFLASH_FLASH_BWD=row:40" (the split backward against the row one in a training
 # step); call 4 = `regen train` with REGEN_SECONDS≈200 (regen continues at prompt shard 14 of 38:
 # .dev/prompts.jsonl is the first 19,710 prompts unchanged plus 13,223 from `prepare_prompts.py
-# --extend`: ShareGPT second turns and more code tasks) and SPS from call 3; call 5 =
+# --extend`: ShareGPT second turns and more code tasks), SPS from call 3 and LR=3e-4 (a warm
+# start's fresh AdamW at 6e-4 raised the fifth run's loss from 3.14 to 3.20 over steps 50-100,
+# recovered by step 150); call 5 =
 # `resume collect`, call 6 = `eval` (KEEP_DATA=1 on the last collect).
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
@@ -161,8 +164,10 @@ ncu)
   # a measurement, not a prerequisite: without ncu the later stages still run
   if [ -z "$NCU" ]; then echo "no ncu: stage skipped"; continue; fi
   rm -rf $K/ncu-run
+  # NCU_SKIP / NCU_COUNT profile a window of kernels (--launch-skip / --launch-count): the last
+  # session's ncu stopped after the forward's ~9.4 k kernels, so the backward needs a skip
   timeout ${NCU_SECONDS:-180} $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
-    --log-file $L/ncu.csv \
+    ${NCU_SKIP:+--launch-skip $NCU_SKIP} ${NCU_COUNT:+--launch-count $NCU_COUNT} --log-file $L/ncu.csv \
     $D train $(BATCH_TOKENS=4096 MICRO_FORCE=4096 flags) --out $K/ncu-run \
     --max-steps ${NCU_STEPS:-2} > $L/ncu-train.log 2>&1 || tail -5 $L/ncu-train.log
   python3 - $L/ncu.csv $K/ncu-run/log.jsonl <<'PY' || echo "ncu summary failed (raw CSV in the logs)"
