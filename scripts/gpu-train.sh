@@ -180,9 +180,14 @@ for r in rows:
     v *= {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3, "second": 1.0, "s": 1.0}.get(unit, 1e-9)
     k = r["Kernel Name"].split("(")[0][:60]; t[k] += v; n[k] += 1
 tot = sum(t.values()); steps = [json.loads(l) for l in open(sys.argv[2])]
-print(f"ncu: {sum(n.values())} kernels, {tot:.3f} s of kernel time over {len(steps)} steps "
-      f"({tot / max(len(steps), 1):.3f} s and {sum(n.values()) // max(len(steps), 1)} kernels a step;"
-      " compare with the unprofiled s/step)")
+import os
+if os.environ.get("NCU_SKIP") or os.environ.get("NCU_COUNT"):
+    print(f"ncu: {sum(n.values())} kernels after skipping {os.environ.get('NCU_SKIP', 0)}, "
+          f"{tot:.3f} s of kernel time (a window, not whole steps)")
+else:
+    print(f"ncu: {sum(n.values())} kernels, {tot:.3f} s of kernel time over {len(steps)} steps "
+          f"({tot / max(len(steps), 1):.3f} s and {sum(n.values()) // max(len(steps), 1)} kernels a step;"
+          " compare with the unprofiled s/step)")
 for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
     print(f"  {v:8.4f} s {100*v/tot:5.1f}% {n[k]:6d}x  {k}")
 PY
