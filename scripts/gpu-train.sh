@@ -20,15 +20,12 @@
 # A session with earlier data and weights: call 1 `setup` (carry .dev/gguf.part_aa,
 # dist/cuda/dflash.xz); call 2 `stash` (carry .dev/warm, .dev/data.tar.xz, .dev/prompts.jsonl.xz);
 # call 3 `data [bench] [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
-# Next session (the fused kernels are the defaults now; the split backward kernels are measured by
-# `bench` only): call 3 = `data bench ab` with AB_ARMS="/tmp/keep/warm:40
-# /tmp/keep/warm,DFLASH_FLASH_BWD=row:40" (the split backward against the row one in a training
-# step); call 4 = `regen train` with REGEN_SECONDS≈200 (regen continues at prompt shard 14 of 38:
-# .dev/prompts.jsonl is the first 19,710 prompts unchanged plus 13,223 from `prepare_prompts.py
-# --extend`: ShareGPT second turns and more code tasks), SPS from call 3 and LR=3e-4 (a warm
-# start's fresh AdamW at 6e-4 raised the fifth run's loss from 3.14 to 3.20 over steps 50-100,
-# recovered by step 150); call 5 =
-# `resume collect`, call 6 = `eval` (KEEP_DATA=1 on the last collect).
+# A fresh checkout (no .dev/: nothing ignored survives between sessions' checkouts): run
+# scripts/prepare-dev.sh and scripts/build-cuda.sh here, then call 1 `setup` (carry
+# .dev/gguf.part_aa, dist/cuda/dflash.xz); call 2 `REGEN_PROCS=3 REGEN_SHARD=512 … regen` (carry
+# .dev/gguf.part_ab, .dev/prompts.jsonl.xz); call 3 `INIT=drafters/smollm2-135m-instruct LR=3e-4
+# SPS=… train` (a warm start from the shipped drafter); call 4 `resume collect eval`
+# (KEEP_DATA=1 on the collect brings the regen data back as .dev/data.tar.xz material).
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
@@ -71,10 +68,20 @@ regen)
   P=$K/prompts.jsonl.xz; [ -f $P ] || P=.dev/prompts.jsonl.xz
   xz -dc $P > $K/prompts.jsonl
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  # REGEN_PROCS processes share the GPU (`--part I/N`: process I writes the shards k mod N = I),
+  # hiding each other's launch gaps and batch tails; REGEN_SHARD prompts a shard (keep it from
+  # session to session for one data directory: it is the unit of resumption)
   regen() {
-    timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data --batch $2 \
-      --max-new-tokens 512 --max-prompt-tokens 1024 --shard-size 1024 --device cuda 2>&1 \
-      | tr '\r' '\n' | tee -a $L/regen.log | tail -3
+    N=${REGEN_PROCS:-1}
+    for I in $(seq 0 $((N - 1))); do
+      timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data --batch $2 \
+        --max-new-tokens 512 --max-prompt-tokens 1024 --shard-size ${REGEN_SHARD:-1024} \
+        --part $I/$N --device cuda > $L/regen-$I.log 2>&1 &
+    done
+    wait
+    for I in $(seq 0 $((N - 1))); do
+      tr '\r' '\n' < $L/regen-$I.log | tee -a $L/regen.log | tail -2
+    done
   }
   T0=$(date +%s)
   regen ${REGEN_SECONDS:-270} ${REGEN_BATCH:-256}
@@ -244,9 +251,11 @@ resume)
   dmon_summary resume
   ;;
 eval)
-  $D eval --target $G --draft $K/run/drafter --bench gsm8k,humaneval,mt_bench --limit ${EVAL_LIMIT:-10} \
-    --max-new-tokens 256 --tree-budget 64 --device cuda --dtype ${EVAL_DTYPE:-f32} --out $OUT/eval.json 2>&1 \
-    | grep -v '^[{} ]' | tee $L/eval.log | head -30
+  # EVAL_DRAFT (default: this run's drafter), EVAL_MODES, EVAL_BUDGET (DDTree nodes), EVAL_NAME
+  $D eval --target $G --draft ${EVAL_DRAFT:-$K/run/drafter} --bench gsm8k,humaneval,mt_bench \
+    --limit ${EVAL_LIMIT:-10} --modes ${EVAL_MODES:-ar,dflash,ddtree} --max-new-tokens 256 \
+    --tree-budget ${EVAL_BUDGET:-64} --device cuda --dtype ${EVAL_DTYPE:-f32} \
+    --out $OUT/${EVAL_NAME:-eval}.json 2>&1 | grep -v '^[{} ]' | tee $L/${EVAL_NAME:-eval}.log | head -30
   ;;
 collect)
   [ -d $K/run/drafter ] && mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/; cp $K/run/curves.png $OUT/ 2>/dev/null

@@ -18,8 +18,11 @@ prompt shard, continues where it stopped) followed by prompts OLD lacks, shuffle
   - more code tasks (at most --code): standard-library and site-packages functions with a
     docstring that OLD does not have.
 
+With --extend OLD.jsonl --reshuffle, OLD's lines and the new ones are shuffled together instead
+(seed 2): for regenerating from scratch, so that any prefix is a mix of every source.
+
 usage: prepare_prompts.py SHAREGPT_JSON OUT.jsonl [--max-chars 3000] [--code 3000]
-                          [--extend OLD.jsonl]
+                          [--extend OLD.jsonl [--reshuffle]]
 """
 import argparse, ast, glob, json, os, random, sys, sysconfig
 
@@ -117,11 +120,13 @@ def extend(a, rng):
             new.append({"prompt": p, "source": "code"})
             n_code += 1
     rng.shuffle(new)
+    lines = old + [json.dumps(r, ensure_ascii=False) + "\n" for r in new]
+    if a.reshuffle:
+        random.Random(2).shuffle(lines)
     with open(a.out, "w") as f:
-        f.writelines(old)
-        for r in new:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"{len(old)} prompts kept from {a.extend}, then {len(new)} new: {n_turn2} sharegpt second turns, "
+        f.writelines(lines)
+    how = "shuffled together with" if a.reshuffle else "kept from"
+    print(f"{len(old)} prompts {how} {a.extend}, then {len(new)} new: {n_turn2} sharegpt second turns, "
           f"{len(new) - n_turn2} code -> {a.out}", file=sys.stderr)
 
 
@@ -132,6 +137,7 @@ def main():
     ap.add_argument("--max-chars", type=int, default=3000)
     ap.add_argument("--code", type=int, default=3000)
     ap.add_argument("--extend")
+    ap.add_argument("--reshuffle", action="store_true")
     a = ap.parse_args()
     rng = random.Random(1)
     if a.extend:

@@ -3,7 +3,9 @@
 //!
 //! Invariants: shard `k` holds exactly prompts `k·S .. (k+1)·S` (in prompt order; skipped prompts
 //! leave no row), so a rerun resumes at the first missing shard and a finished shard is never
-//! rewritten; shards are written atomically; the loss mask covers the answer tokens only.
+//! rewritten; shards are written atomically; the loss mask covers the answer tokens only. With
+//! `--part I/N` a process owns the shards `k` with `k mod N = I` only, so N processes (one per GPU,
+//! or several on one GPU to hide each other's launch gaps and batch tails) share one `--out`.
 
 use crate::exit::UsageError;
 use anyhow::{Context, Result};
@@ -62,6 +64,22 @@ pub struct RegenArgs {
     device: String,
     #[arg(long)]
     dtype: Option<String>,
+    /// `I/N`: regenerate only the shards k with k mod N = I (N processes share one --out).
+    #[arg(long, value_parser = parse_part, default_value = "0/1")]
+    part: (usize, usize),
+}
+
+fn parse_part(s: &str) -> std::result::Result<(usize, usize), String> {
+    let bad = || format!("--part {s}: expected I/N with 0 <= I < N, such as 0/2");
+    let (i, n) = s.split_once('/').ok_or_else(bad)?;
+    let (i, n): (usize, usize) = (
+        i.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    );
+    if n == 0 || i >= n {
+        return Err(bad());
+    }
+    Ok((i, n))
 }
 
 fn prompt_messages(v: &serde_json::Value, suffix: Option<&str>) -> Option<Vec<ChatMessage>> {
@@ -149,25 +167,32 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         prefill_chunk: a.prefill_chunk,
     };
     let n_shards = prompts.len().div_ceil(a.shard_size);
-    let first = (0..n_shards)
-        .find(|&k| !shard_path(&a.out, k).is_file())
-        .unwrap_or(n_shards);
+    let (part, parts) = a.part;
+    let todo: Vec<usize> = (0..n_shards)
+        .filter(|&k| k % parts == part && !shard_path(&a.out, k).is_file())
+        .collect();
+    let owned = (0..n_shards).filter(|&k| k % parts == part).count();
     eprintln!(
-        "[dflash] {} prompts in {n_shards} shards; {first} shards already done",
-        prompts.len()
+        "[dflash] {} prompts in {n_shards} shards; part {part}/{parts} owns {owned}, {} already done",
+        prompts.len(),
+        owned - todo.len()
     );
+    let shard_range = |k: usize| {
+        (
+            k * a.shard_size,
+            ((k + 1) * a.shard_size).min(prompts.len()),
+        )
+    };
     let pb = crate::progress::bar(
-        (prompts.len() - (first * a.shard_size).min(prompts.len())) as u64,
+        todo.iter()
+            .map(|&k| shard_range(k).1 - shard_range(k).0)
+            .sum::<usize>() as u64,
         "prompts",
     );
     let (mut skipped, mut new_tokens) = (0usize, 0usize);
     let t0 = Instant::now();
-    for k in first..n_shards {
-        if shard_path(&a.out, k).is_file() {
-            continue;
-        }
-        let lo = k * a.shard_size;
-        let hi = (lo + a.shard_size).min(prompts.len());
+    for &k in &todo {
+        let (lo, hi) = shard_range(k);
         let mut encoded: Vec<(usize, Vec<u32>)> = vec![];
         for (i, msgs) in prompts[lo..hi].iter().enumerate() {
             let ids = text.tokenizer.encode(&tpl.render(msgs, &opts)?, false)?;
