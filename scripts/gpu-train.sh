@@ -162,6 +162,8 @@ print(statistics.median([x['seconds'] for x in r[1:]]))"); break
   echo "probe: micro-batch $(cat $K/micro), $SPS s/step -> plan of $STEPS steps"; echo $STEPS > $K/steps
   tail -1 $K/probe/log.jsonl 2>/dev/null
   LEFT=$(( ${CALL_SECONDS:-560} - ($(date +%s) - T0) - 25 ))
+  # the knobs of this run, for `resume` (train refuses a resume with another lr, seed, packing...)
+  echo "LR=${LR:-6e-4} ANCHORS=${ANCHORS:-128} BATCH_TOKENS=${BATCH_TOKENS:-16384} DISTILL=${DISTILL:-0} VAL_FRACTION=${VAL_FRACTION:-0.004}" > $K/run.env
   dmon train
   $D train $(flags) --out $K/run --max-steps $STEPS --time-limit $LEFT 2>&1 | tee $L/train.log | tail -9
   dmon_summary train
@@ -245,6 +247,7 @@ print('cross-entropy: loss rel diff %.2e, grad rel diff %.2e, argmax rows differ
   ;;
 resume)
   [ -f $K/steps ] || { echo "no plan"; exit 1; }
+  [ -f $K/run.env ] && { set -a; . $K/run.env; set +a; cat $K/run.env; }
   dmon resume
   $D train $(flags) --out $K/run --max-steps $(cat $K/steps) --resume --time-limit ${CALL_SECONDS:-400} 2>&1 \
     | tee $L/resume.log | tail -9

@@ -4,6 +4,7 @@ use dflash_core::CoreError;
 use dflash_decoding::DecodeError;
 use dflash_models::ModelError;
 use dflash_text::TextError;
+use dflash_train::TrainError;
 
 /// A problem with the command line or its inputs.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +19,8 @@ pub fn code(e: &anyhow::Error) -> i32 {
             m.is_bad_input()
         } else if let Some(d) = cause.downcast_ref::<DecodeError>() {
             d.is_bad_input()
+        } else if let Some(t) = cause.downcast_ref::<TrainError>() {
+            matches!(t, TrainError::InvalidInput(_))
         } else if let Some(c) = cause.downcast_ref::<CoreError>() {
             matches!(c, CoreError::InvalidInput(_))
         } else {

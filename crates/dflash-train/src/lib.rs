@@ -26,4 +26,6 @@ pub use step::{
     batch_probs, compute_drafter, sequence_taps, soft_label_positions, Sequence, StepReport,
     TrainStep,
 };
-pub use trainer::{plan_steps, RunState, StepLog, TrainConfig, Trainer, Validation};
+pub use trainer::{
+    plan_steps, resume_conflicts, RunState, StepLog, TrainConfig, Trainer, Validation,
+};

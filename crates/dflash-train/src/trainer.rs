@@ -104,6 +104,50 @@ pub struct StepLog {
 pub struct RunState {
     pub step: usize,
     pub total_steps: usize,
+    /// The config the run was started with (absent in checkpoints older than this field): a
+    /// `--resume` that asks for another learning rate, seed, packing or loss is refused, since it
+    /// would silently compute something other than the run it claims to continue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<TrainConfig>,
+}
+
+/// Settings a resumed run may change without changing what it computes: the micro-batch split
+/// (only the summation order of one step's gradients), how often it checkpoints, the validation
+/// tree's size.
+const FREE_ON_RESUME: [&str; 3] = ["micro_batch_tokens", "checkpoint_every", "tree_budget"];
+
+/// What `now` changes against the config a checkpoint was started with, as
+/// `--flag: checkpoint X, now Y` lines (empty: the resume computes the same run).
+pub fn resume_conflicts(saved: &TrainConfig, now: &TrainConfig) -> Vec<String> {
+    fn flat(c: &TrainConfig) -> BTreeMap<String, serde_json::Value> {
+        let mut out = BTreeMap::new();
+        let v = serde_json::to_value(c).expect("config serialises");
+        for (k, v) in v.as_object().expect("config is an object") {
+            match v.as_object() {
+                Some(inner) => {
+                    for (ik, iv) in inner {
+                        // adamw.lr mirrors lr
+                        if ik != "lr" {
+                            out.insert(format!("{k}.{ik}"), iv.clone());
+                        }
+                    }
+                }
+                None => {
+                    out.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        out
+    }
+    let (a, b) = (flat(saved), flat(now));
+    a.iter()
+        .filter(|(k, _)| !FREE_ON_RESUME.contains(&k.as_str()))
+        .filter(|(k, v)| b.get(*k) != Some(*v))
+        .map(|(k, v)| {
+            let now = b.get(k).map_or("unset".to_string(), |x| x.to_string());
+            format!("--{}: checkpoint {v}, now {now}", k.replace('_', "-"))
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -163,6 +207,20 @@ impl<'a> Trainer<'a> {
                 &std::fs::read_to_string(&state_path).map_err(io(&state_path))?,
             )
             .map_err(|e| TrainError::InvalidInput(format!("{}: {e}", state_path.display())))?;
+            if let Some(saved) = &state.config {
+                let conflicts = resume_conflicts(saved, &cfg);
+                if !conflicts.is_empty() {
+                    return Err(TrainError::InvalidInput(format!(
+                        "--resume: {} was started with other settings ({}); pass the same \
+                         flags to continue it, or a new --out to start another run",
+                        dir.display(),
+                        conflicts.join("; ")
+                    )));
+                }
+            }
+            let mut state = state;
+            // a checkpoint from before `config` was recorded adopts this run's flags
+            state.config.get_or_insert_with(|| cfg.clone());
             let files = dflash_models::weights::safetensors_files(&ckpt)?;
             let mut w = BTreeMap::new();
             for f in files {
@@ -178,6 +236,7 @@ impl<'a> Trainer<'a> {
                 RunState {
                     step: 0,
                     total_steps,
+                    config: Some(cfg.clone()),
                 },
             )
         };

@@ -1,4 +1,5 @@
 //! Paths the CLI's integration tests share: the repository root and the fetched SmolLM2 GGUF.
+#![allow(dead_code)] // each test binary uses a subset
 
 use std::path::PathBuf;
 
