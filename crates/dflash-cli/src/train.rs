@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use dflash_models::drafter::config_for_target;
 use dflash_models::load_target;
-use dflash_train::data::read_dir;
+use dflash_train::data::{read_dir, split_held_out};
 use dflash_train::{plan_steps, AdamWConfig, TrainConfig, Trainer};
 use std::path::PathBuf;
 
@@ -46,7 +46,8 @@ pub struct TrainArgs {
     warmup_ratio: f64,
     #[arg(long, default_value_t = 500)]
     checkpoint_every: usize,
-    /// Fraction of examples held out for validation.
+    /// Share of prompts held out for validation (chosen by a hash of the prompt, so the same
+    /// prompts in every run and data set).
     #[arg(long, default_value_t = 0.02)]
     val_fraction: f64,
     #[arg(long, default_value_t = 64)]
@@ -99,10 +100,16 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let path = crate::defaults::target_path(a.target.as_deref())?;
     let target = load_target(&path, &device, dtype)
         .with_context(|| format!("loading target {}", path.display()))?;
-    let data = read_dir(&a.data)?;
-    let n_val =
-        ((data.len() as f64 * a.val_fraction).round() as usize).min(data.len().saturating_sub(1));
-    let (val, train) = data.split_at(n_val);
+    if !(0.0..=1.0).contains(&a.val_fraction) {
+        return Err(UsageError(format!(
+            "--val-fraction {} must be in [0, 1]",
+            a.val_fraction
+        ))
+        .into());
+    }
+    // held out by a hash of each prompt: the same prompts in every run (see split_held_out)
+    let (val, train) = split_held_out(read_dir(&a.data)?, a.val_fraction);
+    let (val, train) = (&val[..], &train[..]);
     let mask = a
         .mask_token_id
         .unwrap_or_else(|| crate::draft::default_mask_token(&target));

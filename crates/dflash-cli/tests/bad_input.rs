@@ -221,4 +221,10 @@ fn train_init_that_is_no_drafter_or_does_not_fit() {
     let (code, err) = train(&["--layers", "2", "--distill", "1.5"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--distill 1.5 must be in [0, 1]"), "{err}");
+    let (code, err) = train(&["--layers", "2", "--val-fraction", "1.5"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--val-fraction 1.5 must be in [0, 1]"),
+        "{err}"
+    );
 }
