@@ -33,8 +33,8 @@
 #                 composite kernels, parity and seconds; attention with both backward variants);
 #                 needs only the binary; `ab` arms (`INIT,DFLASH_FLASH_BWD=row`, ...) then measure
 #                 a change in a training step
-#   stage collect: drafter, curves.png, a tarball of the logs and (KEEP_DATA=1) of the regen data
-#                 into $OUT (at most 8 files, 16 MiB each)
+#   stage collect: drafter and a tarball of the logs (curves.png, validation.json, log.jsonl) and
+#                 (KEEP_DATA=1) of the regen data into $OUT (at most 8 files, 16 MiB each)
 # Stages chain in one call: `bash scripts/gpu-train.sh regen train eval collect`.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -261,8 +261,10 @@ eval)
     --out $OUT/${EVAL_NAME:-eval}.json 2>&1 | grep -v '^[{} ]' | tee $L/${EVAL_NAME:-eval}.log | head -30
   ;;
 collect)
-  [ -d $K/run/drafter ] && mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/; cp $K/run/curves.png $OUT/ 2>/dev/null
-  cp $K/run/log.jsonl $K/run/validation.json $L/ 2>/dev/null
+  # at most 8 files come back: the drafter's 5, the logs (curves, validation, log.jsonl inside),
+  # the data (KEEP_DATA=1) and an eval.json of a later stage in the same call
+  [ -d $K/run/drafter ] && mkdir -p $OUT/drafter && cp $K/run/drafter/* $OUT/drafter/
+  cp $K/run/log.jsonl $K/run/validation.json $K/run/curves.png $L/ 2>/dev/null
   cp $K/probe/log.jsonl $L/probe_log.jsonl 2>/dev/null; tar czf $OUT/run_logs.tgz -C $L .
   [ -n "${KEEP_DATA:-}" ] && tar cJf $OUT/data.tar.xz -C $K data
   ls -la $OUT $OUT/drafter

@@ -4,8 +4,9 @@
 //! Invariants: shard `k` holds exactly prompts `k·S .. (k+1)·S` (in prompt order; skipped prompts
 //! leave no row), so a rerun resumes at the first missing shard and a finished shard is never
 //! rewritten; shards are written atomically; the loss mask covers the answer tokens only. With
-//! `--part I/N` a process owns the shards `k` with `k mod N = I` only, so N processes (one per GPU,
-//! or several on one GPU to hide each other's launch gaps and batch tails) share one `--out`.
+//! `--part I/N` a process owns the shards `k` with `k mod N = I` only, so N processes (one per GPU)
+//! share one `--out`. Several processes on one GPU do not help: CUDA time-slices their contexts
+//! (three on an H200 regenerated 0.88× as fast as one, docs/benchmarks.md session 8).
 
 use crate::exit::UsageError;
 use anyhow::{Context, Result};

@@ -6,7 +6,8 @@
 //! whose two arrays differ in length is an error naming the shard and line. The held-out split
 //! ([`split_held_out`]) is a function of each example's prompt alone (the tokens before its first
 //! supervised one), so a prompt held out in one run is held out in every run over any data set
-//! that contains it — a warm start never validates on what an earlier run trained on.
+//! that contains it: runs that warm-start from each other never validate on each other's
+//! training prompts.
 
 use crate::{Result, TrainError};
 use serde::{Deserialize, Serialize};
