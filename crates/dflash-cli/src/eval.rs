@@ -4,7 +4,8 @@
 //! Invariants: every prompt runs in `ar` first (the reference); each other mode is compared with
 //! it token for token, and a difference is reported with the AR logit margin at the first
 //! differing token (never hidden); speed-up is Σ AR decode time / Σ mode decode time over the same
-//! prompts in one process; prompts are formatted as in the DFlash paper's harness.
+//! prompts in one process; prompts are formatted as in the DFlash paper's harness; τ comes with a
+//! 95 % bootstrap interval over the prompts (a handful of prompts is a noisy estimate).
 
 use crate::exit::UsageError;
 use crate::generate::Mode;
@@ -66,6 +67,12 @@ struct ModeSummary {
     tokens_per_second: f64,
     /// Σ (accepted + bonus) / Σ steps over the benchmark.
     acceptance_length_mean: Option<f64>,
+    /// 95 % percentile-bootstrap interval of τ, resampling prompts (turns) with replacement.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    acceptance_length_ci95: Option<[f64; 2]>,
+    /// τ of each prompt (turn), in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    acceptance_length_per_prompt: Vec<f64>,
     acceptance_histogram: Option<Vec<usize>>,
     speedup_vs_ar: Option<f64>,
     identical_to_ar: Option<usize>,
@@ -243,6 +250,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
             })
             .collect();
         let mut accepted: Vec<Vec<usize>> = vec![vec![]; a.modes.len()];
+        // per mode, per prompt: (Σ acceptance, steps)
+        let mut per_prompt: Vec<Vec<(usize, usize)>> = vec![vec![]; a.modes.len()];
         let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} prompts"));
         let mut idx = 0;
         for user_turns in rows {
@@ -262,6 +271,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                     s.decode_seconds += g.decode_seconds;
                     if let Some(spec) = &g.spec {
                         accepted[mi].extend(&spec.acceptance);
+                        per_prompt[mi].push((spec.acceptance.iter().sum(), spec.acceptance.len()));
                         *s.draft_seconds.get_or_insert(0.0) += spec.draft_seconds;
                         *s.verify_seconds.get_or_insert(0.0) += spec.verify_seconds;
                         *s.tree_build_seconds.get_or_insert(0.0) += spec.tree_build_seconds;
@@ -299,7 +309,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
         }
         pb.finish_and_clear();
         let ar_secs = sums[0].decode_seconds;
-        for (s, acc) in sums.iter_mut().zip(&accepted) {
+        for ((s, acc), pp) in sums.iter_mut().zip(&accepted).zip(&per_prompt) {
+            if !pp.is_empty() {
+                s.acceptance_length_ci95 = Some(bootstrap_ci95(pp, 2000));
+                s.acceptance_length_per_prompt = pp
+                    .iter()
+                    .map(|&(a, n)| a as f64 / n.max(1) as f64)
+                    .collect();
+            }
             s.tokens_per_second = s.output_tokens as f64 / s.decode_seconds.max(1e-9);
             if s.mode != "ar" {
                 s.speedup_vs_ar = Some(ar_secs / s.decode_seconds.max(1e-9));
@@ -320,13 +337,13 @@ pub fn run(a: EvalArgs) -> Result<()> {
         });
     }
     eprintln!(
-        "{:<12} {:<7} {:>7} {:>8} {:>9} {:>7} {:>8} {:>10}",
-        "bench", "mode", "prompts", "tokens", "tok/s", "tau", "speedup", "same-as-AR"
+        "{:<12} {:<7} {:>7} {:>8} {:>9} {:>7} {:>11} {:>8} {:>10}",
+        "bench", "mode", "prompts", "tokens", "tok/s", "tau", "tau 95%", "speedup", "same-as-AR"
     );
     for r in &results {
         for s in &r.modes {
             eprintln!(
-                "{:<12} {:<7} {:>7} {:>8} {:>9.1} {:>7} {:>8} {:>10}",
+                "{:<12} {:<7} {:>7} {:>8} {:>9.1} {:>7} {:>11} {:>8} {:>10}",
                 r.bench,
                 s.mode,
                 s.prompts,
@@ -334,6 +351,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 s.tokens_per_second,
                 s.acceptance_length_mean
                     .map(|t| format!("{t:.2}"))
+                    .unwrap_or("-".into()),
+                s.acceptance_length_ci95
+                    .map(|[lo, hi]| format!("{lo:.2}-{hi:.2}"))
                     .unwrap_or("-".into()),
                 s.speedup_vs_ar
                     .map(|t| format!("{t:.2}x"))
@@ -356,4 +376,58 @@ pub fn run(a: EvalArgs) -> Result<()> {
     }
     println!("{text}");
     Ok(())
+}
+
+/// 95 % percentile-bootstrap interval of the pooled τ = Σ acceptance / Σ steps, resampling the
+/// prompts (`(Σ acceptance, steps)` each) with replacement `rounds` times; deterministic (a fixed
+/// SplitMix64 stream), so the same results give the same interval.
+fn bootstrap_ci95(per_prompt: &[(usize, usize)], rounds: usize) -> [f64; 2] {
+    let n = per_prompt.len();
+    let pooled = |picks: &mut dyn Iterator<Item = usize>| {
+        let (a, s) = picks.fold((0usize, 0usize), |(a, s), i| {
+            (a + per_prompt[i].0, s + per_prompt[i].1)
+        });
+        a as f64 / s.max(1) as f64
+    };
+    if n <= 1 {
+        let t = pooled(&mut (0..n));
+        return [t, t];
+    }
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut taus: Vec<f64> = (0..rounds.max(1))
+        .map(|_| pooled(&mut (0..n).map(|_| (next() % n as u64) as usize)))
+        .collect();
+    taus.sort_by(f64::total_cmp);
+    let at = |q: f64| taus[((q * (taus.len() - 1) as f64).round() as usize).min(taus.len() - 1)];
+    [at(0.025), at(0.975)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bootstrap_ci95;
+
+    #[test]
+    fn bootstrap_interval_brackets_the_pooled_tau_and_narrows_with_more_prompts() {
+        // five prompts of τ 2, 3, 4, 5, 6 (ten steps each): pooled 4
+        let five: Vec<(usize, usize)> = (2..7).map(|t| (10 * t, 10)).collect();
+        let [lo, hi] = bootstrap_ci95(&five, 2000);
+        assert!(lo < 4.0 && 4.0 < hi && lo >= 2.0 && hi <= 6.0, "{lo} {hi}");
+        assert!(lo > 2.5 && hi < 5.5, "not the extremes: {lo} {hi}");
+        // the same spread over 80 prompts: a narrower interval
+        let many: Vec<(usize, usize)> = (0..80).map(|i| (10 * (2 + i % 5), 10)).collect();
+        let [lo2, hi2] = bootstrap_ci95(&many, 2000);
+        assert!(lo2 < 4.0 && 4.0 < hi2, "{lo2} {hi2}");
+        assert!(hi2 - lo2 < 0.5 * (hi - lo), "{lo2}-{hi2} vs {lo}-{hi}");
+        // identical prompts: no spread; one prompt: its τ; deterministic
+        assert_eq!(bootstrap_ci95(&[(30, 10); 4], 500), [3.0, 3.0]);
+        assert_eq!(bootstrap_ci95(&[(7, 2)], 500), [3.5, 3.5]);
+        assert_eq!(bootstrap_ci95(&five, 2000), [lo, hi]);
+    }
 }
