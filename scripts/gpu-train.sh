@@ -22,10 +22,13 @@
 # call 3 `data [bench] [regen] [ncu] [ab] train ...` (carry .dev/gguf.part_ab).
 # A fresh checkout (no .dev/: nothing ignored survives between sessions' checkouts): run
 # scripts/prepare-dev.sh and scripts/build-cuda.sh here, then call 1 `setup` (carry
-# .dev/gguf.part_aa, dist/cuda/dflash.xz); call 2 `REGEN_PROCS=3 REGEN_SHARD=512 … regen` (carry
-# .dev/gguf.part_ab, .dev/prompts.jsonl.xz); call 3 `INIT=drafters/smollm2-135m-instruct LR=3e-4
-# SPS=… train` (a warm start from the shipped drafter); call 4 `resume collect eval`
-# (KEEP_DATA=1 on the collect brings the regen data back as .dev/data.tar.xz material).
+# .dev/gguf.part_aa, dist/cuda/dflash.xz); call 2 `REGEN_SHARD=512 … regen` (carry
+# .dev/gguf.part_ab, .dev/prompts.jsonl.xz; one process: three on one GPU were 0.88× as fast);
+# call 3 `INIT=.dev/warm LR=3e-4 SPS=0.65 … train` (carry .dev/warm, a copy of the shipped
+# drafter); call 4 `KEEP_DATA=1 … resume collect eval`. The tracked tree (≈ 48 MB with the
+# drafter) counts against each call's 64 MiB: session 8 ran `git rm -r -q --cached
+# drafters/smollm2-135m-instruct` (plus a .git/info/exclude line) for the calls and restored the
+# index with `git reset -q HEAD -- drafters` before committing.
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
