@@ -26,9 +26,8 @@
 # .dev/gguf.part_ab, .dev/prompts.jsonl.xz; one process: three on one GPU were 0.88× as fast);
 # call 3 `INIT=.dev/warm LR=3e-4 SPS=0.65 … train` (carry .dev/warm, a copy of the shipped
 # drafter); call 4 `KEEP_DATA=1 … resume collect eval`. The tracked tree (≈ 48 MB with the
-# drafter) counts against each call's 64 MiB: session 8 ran `git rm -r -q --cached
-# drafters/smollm2-135m-instruct` (plus a .git/info/exclude line) for the calls and restored the
-# index with `git reset -q HEAD -- drafters` before committing.
+# drafter) counts against each call's 64 MiB: `scripts/device-tree.sh slim` before the calls,
+# `scripts/device-tree.sh restore` before committing.
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
