@@ -117,7 +117,8 @@ pub struct RunState {
 const FREE_ON_RESUME: [&str; 3] = ["micro_batch_tokens", "checkpoint_every", "tree_budget"];
 
 /// What `now` changes against the config a checkpoint was started with, as
-/// `--flag: checkpoint X, now Y` lines (empty: the resume computes the same run).
+/// `--flag: checkpoint X, now Y` lines (`adamw.beta2: …` for settings without a flag; empty: the
+/// resume computes the same run).
 pub fn resume_conflicts(saved: &TrainConfig, now: &TrainConfig) -> Vec<String> {
     fn flat(c: &TrainConfig) -> BTreeMap<String, serde_json::Value> {
         let mut out = BTreeMap::new();
@@ -145,7 +146,13 @@ pub fn resume_conflicts(saved: &TrainConfig, now: &TrainConfig) -> Vec<String> {
         .filter(|(k, v)| b.get(*k) != Some(*v))
         .map(|(k, v)| {
             let now = b.get(k).map_or("unset".to_string(), |x| x.to_string());
-            format!("--{}: checkpoint {v}, now {now}", k.replace('_', "-"))
+            // top-level settings are `dflash train` flags; nested ones (adamw.*) have none
+            let name = if k.contains('.') {
+                k.clone()
+            } else {
+                format!("--{}", k.replace('_', "-"))
+            };
+            format!("{name}: checkpoint {v}, now {now}")
         })
         .collect()
 }
@@ -529,5 +536,60 @@ impl<'a> Trainer<'a> {
             v.loss = (loss / n) as f32;
         }
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> TrainConfig {
+        TrainConfig {
+            anchors: 128,
+            gamma: 7.0,
+            lr: 3e-4,
+            epochs: 40,
+            max_length: 3072,
+            warmup_ratio: 0.04,
+            checkpoint_every: 500,
+            seed: 1,
+            tree_budget: 64,
+            adamw: AdamWConfig {
+                lr: 3e-4,
+                ..Default::default()
+            },
+            batch_tokens: 16384,
+            micro_batch_tokens: 4096,
+            distill: 0.0,
+        }
+    }
+
+    #[test]
+    fn resume_conflicts_name_what_changes_the_run_and_ignore_what_does_not() {
+        let saved = config();
+        assert!(resume_conflicts(&saved, &saved).is_empty());
+        let mut free = config();
+        free.micro_batch_tokens = 2048;
+        free.checkpoint_every = 10;
+        free.tree_budget = 128;
+        assert!(
+            resume_conflicts(&saved, &free).is_empty(),
+            "these do not change the run"
+        );
+        let mut changed = config();
+        changed.lr = 6e-4;
+        changed.adamw.lr = 6e-4;
+        changed.seed = 2;
+        changed.adamw.beta2 = 0.99;
+        let c = resume_conflicts(&saved, &changed);
+        assert_eq!(
+            c,
+            [
+                "adamw.beta2: checkpoint 0.95, now 0.99",
+                "--lr: checkpoint 0.0003, now 0.0006",
+                "--seed: checkpoint 1, now 2",
+            ],
+            "{c:?}"
+        );
     }
 }
