@@ -256,7 +256,8 @@ resume)
   dmon_summary resume
   ;;
 eval)
-  # EVAL_DRAFT (default: this run's drafter), EVAL_MODES, EVAL_BUDGET (DDTree nodes), EVAL_NAME
+  # EVAL_DRAFT (default: this run's drafter), EVAL_MODES, EVAL_BUDGET (DDTree nodes; several,
+  # such as 64,128,256, give one ddtree-N row each against one AR run), EVAL_NAME
   $D eval --target $G --draft ${EVAL_DRAFT:-$K/run/drafter} --bench gsm8k,humaneval,mt_bench \
     --limit ${EVAL_LIMIT:-10} --modes ${EVAL_MODES:-ar,dflash,ddtree} --max-new-tokens 256 \
     --tree-budget ${EVAL_BUDGET:-64} --device cuda --dtype ${EVAL_DTYPE:-f32} \

@@ -46,8 +46,9 @@ pub struct EvalArgs {
     max_new_tokens: usize,
     #[arg(long)]
     block_size: Option<usize>,
-    #[arg(long, default_value_t = 64)]
-    tree_budget: usize,
+    /// DDTree node budgets: one `ddtree-N` run per budget when several are given (AR runs once).
+    #[arg(long, value_delimiter = ',', default_value = "64")]
+    tree_budget: Vec<usize>,
     #[arg(long, default_value = "cpu")]
     device: String,
     #[arg(long)]
@@ -60,6 +61,9 @@ pub struct EvalArgs {
 #[derive(Serialize, Default, Clone)]
 struct ModeSummary {
     mode: String,
+    /// DDTree's node budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tree_budget: Option<usize>,
     prompts: usize,
     output_tokens: usize,
     steps: usize,
@@ -187,7 +191,34 @@ pub fn run(a: EvalArgs) -> Result<()> {
         enable_thinking: Some(false),
         tools: None,
     };
-    let run_mode = |mode: Mode, prompt: &[u32]| -> Result<Generation> {
+    if a.tree_budget.is_empty() || a.tree_budget.contains(&0) {
+        return Err(UsageError("--tree-budget: every budget must be at least 1".into()).into());
+    }
+    // (mode, DDTree budget, name): ddtree once per budget
+    let runs: Vec<(Mode, Option<usize>, String)> = a
+        .modes
+        .iter()
+        .flat_map(|&m| {
+            let name = format!("{m:?}").to_lowercase();
+            if m == Mode::Ddtree {
+                let several = a.tree_budget.len() > 1;
+                a.tree_budget
+                    .iter()
+                    .map(|&b| {
+                        let n = if several {
+                            format!("{name}-{b}")
+                        } else {
+                            name.clone()
+                        };
+                        (m, Some(b), n)
+                    })
+                    .collect::<Vec<_>>()
+            } else {
+                vec![(m, None, name)]
+            }
+        })
+        .collect();
+    let run_mode = |mode: Mode, budget: Option<usize>, prompt: &[u32]| -> Result<Generation> {
         Ok(match (mode, &drafter) {
             (Mode::Ar, _) | (_, None) => {
                 generate_ar(target.model.as_ref(), prompt, &cfg, &mut |_| {})?
@@ -195,7 +226,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             (m, Some(d)) => {
                 let spec = if m == Mode::Ddtree {
                     SpecMode::DdTree {
-                        budget: a.tree_budget.max(1),
+                        budget: budget.unwrap_or(64),
                     }
                 } else {
                     SpecMode::DFlash
@@ -214,8 +245,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
     };
     // warm up (CUDA kernels load on first use) outside every timing
     let warm = text.tokenizer.encode("Hello", false)?;
-    for &m in &a.modes {
-        let _ = run_mode(m, &warm)?;
+    for (m, b, _) in &runs {
+        let _ = run_mode(*m, *b, &warm)?;
     }
     let mut results = vec![];
     let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
@@ -241,17 +272,17 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 })
             })
             .collect::<Result<_>>()?;
-        let mut sums: Vec<ModeSummary> = a
-            .modes
+        let mut sums: Vec<ModeSummary> = runs
             .iter()
-            .map(|m| ModeSummary {
-                mode: format!("{m:?}").to_lowercase(),
+            .map(|(_, b, name)| ModeSummary {
+                mode: name.clone(),
+                tree_budget: *b,
                 ..Default::default()
             })
             .collect();
-        let mut accepted: Vec<Vec<usize>> = vec![vec![]; a.modes.len()];
+        let mut accepted: Vec<Vec<usize>> = vec![vec![]; runs.len()];
         // per mode, per prompt: (Σ acceptance, steps)
-        let mut per_prompt: Vec<Vec<(usize, usize)>> = vec![vec![]; a.modes.len()];
+        let mut per_prompt: Vec<Vec<(usize, usize)>> = vec![vec![]; runs.len()];
         let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} prompts"));
         let mut idx = 0;
         for user_turns in rows {
@@ -262,8 +293,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
                     .tokenizer
                     .encode(&tpl.render(&history, &opts)?, false)?;
                 let mut ar: Option<Generation> = None;
-                for (mi, &m) in a.modes.iter().enumerate() {
-                    let g = run_mode(m, &prompt)?;
+                for (mi, (m, b, _)) in runs.iter().enumerate() {
+                    let g = run_mode(*m, *b, &prompt)?;
                     let s = &mut sums[mi];
                     s.prompts += 1;
                     s.output_tokens += g.tokens.len();
@@ -337,13 +368,13 @@ pub fn run(a: EvalArgs) -> Result<()> {
         });
     }
     eprintln!(
-        "{:<12} {:<7} {:>7} {:>8} {:>9} {:>7} {:>11} {:>8} {:>10}",
+        "{:<12} {:<10} {:>7} {:>8} {:>9} {:>7} {:>11} {:>8} {:>10}",
         "bench", "mode", "prompts", "tokens", "tok/s", "tau", "tau 95%", "speedup", "same-as-AR"
     );
     for r in &results {
         for s in &r.modes {
             eprintln!(
-                "{:<12} {:<7} {:>7} {:>8} {:>9.1} {:>7} {:>11} {:>8} {:>10}",
+                "{:<12} {:<10} {:>7} {:>8} {:>9.1} {:>7} {:>11} {:>8} {:>10}",
                 r.bench,
                 s.mode,
                 s.prompts,
@@ -367,7 +398,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let json = serde_json::json!({
         "target": target_path.display().to_string(),
         "device": a.device, "dtype": format!("{dtype:?}").to_lowercase(),
-        "max_new_tokens": a.max_new_tokens, "block_size": block, "tree_budget": a.tree_budget,
+        "max_new_tokens": a.max_new_tokens, "block_size": block, "tree_budget": if a.tree_budget.len() == 1 {
+            serde_json::json!(a.tree_budget[0])
+        } else {
+            serde_json::json!(a.tree_budget)
+        },
         "results": results,
     });
     let text = serde_json::to_string_pretty(&json)?;
