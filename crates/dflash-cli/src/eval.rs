@@ -153,6 +153,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if a.max_new_tokens == 0 || a.limit == 0 {
         return Err(UsageError("--max-new-tokens and --limit must be at least 1".into()).into());
     }
+    if a.tree_budget.is_empty() || a.tree_budget.contains(&0) {
+        return Err(UsageError("--tree-budget: every budget must be at least 1".into()).into());
+    }
     if a.modes.first() != Some(&Mode::Ar) {
         return Err(UsageError("--modes must start with ar (the reference)".into()).into());
     }
@@ -191,9 +194,6 @@ pub fn run(a: EvalArgs) -> Result<()> {
         enable_thinking: Some(false),
         tools: None,
     };
-    if a.tree_budget.is_empty() || a.tree_budget.contains(&0) {
-        return Err(UsageError("--tree-budget: every budget must be at least 1".into()).into());
-    }
     // (mode, DDTree budget, name): ddtree once per budget
     let runs: Vec<(Mode, Option<usize>, String)> = a
         .modes
