@@ -186,7 +186,10 @@ pub fn run(cmd: DataCommand) -> Result<()> {
     };
     let pb = crate::progress::bar(
         todo.iter()
-            .map(|&k| shard_range(k).1 - shard_range(k).0)
+            .map(|&k| {
+                let (lo, hi) = shard_range(k);
+                hi - lo
+            })
             .sum::<usize>() as u64,
         "prompts",
     );

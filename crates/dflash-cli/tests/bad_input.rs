@@ -1,14 +1,13 @@
 //! Every bad input exits with code 2 and a message naming what is wrong — never a panic.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod common;
-use common::{root, smollm2};
+use common::{dflash, root, run, smollm2};
 
 /// Runs `dflash generate` with `args`; returns (exit code, stderr).
 fn generate(target: &Path, extra: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+    let (code, _, err) = run(dflash()
         .arg("generate")
         .arg("--target")
         .arg(target)
@@ -18,12 +17,8 @@ fn generate(target: &Path, extra: &[&str]) -> (i32, String) {
             &["--prompt", "hi"][..]
         })
         .args(["--max-new-tokens", "2"])
-        .args(extra)
-        .output()
-        .expect("run dflash");
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    (out.status.code().unwrap_or(-1), stderr)
+        .args(extra));
+    (code, err)
 }
 
 fn copy_dir(src: &Path, dst: &Path) {
@@ -181,7 +176,7 @@ fn train_init_that_is_no_drafter_or_does_not_fit() {
     let line = serde_json::json!({"tokens": toks, "loss_mask": vec![1u8; 40]}).to_string();
     std::fs::write(data.join("shard-00000.jsonl"), format!("{line}\n{line}\n")).unwrap();
     let train = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        let (code, _, err) = run(dflash()
             .arg("train")
             .arg("--target")
             .arg(&t)
@@ -190,12 +185,8 @@ fn train_init_that_is_no_drafter_or_does_not_fit() {
             .arg("--out")
             .arg(tmp.path().join("run"))
             .args(["--block-size", "4", "--anchors", "4", "--max-steps", "1"])
-            .args(extra)
-            .output()
-            .expect("run dflash");
-        let err = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(!err.contains("panicked"), "panic: {err}");
-        (out.status.code().unwrap_or(-1), err)
+            .args(extra));
+        (code, err)
     };
     let (code, err) = train(&["--layers", "2", "--init", "/no/such/drafter"]);
     assert_eq!(code, 2, "{err}");

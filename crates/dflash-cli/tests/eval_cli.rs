@@ -3,29 +3,19 @@
 //! prompt, several `--tree-budget`s give one `ddtree-N` summary each, and bad values are refused.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
-use common::smollm2;
+use common::{dflash, run, smollm2};
 
 fn eval(target: &Path, bench: &Path, extra: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+    run(dflash()
         .arg("eval")
         .arg("--target")
         .arg(target)
         .arg("--bench")
         .arg(bench)
         .args(["--limit", "2", "--max-new-tokens", "24", "--dtype", "f32"])
-        .args(extra)
-        .output()
-        .expect("run dflash");
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(!err.contains("panicked"), "panic: {err}");
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).to_string(),
-        err,
-    )
+        .args(extra))
 }
 
 #[test]

@@ -3,13 +3,12 @@
 //! part skips what it finished. Bad `--part` values are usage errors.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
-use common::smollm2;
+use common::{dflash, run, smollm2};
 
 fn regen(target: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> (i32, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+    let (code, _, err) = run(dflash()
         .args(["data", "regen", "--target"])
         .arg(target)
         .arg("--prompts")
@@ -17,12 +16,8 @@ fn regen(target: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> (i32, Str
         .arg("--out")
         .arg(out)
         .args(["--max-new-tokens", "3", "--batch", "2", "--shard-size", "2"])
-        .args(extra)
-        .output()
-        .expect("run dflash");
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(!err.contains("panicked"), "panic: {err}");
-    (o.status.code().unwrap_or(-1), err)
+        .args(extra));
+    (code, err)
 }
 
 fn shards(dir: &Path) -> Vec<(String, String)> {

@@ -3,13 +3,12 @@
 //! learning rate) is refused with exit code 2 instead of silently training another schedule.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
-use common::root;
+use common::{dflash, root, run};
 
 fn train(data: &Path, out: &Path, extra: &[&str]) -> (i32, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+    let (code, _, err) = run(dflash()
         .arg("train")
         .arg("--target")
         .arg(root().join("fixtures/tiny-llama"))
@@ -20,12 +19,8 @@ fn train(data: &Path, out: &Path, extra: &[&str]) -> (i32, String) {
         .args(["--layers", "1", "--block-size", "4", "--anchors", "4"])
         .args(["--batch-tokens", "60", "--max-steps", "6", "--dtype", "f32"])
         .args(["--val-fraction", "0"])
-        .args(extra)
-        .output()
-        .expect("run dflash");
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(!err.contains("panicked"), "panic: {err}");
-    (o.status.code().unwrap_or(-1), err)
+        .args(extra));
+    (code, err)
 }
 
 fn losses(out: &Path) -> Vec<String> {

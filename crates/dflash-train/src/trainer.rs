@@ -210,7 +210,7 @@ impl<'a> Trainer<'a> {
         let ckpt = dir.join("checkpoint");
         let state_path = ckpt.join("state.json");
         let (weights, state) = if resume && state_path.is_file() {
-            let state: RunState = serde_json::from_str(
+            let mut state: RunState = serde_json::from_str(
                 &std::fs::read_to_string(&state_path).map_err(io(&state_path))?,
             )
             .map_err(|e| TrainError::InvalidInput(format!("{}: {e}", state_path.display())))?;
@@ -225,7 +225,6 @@ impl<'a> Trainer<'a> {
                     )));
                 }
             }
-            let mut state = state;
             // a checkpoint from before `config` was recorded adopts this run's flags
             state.config.get_or_insert_with(|| cfg.clone());
             let files = dflash_models::weights::safetensors_files(&ckpt)?;

@@ -1,7 +1,27 @@
-//! Paths the CLI's integration tests share: the repository root and the fetched SmolLM2 GGUF.
+//! What the CLI's integration tests share: the repository root, the fetched SmolLM2 GGUF, and
+//! running the `dflash` binary under test.
 #![allow(dead_code)] // each test binary uses a subset
 
 use std::path::PathBuf;
+use std::process::Command;
+
+/// A command for the `dflash` binary under test.
+pub fn dflash() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dflash"))
+}
+
+/// Runs `cmd` to completion: (exit code, stdout, stderr). A panic is never an acceptable way for
+/// the binary to fail, so it fails the test.
+pub fn run(cmd: &mut Command) -> (i32, String, String) {
+    let o = cmd.output().expect("run dflash");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).to_string(),
+        err,
+    )
+}
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
