@@ -29,6 +29,12 @@
 # drafter) counts against each call's 64 MiB: `scripts/device-tree.sh slim` before the calls,
 # `scripts/device-tree.sh restore` before committing.
 # A collected drafter arrives without its index (8-file limit): scripts/drafter_index.py DIR.
+# Session 9 (`.dev/` kept from session 8): `setup`; `data` then `REGEN_NAME=code REGEN_SHARD=512
+# REGEN_SECONDS=300 regen` (carry .dev/gguf.part_ab, .dev/data.tar.xz, .dev/prompts-code.jsonl.xz:
+# 66 MB with the slim tree, just under the limit); `INIT=.dev/warm LR=3e-4 SPS=0.65 MICRO=4096
+# TRAIN_SECONDS=950 CALL_SECONDS=560 train` (carry .dev/warm); `CALL_SECONDS=400 KEEP_DATA=1 resume
+# collect`, then `EVAL_LIMIT=5 EVAL_BUDGET=64,256 eval`. A fresh checkout regenerates both prompt sets:
+# `REGEN_SHARD=512 regen` for shards 0-21 of .dev/prompts.jsonl.xz, then the `REGEN_NAME=code` one.
 #   stage data  : join the GGUF (carry .dev/gguf.part_ab) and unpack the stashed or carried regen
 #                 data; a later `regen` then continues at the first prompt shard it lacks
 #   stage bench : `dflash bench attention|causal-attention|cross-entropy` on the GPU (fused vs
@@ -67,7 +73,13 @@ setup)
 regen)
   [ -f $K/gguf.part_aa ] || [ -f $G ] || { echo "no setup"; exit 1; }
   unpack
-  P=$K/prompts.jsonl.xz; [ -f $P ] || P=.dev/prompts.jsonl.xz
+  # REGEN_NAME=x regenerates .dev/prompts-x.jsonl.xz into $K/regen-x (its own shard numbering, so
+  # it resumes on its own) and links the shards into $K/data as shard-x-NNNNN.jsonl
+  if [ -n "${REGEN_NAME:-}" ]; then
+    P=.dev/prompts-$REGEN_NAME.jsonl.xz; RD=$K/regen-$REGEN_NAME
+  else
+    P=$K/prompts.jsonl.xz; [ -f $P ] || P=.dev/prompts.jsonl.xz; RD=$K/data
+  fi
   xz -dc $P > $K/prompts.jsonl
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   # REGEN_PROCS processes share the GPU (`--part I/N`: process I writes the shards k mod N = I),
@@ -76,7 +88,7 @@ regen)
   regen() {
     N=${REGEN_PROCS:-1}
     for I in $(seq 0 $((N - 1))); do
-      timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $K/data --batch $2 \
+      timeout $1 $D data regen --target $G --prompts $K/prompts.jsonl --out $RD --batch $2 \
         --max-new-tokens 512 --max-prompt-tokens 1024 --shard-size ${REGEN_SHARD:-1024} \
         --part $I/$N --device cuda > $L/regen-$I.log 2>&1 &
     done
@@ -88,8 +100,12 @@ regen)
   T0=$(date +%s)
   regen ${REGEN_SECONDS:-270} ${REGEN_BATCH:-256}
   LEFT=$(( ${REGEN_SECONDS:-270} - ($(date +%s) - T0) ))
-  if ! ls $K/data/shard-*.jsonl >/dev/null 2>&1 && [ $LEFT -gt 30 ]; then
+  if ! ls $RD/shard-*.jsonl >/dev/null 2>&1 && [ $LEFT -gt 30 ]; then
     echo "no shard at batch ${REGEN_BATCH:-256}: retrying at 256 for ${LEFT}s"; regen $LEFT 256
+  fi
+  if [ -n "${REGEN_NAME:-}" ]; then
+    mkdir -p $K/data
+    for f in $RD/shard-*.jsonl; do [ -f "$f" ] && ln -f "$f" $K/data/shard-$REGEN_NAME-${f##*/shard-}; done
   fi
   python3 - $K/data <<'PY' | tee $L/regen_summary.txt
 import json, glob, sys

@@ -25,4 +25,22 @@ if [ ! -f .dev/prompts.jsonl.xz ]; then
     --code 6600 --reshuffle
   xz -T2 -9 -k -f .dev/prompts.jsonl
 fi
+# session 9's second regen set (`REGEN_NAME=code` in scripts/gpu-train.sh): of the prompts after the
+# 11,264 (22 shards of 512) regenerated in session 8, every code task and the first 1,000 ShareGPT first
+# and second turns each, shuffled
+if [ ! -f .dev/prompts-code.jsonl.xz ]; then
+  python3 - <<'PY'
+import json, random
+rows = [json.loads(l) for l in open(".dev/prompts.jsonl")][11264:]
+code = [r for r in rows if r["source"] in ("code", "stdlib_code")]
+sg = [r for r in rows if r["source"] == "sharegpt"][:1000]
+t2 = [r for r in rows if r["source"] == "sharegpt_turn2"][:1000]
+out = code + sg + t2
+random.Random(9).shuffle(out)
+with open(".dev/prompts-code.jsonl", "w") as f:
+    for r in out:
+        f.write(json.dumps(r) + "\n")
+PY
+  xz -T2 -9 -k -f .dev/prompts-code.jsonl
+fi
 ls -la .dev

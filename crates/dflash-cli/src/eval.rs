@@ -47,7 +47,7 @@ pub struct EvalArgs {
     #[arg(long)]
     block_size: Option<usize>,
     /// DDTree node budgets: one `ddtree-N` run per budget when several are given (AR runs once).
-    #[arg(long, value_delimiter = ',', default_value = "64")]
+    #[arg(long, value_delimiter = ',', default_values_t = [dflash_decoding::tree::DEFAULT_TREE_BUDGET])]
     tree_budget: Vec<usize>,
     #[arg(long, default_value = "cpu")]
     device: String,

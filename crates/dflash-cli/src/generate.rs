@@ -65,9 +65,9 @@ pub struct GenerateArgs {
     /// Block size at inference (default: the drafter's).
     #[arg(long)]
     block_size: Option<usize>,
-    /// DDTree node budget (default: block size − 1).
-    #[arg(long)]
-    tree_budget: Option<usize>,
+    /// DDTree node budget (the same default as `dflash eval`).
+    #[arg(long, default_value_t = dflash_decoding::tree::DEFAULT_TREE_BUDGET)]
+    tree_budget: usize,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -199,7 +199,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let generation = match (&drafter, args.mode) {
         (Some(d), mode) => {
             let spec_mode = if mode == Mode::Ddtree {
-                let budget = args.tree_budget.unwrap_or(d.block_size() - 1);
+                let budget = args.tree_budget;
                 if budget == 0 {
                     return Err(UsageError("--tree-budget must be at least 1".into()).into());
                 }
