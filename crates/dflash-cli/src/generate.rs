@@ -98,6 +98,9 @@ struct Report {
     output_ids: Option<Vec<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     logit_margins: Option<Vec<f32>>,
+    /// DDTree's node budget (`--mode ddtree` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tree_budget: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     acceptance_length_mean: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -241,6 +244,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         dtype: format!("{dtype:?}").to_lowercase(),
         output_ids: args.ids.then(|| generation.tokens.clone()),
         logit_margins: (args.ids && args.mode == Mode::Ar).then(|| generation.margins.clone()),
+        tree_budget: (drafter.is_some() && args.mode == Mode::Ddtree).then_some(args.tree_budget),
         acceptance_length_mean: spec.as_ref().map(|s| s.mean_acceptance()),
         acceptance_histogram: spec.as_ref().map(|s| s.histogram(block)),
         draft_seconds: spec.as_ref().map(|s| s.draft_seconds),
@@ -256,12 +260,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
         println!();
         let _ = std::io::stdout().flush();
+        let nodes = report
+            .tree_budget
+            .map(|b| format!(" ({b} nodes)"))
+            .unwrap_or_default();
         let tau = report
             .acceptance_length_mean
             .map(|t| format!(", tau {t:.2} over {} steps", report.steps))
             .unwrap_or_default();
         eprintln!(
-            "[dflash] mode {:?}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s){tau}, stop: {:?}",
+            "[dflash] mode {:?}{nodes}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s){tau}, stop: {:?}",
             report.mode, report.prompt_tokens, n, report.prefill_seconds, report.decode_seconds, report.tokens_per_second, report.stop_reason
         );
     }

@@ -92,6 +92,35 @@ fn found_by_default_lossless_and_accepting() {
 }
 
 #[test]
+fn ddtree_uses_the_shared_default_budget_and_reports_it() {
+    let Some(target) = smollm2() else { return };
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .current_dir(root())
+        .env_remove("DFLASH_DRAFT")
+        .args([
+            "generate",
+            "--mode",
+            "ddtree",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ])
+        .arg("--target")
+        .arg(&target)
+        .args(["--prompt", "Name a prime number."])
+        .output()
+        .expect("run dflash");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["tree_budget"],
+        dflash_decoding::tree::DEFAULT_TREE_BUDGET,
+        "generate's default budget is eval's"
+    );
+}
+
+#[test]
 fn no_default_drafter_for_another_target() {
     let Some(target) = smollm2() else { return };
     // the same weights under another name: nothing ships for it, so `--draft` is required
