@@ -76,7 +76,11 @@ regen)
   # REGEN_NAME=x regenerates .dev/prompts-x.jsonl.xz into $K/regen-x (its own shard numbering, so
   # it resumes on its own) and links the shards into $K/data as shard-x-NNNNN.jsonl
   if [ -n "${REGEN_NAME:-}" ]; then
-    P=.dev/prompts-$REGEN_NAME.jsonl.xz; RD=$K/regen-$REGEN_NAME
+    P=.dev/prompts-$REGEN_NAME.jsonl.xz; RD=$K/regen-$REGEN_NAME; mkdir -p $RD
+    # shards of this set unpacked by `data` (an earlier session's) count as done
+    for f in $K/data/shard-$REGEN_NAME-*.jsonl; do
+      [ -f "$f" ] && ln -f "$f" $RD/shard-${f##*/shard-$REGEN_NAME-}
+    done
   else
     P=$K/prompts.jsonl.xz; [ -f $P ] || P=.dev/prompts.jsonl.xz; RD=$K/data
   fi

@@ -6,13 +6,13 @@
 //! prefix-closed; a node's depth is its distance from the root (its position is `start + depth`).
 
 use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
 
 /// The node budget `dflash generate` and `dflash eval` use without `--tree-budget`. Measured on the
 /// H200 with SmolLM2-135M (docs/benchmarks.md, sessions 8 and 9): 64 nodes are as fast as 128 or 256
 /// on gsm8k and a few per cent faster on humaneval and mt_bench, where larger trees buy τ (256: +0.4
-/// to +0.5) but not speed; 15 nodes (a block's worth) leave τ on the table.
+/// to +0.5) but not speed.
 pub const DEFAULT_TREE_BUDGET: usize = 64;
-use std::collections::{BinaryHeap, HashMap};
 
 /// Top-`k` (log-prob, token) per drafted position from rows of logits, best first (ties: lower
 /// id first): [`top_k_rows`] after a log-softmax on the host.
