@@ -6,6 +6,12 @@
 //! differing token (never hidden); speed-up is Σ AR decode time / Σ mode decode time over the same
 //! prompts in one process; prompts are formatted as in the DFlash paper's harness; τ comes with a
 //! 95 % bootstrap interval over the prompts (a handful of prompts is a noisy estimate).
+//! `--replay` measures train/inference parity on the benchmark text itself: the drafter's
+//! training-mode forward drafts a block at every position of each AR output, the walk decoding
+//! would take through those blocks must give the measured steps (all but the last, see
+//! `dflash_train::replay`), and the mean over every position is what `train`'s validation
+//! streak estimates, so the gap between a run's validation and its eval τ can be split into
+//! data (streak on other text), anchor placement (all positions vs decoding's) and mismatch.
 
 use crate::exit::UsageError;
 use crate::generate::Mode;
@@ -17,6 +23,7 @@ use dflash_decoding::{
 };
 use dflash_models::{load_drafter, load_target};
 use dflash_text::{ChatMessage, RenderOptions};
+use dflash_train::{anchor_acceptance, replay_steps, AnchorAcceptance};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -56,6 +63,11 @@ pub struct EvalArgs {
     /// Write the full results (per prompt too) here as JSON.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Replay each AR output with the drafter's training-mode forward (a block at every
+    /// position): replayed τ, how many prompts' measured steps it reproduces, and the
+    /// teacher-forced τ over all positions (what `train` validates with).
+    #[arg(long)]
+    replay: bool,
 }
 
 #[derive(Serialize, Default, Clone)]
@@ -90,6 +102,26 @@ struct ModeSummary {
     verify_seconds: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tree_build_seconds: Option<f64>,
+    /// `--replay`: τ of the steps the training-mode forward predicts for the AR outputs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replayed_tau: Option<f64>,
+    /// `--replay`: prompts (identical to AR) whose measured steps the replay reproduces, all but
+    /// the last step; anything below `identical_to_ar` is a train/inference mismatch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_matches: Option<usize>,
+    /// `--replay`: 1 + mean accepted drafts of a block at every output position.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    teacher_forced_tau: Option<f64>,
+}
+
+/// `--replay` sums of one mode over a benchmark.
+#[derive(Default, Clone)]
+struct ReplayTally {
+    steps_tau: usize,
+    steps: usize,
+    all_tau: usize,
+    anchors: usize,
+    matches: usize,
 }
 
 #[derive(Serialize)]
@@ -226,7 +258,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             (m, Some(d)) => {
                 let spec = if m == Mode::Ddtree {
                     SpecMode::DdTree {
-                        budget: budget.unwrap_or(64),
+                        budget: budget.unwrap_or(dflash_decoding::tree::DEFAULT_TREE_BUDGET),
                     }
                 } else {
                     SpecMode::DFlash
@@ -243,6 +275,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
             }
         })
     };
+    // the DDTree budgets of the runs, in order (`--replay` builds each one's tree per anchor)
+    let budgets: Vec<usize> = runs.iter().filter_map(|r| r.1).collect();
     // warm up (CUDA kernels load on first use) outside every timing
     let warm = text.tokenizer.encode("Hello", false)?;
     for (m, b, _) in &runs {
@@ -281,6 +315,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             })
             .collect();
         let mut accepted: Vec<Vec<usize>> = vec![vec![]; runs.len()];
+        let mut tallies: Vec<ReplayTally> = vec![ReplayTally::default(); runs.len()];
         // per mode, per prompt: (Σ acceptance, steps)
         let mut per_prompt: Vec<Vec<(usize, usize)>> = vec![vec![]; runs.len()];
         let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} prompts"));
@@ -293,8 +328,40 @@ pub fn run(a: EvalArgs) -> Result<()> {
                     .tokenizer
                     .encode(&tpl.render(&history, &opts)?, false)?;
                 let mut ar: Option<Generation> = None;
+                let mut replay: Option<AnchorAcceptance> = None;
                 for (mi, (m, b, _)) in runs.iter().enumerate() {
                     let g = run_mode(*m, *b, &prompt)?;
+                    if let (true, Some(d), Some(r), Some(spec)) = (a.replay, &drafter, &ar, &g.spec)
+                    {
+                        if g.tokens == r.tokens {
+                            let acc = match replay.take() {
+                                Some(acc) => acc,
+                                None => {
+                                    let mut seq = prompt.clone();
+                                    seq.extend(&r.tokens);
+                                    let anchors: Vec<u32> =
+                                        (prompt.len() as u32..seq.len() as u32 - 1).collect();
+                                    anchor_acceptance(
+                                        target.model.as_ref(),
+                                        d,
+                                        &seq,
+                                        &anchors,
+                                        &budgets,
+                                        32,
+                                    )?
+                                }
+                            };
+                            let tree = b.map(|b| budgets.iter().position(|&x| x == b).unwrap());
+                            tally_replay(
+                                &mut tallies[mi],
+                                &acc,
+                                tree,
+                                (prompt.len(), prompt.len() + r.tokens.len()),
+                                &spec.acceptance,
+                            );
+                            replay = Some(acc);
+                        }
+                    }
                     let s = &mut sums[mi];
                     s.prompts += 1;
                     s.output_tokens += g.tokens.len();
@@ -340,6 +407,13 @@ pub fn run(a: EvalArgs) -> Result<()> {
         }
         pb.finish_and_clear();
         let ar_secs = sums[0].decode_seconds;
+        for (s, t) in sums.iter_mut().zip(&tallies) {
+            if a.replay && s.mode != "ar" {
+                s.replayed_tau = Some(t.steps_tau as f64 / t.steps.max(1) as f64);
+                s.replay_matches = Some(t.matches);
+                s.teacher_forced_tau = Some(t.all_tau as f64 / t.anchors.max(1) as f64);
+            }
+        }
         for ((s, acc), pp) in sums.iter_mut().zip(&accepted).zip(&per_prompt) {
             if !pp.is_empty() {
                 s.acceptance_length_ci95 = Some(bootstrap_ci95(pp, 2000));
@@ -395,6 +469,30 @@ pub fn run(a: EvalArgs) -> Result<()> {
             );
         }
     }
+    if a.replay {
+        eprintln!(
+            "\n{:<12} {:<10} {:>7} {:>12} {:>13} {:>18}",
+            "bench", "mode", "tau", "replayed tau", "steps match", "all positions tau"
+        );
+        for r in &results {
+            for s in r.modes.iter().filter(|s| s.replayed_tau.is_some()) {
+                let f = |x: Option<f64>| x.map(|t| format!("{t:.2}")).unwrap_or("-".into());
+                eprintln!(
+                    "{:<12} {:<10} {:>7} {:>12} {:>13} {:>18}",
+                    r.bench,
+                    s.mode,
+                    f(s.acceptance_length_mean),
+                    f(s.replayed_tau),
+                    format!(
+                        "{}/{}",
+                        s.replay_matches.unwrap_or(0),
+                        s.identical_to_ar.unwrap_or(0)
+                    ),
+                    f(s.teacher_forced_tau),
+                );
+            }
+        }
+    }
     let json = serde_json::json!({
         "target": target_path.display().to_string(),
         "device": a.device, "dtype": format!("{dtype:?}").to_lowercase(),
@@ -411,6 +509,30 @@ pub fn run(a: EvalArgs) -> Result<()> {
     }
     println!("{text}");
     Ok(())
+}
+
+/// Adds one prompt's replay to `t`: the steps through the output at `span` (start, end) and
+/// whether they reproduce `measured` (all but the last step, which may accept past the end).
+fn tally_replay(
+    t: &mut ReplayTally,
+    acc: &AnchorAcceptance,
+    tree: Option<usize>,
+    span: (usize, usize),
+    measured: &[usize],
+) {
+    let steps = replay_steps(acc, tree, span.0, span.1);
+    let n = steps.len();
+    if n == measured.len() && steps[..n.saturating_sub(1)] == measured[..n.saturating_sub(1)] {
+        t.matches += 1;
+    }
+    t.steps_tau += steps.iter().sum::<usize>();
+    t.steps += n;
+    let all = match tree {
+        None => &acc.dflash,
+        Some(k) => &acc.ddtree[k],
+    };
+    t.all_tau += all.iter().map(|x| x + 1).sum::<usize>();
+    t.anchors += all.len();
 }
 
 /// 95 % percentile-bootstrap interval of the pooled τ = Σ acceptance / Σ steps, resampling the

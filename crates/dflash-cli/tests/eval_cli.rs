@@ -1,6 +1,8 @@
 //! `dflash eval` end to end on SmolLM2 with its shipped drafter (f32, CPU): every speculative run
 //! is token-identical to AR, τ lies in [1, block] inside its bootstrap interval with one τ per
-//! prompt, several `--tree-budget`s give one `ddtree-N` summary each, and bad values are refused.
+//! prompt, several `--tree-budget`s give one `ddtree-N` summary each, `--replay` (the training-mode
+//! forward walked as decoding walks) reproduces every prompt's measured steps, and bad values are
+//! refused.
 
 use std::path::Path;
 
@@ -32,7 +34,13 @@ fn eval_is_lossless_with_intervals_and_one_summary_per_budget() {
     let (code, out, err) = eval(
         &g,
         &bench,
-        &["--modes", "ar,dflash,ddtree", "--tree-budget", "8,32"],
+        &[
+            "--modes",
+            "ar,dflash,ddtree",
+            "--tree-budget",
+            "8,32",
+            "--replay",
+        ],
     );
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON on stdout");
@@ -56,7 +64,17 @@ fn eval_is_lossless_with_intervals_and_one_summary_per_budget() {
         let per = m["acceptance_length_per_prompt"].as_array().unwrap();
         assert_eq!(per.len(), 2, "{m}");
         assert!(m["speedup_vs_ar"].as_f64().unwrap() > 0.0);
+        // the training-mode forward, walked as decoding walks, reproduces the measured steps
+        assert_eq!(m["replay_matches"], 2, "train/inference parity: {m}");
+        let replayed = m["replayed_tau"].as_f64().unwrap();
+        assert!((1.0..=block).contains(&replayed), "{m}");
+        let all = m["teacher_forced_tau"].as_f64().unwrap();
+        assert!((1.0..=block).contains(&all), "{m}");
     }
+    assert!(
+        modes[0].get("replayed_tau").is_none(),
+        "AR has nothing to replay"
+    );
     assert!(
         err.contains("ddtree-32"),
         "the table names each budget: {err}"

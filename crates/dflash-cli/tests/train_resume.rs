@@ -53,6 +53,18 @@ fn interrupted_and_resumed_equals_straight_and_changed_flags_are_refused() {
     assert_eq!(code, 0, "{err}");
     let expected = losses(&straight);
     assert_eq!(expected.len(), 6, "{expected:?}");
+    // the end-of-run validation reports the streaks and the replayed τ side by side
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(straight.join("validation.json")).unwrap()).unwrap();
+    for k in [
+        "streak",
+        "ddtree_streak",
+        "replayed_tau",
+        "replayed_ddtree_tau",
+    ] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("no {k} in {v}"));
+        assert!((1.0..=16.0).contains(&x), "{k} {x} in {v}");
+    }
 
     let stopped = tmp.path().join("stopped");
     let (code, err) = train(&data, &stopped, &["--time-limit", "0"]);

@@ -106,6 +106,22 @@ impl PartialOrd for Candidate {
 }
 
 /// Builds the best-`budget`-node tree below `root` from `top[d]` = top-k of drafted position d.
+impl DraftTree {
+    /// How many drafted tokens a verifier whose choices are `continuation` (the tokens after the
+    /// root) accepts: the depth of the deepest node on the path that follows it.
+    pub fn accepted_depth(&self, continuation: &[u32]) -> usize {
+        let (mut cur, mut depth) = (0usize, 0usize);
+        while let Some(&c) = continuation
+            .get(depth)
+            .and_then(|t| self.children[cur].get(t))
+        {
+            cur = c;
+            depth += 1;
+        }
+        depth
+    }
+}
+
 pub fn build_tree(root: u32, top: &[Vec<(f32, u32)>], budget: usize) -> DraftTree {
     let mut t = DraftTree {
         tokens: vec![root],

@@ -11,6 +11,8 @@ pub enum TrainError {
     #[error(transparent)]
     Plot(#[from] dflash_plot::PlotError),
     #[error(transparent)]
+    Decode(#[from] dflash_decoding::DecodeError),
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("{path}: {source}")]
     Io {

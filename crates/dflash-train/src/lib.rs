@@ -13,6 +13,7 @@ pub mod error;
 pub mod loss;
 pub mod optim;
 pub mod profile;
+pub mod replay;
 pub mod step;
 pub mod trainer;
 
@@ -22,6 +23,7 @@ pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use profile::PhaseTimer;
+pub use replay::{anchor_acceptance, replay_steps, AnchorAcceptance};
 pub use step::{
     batch_probs, compute_drafter, sequence_taps, soft_label_positions, Sequence, StepReport,
     TrainStep,

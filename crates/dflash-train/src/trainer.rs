@@ -163,6 +163,13 @@ pub struct Validation {
     pub streak: f32,
     /// Same with the DDTree of `tree_budget` nodes walked along the true continuation.
     pub ddtree_streak: f32,
+    /// τ of decoding replayed on each answer (a block at every answer position, walked as
+    /// decoding walks: `crate::replay`): what `dflash eval` measures on this text. The streaks
+    /// above average over all positions and run higher, because decoding's blocks start right
+    /// after a rejection.
+    pub replayed_tau: f32,
+    /// The same with DDTree's `tree_budget` nodes.
+    pub replayed_ddtree_tau: f32,
     pub loss: f32,
     pub blocks: usize,
 }
@@ -494,6 +501,9 @@ impl<'a> Trainer<'a> {
         let bs = self.drafter.block_size();
         let mut v = Validation::default();
         let (mut streak, mut tree_streak, mut loss) = (0f64, 0f64, 0f64);
+        // Σ τ and steps of the replayed DFlash and DDTree walks
+        let (mut replay, mut replay_steps) = (0usize, 0usize);
+        let (mut replay_tree, mut replay_tree_steps) = (0usize, 0usize);
         for (i, ex) in data.iter().enumerate() {
             let len = ex.tokens.len().min(self.cfg.max_length);
             let (tokens, mask) = (&ex.tokens[..len], &ex.mask()[..len]);
@@ -516,17 +526,29 @@ impl<'a> Trainer<'a> {
             for (b, &a) in anchors.iter().enumerate() {
                 let top = top_k_log_probs(&rows[b][1..], self.cfg.tree_budget.max(1));
                 let tree = build_tree(tokens[a as usize], &top, self.cfg.tree_budget);
-                let (mut cur, mut depth) = (0usize, 0usize);
-                while let Some(&c) = tokens
-                    .get(a as usize + depth + 1)
-                    .and_then(|t| tree.children[cur].get(t))
-                {
-                    cur = c;
-                    depth += 1;
-                }
-                tree_streak += 1.0 + depth as f64;
+                tree_streak += 1.0 + tree.accepted_depth(&tokens[a as usize + 1..]) as f64;
             }
             v.blocks += nb;
+            // the answer starts at the first supervised token (decoding's first token comes from
+            // the prefill) and runs to the end of the (truncated) sequence
+            if let Some(start) = mask.iter().position(|&m| m) {
+                let all: Vec<u32> = (start as u32..len as u32 - 1).collect();
+                let budgets = [self.cfg.tree_budget.max(1)];
+                let acc = crate::replay::anchor_acceptance(
+                    self.target,
+                    &self.drafter,
+                    tokens,
+                    &all,
+                    &budgets,
+                    32,
+                )?;
+                let single = crate::replay::replay_steps(&acc, None, start, len);
+                let tree = crate::replay::replay_steps(&acc, Some(0), start, len);
+                replay += single.iter().sum::<usize>();
+                replay_steps += single.len();
+                replay_tree += tree.iter().sum::<usize>();
+                replay_tree_steps += tree.len();
+            }
         }
         if v.blocks > 0 {
             let n = v.blocks as f64;
@@ -534,6 +556,8 @@ impl<'a> Trainer<'a> {
             v.ddtree_streak = (tree_streak / n) as f32;
             v.loss = (loss / n) as f32;
         }
+        v.replayed_tau = replay as f32 / replay_steps.max(1) as f32;
+        v.replayed_ddtree_tau = replay_tree as f32 / replay_tree_steps.max(1) as f32;
         Ok(v)
     }
 }
