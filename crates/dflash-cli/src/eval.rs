@@ -68,6 +68,10 @@ pub struct EvalArgs {
     /// teacher-forced τ over all positions (what `train` validates with).
     #[arg(long)]
     replay: bool,
+    /// Draw each benchmark's acceptance histograms (share of steps per accepted length, a line
+    /// per speculative mode) into this PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Serialize, Default, Clone)]
@@ -507,7 +511,47 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if let Some(p) = &a.out {
         crate::defaults::write_atomic(p, text.as_bytes())?;
     }
+    if let Some(p) = &a.plot {
+        plot_histograms(&results, p).with_context(|| format!("writing {}", p.display()))?;
+    }
     println!("{text}");
+    Ok(())
+}
+
+/// `--plot`: a panel per benchmark with the share of steps that emitted each number of tokens
+/// (accepted drafts + bonus), one line per speculative mode, its τ in the legend.
+fn plot_histograms(results: &[BenchResult], path: &Path) -> Result<()> {
+    use dflash_plot::{Figure, Panel, Series};
+    let panels: Vec<Panel> = results
+        .iter()
+        .map(|r| Panel {
+            title: r.bench.clone(),
+            x_label: "tokens per step".into(),
+            y_label: "share of steps".into(),
+            series: r
+                .modes
+                .iter()
+                .filter_map(|m| {
+                    let (h, tau) = (m.acceptance_histogram.as_ref()?, m.acceptance_length_mean?);
+                    let steps = h.iter().sum::<usize>().max(1) as f64;
+                    let points = h
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &c)| ((i + 1) as f64, c as f64 / steps))
+                        .collect();
+                    Some(Series::new(format!("{} tau {tau:.2}", m.mode), points))
+                })
+                .collect(),
+            log_y: false,
+        })
+        .collect();
+    let fig = Figure {
+        title: "dflash eval: tokens per speculative step".into(),
+        columns: panels.len().clamp(1, 3),
+        panels,
+        ..Figure::default()
+    };
+    fig.save_png(path)?;
     Ok(())
 }
 

@@ -1,8 +1,8 @@
 //! `dflash eval` end to end on SmolLM2 with its shipped drafter (f32, CPU): every speculative run
 //! is token-identical to AR, τ lies in [1, block] inside its bootstrap interval with one τ per
 //! prompt, several `--tree-budget`s give one `ddtree-N` summary each, `--replay` (the training-mode
-//! forward walked as decoding walks) reproduces every prompt's measured steps, and bad values are
-//! refused.
+//! forward walked as decoding walks) reproduces every prompt's measured steps, `--plot` draws the
+//! histograms, and bad values are refused.
 
 use std::path::Path;
 
@@ -40,6 +40,8 @@ fn eval_is_lossless_with_intervals_and_one_summary_per_budget() {
             "--tree-budget",
             "8,32",
             "--replay",
+            "--plot",
+            tmp.path().join("eval.png").to_str().unwrap(),
         ],
     );
     assert_eq!(code, 0, "{err}");
@@ -75,6 +77,8 @@ fn eval_is_lossless_with_intervals_and_one_summary_per_budget() {
         modes[0].get("replayed_tau").is_none(),
         "AR has nothing to replay"
     );
+    let png = std::fs::read(tmp.path().join("eval.png")).expect("--plot writes the PNG");
+    assert_eq!(&png[1..4], b"PNG");
     assert!(
         err.contains("ddtree-32"),
         "the table names each budget: {err}"
