@@ -23,7 +23,7 @@ use dflash_decoding::{
 };
 use dflash_models::{load_drafter, load_target};
 use dflash_text::{ChatMessage, RenderOptions};
-use dflash_train::{anchor_acceptance, replay_steps, AnchorAcceptance};
+use dflash_train::{anchor_acceptance, replay_steps, sequence_taps, AnchorAcceptance};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -338,32 +338,32 @@ pub fn run(a: EvalArgs) -> Result<()> {
                     if let (true, Some(d), Some(r), Some(spec)) = (a.replay, &drafter, &ar, &g.spec)
                     {
                         if g.tokens == r.tokens {
-                            let acc = match replay.take() {
-                                Some(acc) => acc,
-                                None => {
-                                    let mut seq = prompt.clone();
-                                    seq.extend(&r.tokens);
-                                    let anchors: Vec<u32> =
-                                        (prompt.len() as u32..seq.len() as u32 - 1).collect();
-                                    anchor_acceptance(
-                                        target.model.as_ref(),
-                                        d,
-                                        &seq,
-                                        &anchors,
-                                        &budgets,
-                                        32,
-                                    )?
-                                }
-                            };
+                            if replay.is_none() {
+                                let mut seq = prompt.clone();
+                                seq.extend(&r.tokens);
+                                let anchors: Vec<u32> =
+                                    (prompt.len() as u32..seq.len() as u32 - 1).collect();
+                                let taps =
+                                    sequence_taps(target.model.as_ref(), &seq, d.target_layers())?;
+                                replay = Some(anchor_acceptance(
+                                    target.model.as_ref(),
+                                    d,
+                                    &taps,
+                                    &seq,
+                                    &anchors,
+                                    &budgets,
+                                    32,
+                                )?);
+                            }
+                            let acc = replay.as_ref().expect("computed above");
                             let tree = b.map(|b| budgets.iter().position(|&x| x == b).unwrap());
                             tally_replay(
                                 &mut tallies[mi],
-                                &acc,
+                                acc,
                                 tree,
                                 (prompt.len(), prompt.len() + r.tokens.len()),
                                 &spec.acceptance,
                             );
-                            replay = Some(acc);
                         }
                     }
                     let s = &mut sums[mi];

@@ -3,11 +3,10 @@
 //! output with it equals autoregressive output, and it accepts drafted tokens (τ well above the 1.0 a
 //! drafter that never matches would give).
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
 
 mod common;
-use common::{root, smollm2};
+use common::{dflash, root, run, smollm2};
 
 fn drafter_dir() -> PathBuf {
     root().join("drafters/smollm2-135m-instruct")
@@ -48,23 +47,33 @@ fn files_are_in_the_zlab_layout_with_small_shards() {
     );
 }
 
-/// `dflash generate --mode MODE` on the default target without `--draft`; (stdout, stderr).
-fn generate(target: &PathBuf, mode: &str) -> (String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+/// `dflash generate --target TARGET ARGS…` from the repository root, without `--draft` or
+/// `$DFLASH_DRAFT` (so the shipped drafter is found by default): (exit code, stdout, stderr).
+fn generate_on(target: &Path, args: &[&str]) -> (i32, String, String) {
+    run(dflash()
         .current_dir(root())
         .env_remove("DFLASH_DRAFT")
-        .args(["generate", "--mode", mode, "--max-new-tokens", "48"])
+        .arg("generate")
         .arg("--target")
         .arg(target)
-        .args([
+        .args(args))
+}
+
+/// `dflash generate --mode MODE` on the default target without `--draft`; (stdout, stderr).
+fn generate(target: &Path, mode: &str) -> (String, String) {
+    let (code, out, err) = generate_on(
+        target,
+        &[
+            "--mode",
+            mode,
+            "--max-new-tokens",
+            "48",
             "--prompt",
             "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
-        ])
-        .output()
-        .expect("run dflash");
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "{mode}: {err}");
-    (String::from_utf8_lossy(&out.stdout).to_string(), err)
+        ],
+    );
+    assert_eq!(code, 0, "{mode}: {err}");
+    (out, err)
 }
 
 fn tau(stderr: &str) -> f64 {
@@ -94,25 +103,20 @@ fn found_by_default_lossless_and_accepting() {
 #[test]
 fn ddtree_uses_the_shared_default_budget_and_reports_it() {
     let Some(target) = smollm2() else { return };
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .current_dir(root())
-        .env_remove("DFLASH_DRAFT")
-        .args([
-            "generate",
+    let (code, out, err) = generate_on(
+        &target,
+        &[
             "--mode",
             "ddtree",
             "--max-new-tokens",
             "8",
             "--json",
-        ])
-        .arg("--target")
-        .arg(&target)
-        .args(["--prompt", "Name a prime number."])
-        .output()
-        .expect("run dflash");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            "--prompt",
+            "Name a prime number.",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
         report["tree_budget"],
         dflash_decoding::tree::DEFAULT_TREE_BUDGET,
@@ -127,16 +131,17 @@ fn no_default_drafter_for_another_target() {
     let tmp = tempfile::tempdir().unwrap();
     let other = tmp.path().join("other-model.gguf");
     std::os::unix::fs::symlink(&target, &other).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .current_dir(root())
-        .env_remove("DFLASH_DRAFT")
-        .args(["generate", "--mode", "dflash", "--max-new-tokens", "2"])
-        .arg("--target")
-        .arg(&other)
-        .args(["--prompt", "hi"])
-        .output()
-        .expect("run dflash");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, _, err) = generate_on(
+        &other,
+        &[
+            "--mode",
+            "dflash",
+            "--max-new-tokens",
+            "2",
+            "--prompt",
+            "hi",
+        ],
+    );
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("no drafter ships"), "{err}");
 }

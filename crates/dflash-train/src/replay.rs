@@ -13,9 +13,8 @@
 //!   the output's end (a stop token, the token budget), which the replay cannot see. Any other
 //!   difference is a train/inference mismatch.
 
-use crate::step::sequence_taps;
 use crate::Result;
-use candle_core::{DType, D};
+use candle_core::{DType, Tensor, D};
 use dflash_core::Grad;
 use dflash_decoding::sampling::greedy_rows;
 use dflash_decoding::tree::{build_tree, top_k_rows};
@@ -47,11 +46,13 @@ impl AnchorAcceptance {
 }
 
 /// Drafts a block at each of `anchors` (sorted, each `< tokens.len()`) with the training-mode
-/// forward, `chunk` anchors a pass (bounds the logits' memory), and counts what a verifier whose
-/// choices are `tokens` accepts: single path and a DDTree of each of `budgets`.
+/// forward over `taps` (the target's, [`crate::step::sequence_taps`] of `tokens`), `chunk` anchors
+/// a pass (bounds the logits' memory), and counts what a verifier whose choices are `tokens`
+/// accepts: single path and a DDTree of each of `budgets`.
 pub fn anchor_acceptance(
     target: &dyn TargetModel,
     drafter: &DFlashDrafter,
+    taps: &Tensor,
     tokens: &[u32],
     anchors: &[u32],
     budgets: &[usize],
@@ -65,9 +66,8 @@ pub fn anchor_acceptance(
     if anchors.is_empty() {
         return Ok(out);
     }
-    let taps = sequence_taps(target, tokens, drafter.target_layers())?;
     for group in anchors.chunks(chunk.max(1)) {
-        let logits = drafter.forward_train(target, &taps, tokens, group, Grad::Off)?;
+        let logits = drafter.forward_train(target, taps, tokens, group, Grad::Off)?;
         let (n, b, v) = logits.dims3()?;
         // row 0 is the anchor's slot; rows 1.. draft the tokens after it
         let drafts = logits.narrow(1, 1, b - 1)?.to_dtype(DType::F32)?;

@@ -537,6 +537,7 @@ impl<'a> Trainer<'a> {
                 let acc = crate::replay::anchor_acceptance(
                     self.target,
                     &self.drafter,
+                    &taps,
                     tokens,
                     &all,
                     &budgets,
