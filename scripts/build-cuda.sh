@@ -11,15 +11,17 @@ export LIBRARY_PATH=/opt/cuda13/lib64:/opt/cuda13/lib64/stubs${LIBRARY_PATH:+:$L
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 python3 scripts/check-kernels.py  # the NVRTC kernels compile (as at run time on the GPU)
 cargo build --release --features cuda -p dflash-cli
-tests=$(cargo test --release --features cuda -p dflash-models --test reference_fixtures --no-run --message-format=json 2>/dev/null \
-  | python3 -c 'import json,sys
+# the GPU-side test binaries, from one cargo call (one feature set: no second kernel build)
+cargo test --release --features cuda -p dflash-models --test reference_fixtures --test decode_ops_device \
+  --no-run --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:
     try: m=json.loads(l)
     except Exception: continue
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="reference_fixtures": print(m["executable"])')
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
+        print(m["target"]["name"], m["executable"])' > "$CARGO_TARGET_DIR/gpu-tests.txt"
 mkdir -p dist/cuda
 cp "$CARGO_TARGET_DIR/release/dflash" dist/cuda/dflash
-cp "$tests" dist/cuda/reference_fixtures
-strip dist/cuda/dflash dist/cuda/reference_fixtures
-xz -T2 -6 -f dist/cuda/dflash dist/cuda/reference_fixtures
+while read -r name exe; do cp "$exe" "dist/cuda/$name"; done < "$CARGO_TARGET_DIR/gpu-tests.txt"
+strip dist/cuda/dflash dist/cuda/reference_fixtures dist/cuda/decode_ops_device
+xz -T2 -6 -f dist/cuda/dflash dist/cuda/reference_fixtures dist/cuda/decode_ops_device
 ls -la dist/cuda

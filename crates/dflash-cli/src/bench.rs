@@ -3,6 +3,9 @@
 //! difference of the output and of each input gradient relative to the composite's largest
 //! value, and the median forward and forward+backward seconds of both paths.
 //!
+//! `causal-attention` and `cross-entropy` do the same for the target's attention and the training
+//! loss; `decode` (in `bench_decode`) times a decoding step's parts at a model's shapes.
+//!
 //! Invariants: both paths get the same inputs and the same output weights; times are taken
 //! between device synchronisations after one warm-up round (which pays NVRTC and PTX loading).
 
@@ -21,6 +24,9 @@ pub enum BenchCommand {
     CrossEntropy(CrossEntropyArgs),
     /// Fused vs composite causal attention (the target's forward, no gradient).
     CausalAttention(CausalArgs),
+    /// One decoding step's parts (AR step, verifies, draft, tree build, sampling) at a model's
+    /// shapes with random weights, against the memory-bandwidth floor.
+    Decode(crate::bench_decode::DecodeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -109,12 +115,38 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Attention(a) => attention(a),
         BenchCommand::CrossEntropy(a) => cross_entropy(a),
         BenchCommand::CausalAttention(a) => causal_attention(a),
+        BenchCommand::Decode(a) => crate::bench_decode::run(a),
     }
 }
 
 /// Median seconds of `rounds` runs of `f` between synchronisations, after one warm-up run.
 fn timed(dev: &Device, rounds: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
-    f()?;
+    Ok(timings(dev, 1, rounds, &mut || f())?.median)
+}
+
+/// Seconds of the timed runs of one op.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub median: f64,
+    pub min: f64,
+    /// The 90th percentile (nearest rank).
+    pub p90: f64,
+}
+
+/// Runs `f` `warmup` times untimed, then `rounds` (≥ 1) times, each between device
+/// synchronisations, and summarises the timed runs.
+pub(crate) fn timings(
+    dev: &Device,
+    warmup: usize,
+    rounds: usize,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<Timing> {
+    if rounds == 0 {
+        anyhow::bail!("timings: no timed rounds");
+    }
+    for _ in 0..warmup {
+        f()?;
+    }
     dev.synchronize()?;
     let mut v = vec![];
     for _ in 0..rounds {
@@ -123,10 +155,19 @@ fn timed(dev: &Device, rounds: usize, f: &dyn Fn() -> Result<()>) -> Result<f64>
         dev.synchronize()?;
         v.push(t0.elapsed().as_secs_f64());
     }
-    Ok(median(v))
+    v.sort_by(|a, b| a.total_cmp(b));
+    let p90 = v[(v.len() * 9).div_ceil(10).max(1) - 1];
+    Ok(Timing {
+        median: v[v.len() / 2],
+        min: v[0],
+        p90,
+    })
 }
 
-fn write_report(report: &serde_json::Value, out: Option<&std::path::Path>) -> Result<()> {
+pub(crate) fn write_report(
+    report: &serde_json::Value,
+    out: Option<&std::path::Path>,
+) -> Result<()> {
     let text = serde_json::to_string_pretty(report)?;
     println!("{text}");
     if let Some(p) = out {
@@ -273,11 +314,6 @@ fn causal_attention(a: CausalArgs) -> Result<()> {
         "seconds": {"composite": tc, "fused": tf}, "speedup": tc / tf,
     });
     write_report(&report, a.run.out.as_deref())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn attention(a: AttentionArgs) -> Result<()> {

@@ -18,8 +18,8 @@ use crate::generate::Mode;
 use anyhow::{Context, Result};
 use clap::Args;
 use dflash_decoding::{
-    generate_ar, generate_speculative, DFlashRunner, GenerateConfig, Generation, SamplingConfig,
-    SpecMode,
+    generate_ar, generate_ar_with_margins, generate_auto, generate_speculative, DFlashRunner,
+    GenerateConfig, Generation, SamplingConfig, SpecMode,
 };
 use dflash_models::{load_drafter, load_target};
 use dflash_text::{ChatMessage, RenderOptions};
@@ -260,15 +260,19 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 generate_ar(target.model.as_ref(), prompt, &cfg, &mut |_| {})?
             }
             (m, Some(d)) => {
-                let spec = if m == Mode::Ddtree {
-                    SpecMode::DdTree {
-                        budget: budget.unwrap_or(dflash_decoding::tree::DEFAULT_TREE_BUDGET),
-                    }
-                } else {
-                    SpecMode::DFlash
+                let spec = match m {
+                    Mode::Ddtree | Mode::Auto => SpecMode::DdTree {
+                        budget: budget.unwrap_or(a.tree_budget[0]),
+                    },
+                    _ => SpecMode::DFlash,
                 };
                 let mut r = DFlashRunner::new(d);
-                generate_speculative(
+                let run = if m == Mode::Auto {
+                    generate_auto
+                } else {
+                    generate_speculative
+                };
+                run(
                     target.model.as_ref(),
                     &mut r,
                     prompt,
@@ -335,7 +339,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 let mut replay: Option<AnchorAcceptance> = None;
                 for (mi, (m, b, _)) in runs.iter().enumerate() {
                     let g = run_mode(*m, *b, &prompt)?;
-                    if let (true, Some(d), Some(r), Some(spec)) = (a.replay, &drafter, &ar, &g.spec)
+                    // auto's acceptance covers only its speculative steps: no replay for it
+                    let replayable = a.replay && *m != Mode::Auto;
+                    if let (true, Some(d), Some(r), Some(spec)) =
+                        (replayable, &drafter, &ar, &g.spec)
                     {
                         if g.tokens == r.tokens {
                             if replay.is_none() {
@@ -391,10 +398,22 @@ pub fn run(a: EvalArgs) -> Result<()> {
                                     .zip(&r.tokens)
                                     .position(|(x, y)| x != y)
                                     .unwrap_or(g.tokens.len().min(r.tokens.len()));
+                                // the timed AR run copies no logits to the host; the margins
+                                // come from an untimed rerun, once per diverging prompt
+                                if r.margins.is_empty() {
+                                    let with = generate_ar_with_margins(
+                                        target.model.as_ref(),
+                                        &prompt,
+                                        &cfg,
+                                        &mut |_| {},
+                                    )?;
+                                    ar.as_mut().expect("matched Some").margins = with.margins;
+                                }
+                                let margins = &ar.as_ref().expect("matched Some").margins;
                                 s.divergences.push((
                                     idx,
                                     k,
-                                    r.margins.get(k).copied().unwrap_or(f32::NAN),
+                                    margins.get(k).copied().unwrap_or(f32::NAN),
                                 ));
                             }
                         }

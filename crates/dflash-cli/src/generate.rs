@@ -4,7 +4,8 @@ use crate::exit::UsageError;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use dflash_decoding::{
-    generate_ar, generate_speculative, DFlashRunner, GenerateConfig, SamplingConfig, SpecMode,
+    generate_ar, generate_ar_with_margins, generate_auto, generate_speculative, DFlashRunner,
+    GenerateConfig, SamplingConfig, SpecMode,
 };
 use dflash_models::{load_drafter, load_target};
 use dflash_text::{ChatMessage, RenderOptions, StreamDecoder};
@@ -15,6 +16,9 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Copy, ValueEnum, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    /// DDTree while it is faster than AR on this device (measured as it runs), else AR; AR when
+    /// no drafter is given or ships for the target. The default.
+    Auto,
     /// The target alone: the reference output.
     Ar,
     /// Single-path DFlash speculative decoding.
@@ -56,7 +60,7 @@ pub struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    #[arg(long, value_enum, default_value_t = Mode::Ar)]
+    #[arg(long, value_enum, default_value_t = Mode::Auto)]
     mode: Mode,
     /// Drafter directory (z-lab DFlash format), for --mode dflash / ddtree (default: the drafter
     /// shipped for the target, e.g. drafters/smollm2-135m-instruct for SmolLM2).
@@ -98,9 +102,12 @@ struct Report {
     output_ids: Option<Vec<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     logit_margins: Option<Vec<f32>>,
-    /// DDTree's node budget (`--mode ddtree` only).
+    /// DDTree's node budget (`--mode ddtree`, or auto with a drafter).
     #[serde(skip_serializing_if = "Option::is_none")]
     tree_budget: Option<usize>,
+    /// Auto mode: the AR step it measured, the speculative rate, and whether it switched to AR.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    auto: Option<dflash_decoding::AutoChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     acceptance_length_mean: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -187,31 +194,42 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let drafter = match args.mode {
         Mode::Ar => None,
-        Mode::Dflash | Mode::Ddtree => {
-            let dir = crate::defaults::drafter_path(args.draft.as_deref(), &target_path)?;
-            let dir = &dir;
-            let mut d = load_drafter(dir, &device, dtype)
-                .with_context(|| format!("loading drafter {}", dir.display()))?;
-            d.check_target(target.model.as_ref())?;
-            if let Some(b) = args.block_size {
-                d.set_block_size(b)?;
+        Mode::Dflash | Mode::Ddtree | Mode::Auto => {
+            // auto without a drafter decodes with AR; an explicit --draft must load
+            let found = crate::defaults::drafter_path(args.draft.as_deref(), &target_path);
+            match found {
+                Err(_) if args.mode == Mode::Auto => None,
+                found => {
+                    let dir = &found?;
+                    let mut d = load_drafter(dir, &device, dtype)
+                        .with_context(|| format!("loading drafter {}", dir.display()))?;
+                    d.check_target(target.model.as_ref())?;
+                    if let Some(b) = args.block_size {
+                        d.set_block_size(b)?;
+                    }
+                    Some(d)
+                }
             }
-            Some(d)
         }
     };
+    if args.tree_budget == 0 {
+        return Err(UsageError("--tree-budget must be at least 1".into()).into());
+    }
     let generation = match (&drafter, args.mode) {
         (Some(d), mode) => {
-            let spec_mode = if mode == Mode::Ddtree {
-                let budget = args.tree_budget;
-                if budget == 0 {
-                    return Err(UsageError("--tree-budget must be at least 1".into()).into());
-                }
-                SpecMode::DdTree { budget }
-            } else {
-                SpecMode::DFlash
+            let spec_mode = match mode {
+                Mode::Dflash => SpecMode::DFlash,
+                _ => SpecMode::DdTree {
+                    budget: args.tree_budget,
+                },
             };
             let mut runner = DFlashRunner::new(d);
-            generate_speculative(
+            let run = if mode == Mode::Auto {
+                generate_auto
+            } else {
+                generate_speculative
+            };
+            run(
                 target.model.as_ref(),
                 &mut runner,
                 &prompt,
@@ -219,6 +237,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 spec_mode,
                 &mut on_token,
             )?
+        }
+        (None, _) if args.ids => {
+            generate_ar_with_margins(target.model.as_ref(), &prompt, &cfg, &mut on_token)?
         }
         (None, _) => generate_ar(target.model.as_ref(), &prompt, &cfg, &mut on_token)?,
     };
@@ -244,7 +265,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         dtype: format!("{dtype:?}").to_lowercase(),
         output_ids: args.ids.then(|| generation.tokens.clone()),
         logit_margins: (args.ids && args.mode == Mode::Ar).then(|| generation.margins.clone()),
-        tree_budget: (drafter.is_some() && args.mode == Mode::Ddtree).then_some(args.tree_budget),
+        tree_budget: (drafter.is_some() && matches!(args.mode, Mode::Ddtree | Mode::Auto))
+            .then_some(args.tree_budget),
+        auto: spec.as_ref().and_then(|s| s.auto.clone()),
         acceptance_length_mean: spec.as_ref().map(|s| s.mean_acceptance()),
         acceptance_histogram: spec.as_ref().map(|s| s.histogram(block)),
         draft_seconds: spec.as_ref().map(|s| s.draft_seconds),
@@ -268,9 +291,24 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             .acceptance_length_mean
             .map(|t| format!(", tau {t:.2} over {} steps", report.steps))
             .unwrap_or_default();
+        let mode = match (&report.auto, report.mode) {
+            (_, Mode::Auto) if drafter.is_none() => "auto -> ar (no drafter)".to_string(),
+            (Some(a), _) => match a.switched_to_ar_at_step {
+                Some(k) => format!(
+                    "auto -> ddtree, then ar after step {k} (speculative {:.1} tok/s < AR step {:.1} tok/s)",
+                    a.spec_tokens_per_second, a.ar_tokens_per_second
+                ),
+                None if a.spec_tokens_per_second == 0.0 => "auto -> ddtree".to_string(),
+                None => format!(
+                    "auto -> ddtree (speculative {:.1} tok/s >= AR step {:.1} tok/s)",
+                    a.spec_tokens_per_second, a.ar_tokens_per_second
+                ),
+            },
+            (None, m) => format!("{m:?}").to_lowercase(),
+        };
         eprintln!(
-            "[dflash] mode {:?}{nodes}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s){tau}, stop: {:?}",
-            report.mode, report.prompt_tokens, n, report.prefill_seconds, report.decode_seconds, report.tokens_per_second, report.stop_reason
+            "[dflash] mode {mode}{nodes}: {} prompt + {} new tokens, prefill {:.3}s, decode {:.3}s ({:.1} tok/s){tau}, stop: {:?}",
+            report.prompt_tokens, n, report.prefill_seconds, report.decode_seconds, report.tokens_per_second, report.stop_reason
         );
     }
     Ok(())

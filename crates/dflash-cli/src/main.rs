@@ -4,6 +4,8 @@
 //! failures exit 1; machine-readable output goes to stdout as JSON, human summaries to stderr.
 
 mod bench;
+mod bench_decode;
+mod bench_shapes;
 mod defaults;
 mod draft;
 mod eval;

@@ -145,3 +145,34 @@ fn no_default_drafter_for_another_target() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("no drafter ships"), "{err}");
 }
+
+#[test]
+fn auto_is_the_default_lossless_and_reports_its_choice() {
+    let Some(target) = smollm2() else { return };
+    let prompt = "Name three prime numbers and add them up.";
+    let args = |mode: Option<&str>| -> serde_json::Value {
+        let mut a = vec!["--max-new-tokens", "40", "--json", "--prompt", prompt];
+        if let Some(m) = mode {
+            a.extend(["--mode", m]);
+        }
+        let (code, out, err) = generate_on(&target, &a);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let auto = args(None);
+    let ar = args(Some("ar"));
+    assert_eq!(auto["mode"], "auto", "auto is the default mode");
+    assert_eq!(auto["text"], ar["text"], "auto output differs from AR");
+    assert!(auto["auto"]["ar_step_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        auto["tree_budget"],
+        dflash_decoding::tree::DEFAULT_TREE_BUDGET
+    );
+    // no drafter ships for another name: auto decodes with AR instead of failing
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("other-model.gguf");
+    std::os::unix::fs::symlink(&target, &other).unwrap();
+    let (code, _, err) = generate_on(&other, &["--max-new-tokens", "2", "--prompt", "hi"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("auto -> ar (no drafter)"), "{err}");
+}

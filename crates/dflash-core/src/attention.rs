@@ -7,6 +7,8 @@
 //! - Every query row sees at least one key, so softmax never produces NaN.
 //! - Scores and softmax run in f32 whatever the input dtype; the mask is additive (0 / -inf).
 //! - GQA never copies keys: query heads `g*rep .. (g+1)*rep` share key head `g`.
+//! - On CUDA without gradients ([`crate::decode_ops::fused_decode`]) scale, mask and softmax are
+//!   one kernel with the same f32 arithmetic; elsewhere they are candle's composite.
 
 use crate::{CoreError, Grad, Result};
 use candle_core::{DType, Device, Tensor, D};
@@ -34,18 +36,15 @@ impl AttentionMask {
             )));
         }
         let past = kv_len - q_len;
-        let neg = f32::NEG_INFINITY;
         match self {
             AttentionMask::Full => Ok(None),
             AttentionMask::Causal if q_len == 1 => Ok(None),
+            // a causal block is the chain tree parents[i] = i − 1
             AttentionMask::Causal => {
-                let mut m = vec![0f32; q_len * kv_len];
-                for i in 0..q_len {
-                    for j in past + i + 1..kv_len {
-                        m[i * kv_len + j] = neg;
-                    }
-                }
-                Ok(Some(Tensor::from_vec(m, (q_len, kv_len), device)?))
+                let chain: Vec<i64> = (0..q_len as i64).map(|i| i - 1).collect();
+                Ok(Some(crate::decode_ops::visibility_mask(
+                    &chain, past, device,
+                )?))
             }
             AttentionMask::Tree { parents } => {
                 if parents.len() != q_len {
@@ -54,23 +53,9 @@ impl AttentionMask {
                         parents.len()
                     )));
                 }
-                let mut m = vec![neg; q_len * kv_len];
-                for i in 0..q_len {
-                    m[i * kv_len..i * kv_len + past].fill(0.0);
-                    let mut node = i as i64;
-                    while node >= 0 {
-                        let n = node as usize;
-                        m[i * kv_len + past + n] = 0.0;
-                        let p = parents[n];
-                        if p >= node {
-                            return Err(CoreError::InvalidInput(format!(
-                                "tree mask: parent {p} of node {node} is not earlier"
-                            )));
-                        }
-                        node = p;
-                    }
-                }
-                Ok(Some(Tensor::from_vec(m, (q_len, kv_len), device)?))
+                Ok(Some(crate::decode_ops::visibility_mask(
+                    parents, past, device,
+                )?))
             }
             AttentionMask::Additive(t) => {
                 let dims = t.dims2()?;
@@ -122,6 +107,16 @@ pub fn attention(
     let rep = n_heads / kv_heads;
     let dtype = q.dtype();
     let qg = q.contiguous()?.reshape((b, kv_heads, rep * q_len, d))?;
+    if grad == Grad::Off && crate::decode_ops::fused_decode(q.device()) {
+        // one kernel for scale, mask and softmax; V read in place (the cache's strided view)
+        let raw = qg.matmul(&k.t()?)?;
+        let rows = kv_heads * rep * q_len;
+        let flat = raw.reshape((b, rows, kv_len))?;
+        if let Some(p) = crate::decode_ops::softmax_scaled(&flat, mask, q_len, scale as f32)? {
+            let out = p.reshape((b, kv_heads, rep * q_len, kv_len))?.matmul(v)?;
+            return Ok(out.reshape((b, n_heads, q_len, d))?);
+        }
+    }
     let scores = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
     let scores = (scores * scale)?;
     let scores = match mask {

@@ -8,6 +8,9 @@ pub mod attention;
 pub mod block_attention;
 pub mod cache;
 pub mod cross_entropy;
+pub mod decode_ops;
+#[cfg(feature = "cuda")]
+mod decode_ops_cuda;
 pub mod device;
 pub mod error;
 pub mod flash_block;

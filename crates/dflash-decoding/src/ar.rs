@@ -7,6 +7,7 @@
 
 use crate::sampling::{Sampler, SamplingConfig};
 use crate::{DecodeError, Result};
+use candle_core::Tensor;
 use dflash_models::{ForwardRequest, LogitRows, TargetModel};
 use serde::Serialize;
 use std::time::Instant;
@@ -38,7 +39,8 @@ pub struct Generation {
     pub decode_seconds: f64,
     /// Target forwards after the prefill.
     pub steps: usize,
-    /// AR only: top-1 − top-2 logit margin of each emitted token (to explain near-tie flips).
+    /// [`generate_ar_with_margins`] only: top-1 − top-2 logit margin of each emitted token (to
+    /// explain near-tie flips); empty otherwise.
     pub margins: Vec<f32>,
     /// Speculative modes only: per-step acceptance and timings.
     pub spec: Option<crate::spec::SpecStats>,
@@ -96,13 +98,44 @@ pub fn token_budget(prompt: usize, max_new: usize, context: usize) -> Result<(us
     Ok((max_new.min(room), max_new > room))
 }
 
-/// Autoregressive generation; `on_token` sees each new token as soon as it is chosen.
+/// Autoregressive generation; `on_token` sees each new token as soon as it is chosen. Greedy
+/// steps pick the token where the logits are: only its id crosses to the host.
 pub fn generate_ar(
     target: &dyn TargetModel,
     prompt: &[u32],
     cfg: &GenerateConfig,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
+    ar_loop(target, prompt, cfg, false, on_token)
+}
+
+/// [`generate_ar`] that also records each emitted token's top-1 − top-2 logit margin
+/// (`Generation::margins`), which copies every step's logits row to the host: for diagnosis
+/// (`--ids`, near-tie flips), never for timing.
+pub fn generate_ar_with_margins(
+    target: &dyn TargetModel,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    ar_loop(target, prompt, cfg, true, on_token)
+}
+
+fn ar_loop(
+    target: &dyn TargetModel,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    with_margins: bool,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    let choose = |sampler: &mut Sampler, logits: &Tensor| -> Result<(u32, f32)> {
+        if with_margins {
+            let (t, m) = sampler.sample_rows_with_margin(logits)?;
+            Ok((t[0], m[0]))
+        } else {
+            Ok((sampler.sample_rows(logits)?[0], f32::NAN))
+        }
+    };
     let (budget, context_bound) = token_budget(
         prompt.len(),
         cfg.max_new_tokens,
@@ -116,10 +149,8 @@ pub fn generate_ar(
         &ForwardRequest::causal(prompt, &positions, LogitRows::Last),
         &mut cache,
     )?;
-    let (first, m) =
-        sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
-    let mut next = first[0];
-    let mut margins = vec![m[0]];
+    let (mut next, m) = choose(&mut sampler, out.logits.as_ref().expect("asked for logits"))?;
+    let mut margins = vec![m];
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut emit = Emitter::new(budget, context_bound, &cfg.stop_tokens);
@@ -137,13 +168,15 @@ pub fn generate_ar(
             &mut cache,
         )?;
         steps += 1;
-        let (t, m) =
-            sampler.sample_rows_with_margin(out.logits.as_ref().expect("asked for logits"))?;
-        next = t[0];
-        margins.push(m[0]);
+        let (t, m) = choose(&mut sampler, out.logits.as_ref().expect("asked for logits"))?;
+        next = t;
+        margins.push(m);
     };
     let (tokens, stop_reason) = emit.finish(stop_reason);
     margins.truncate(tokens.len());
+    if !with_margins {
+        margins.clear();
+    }
     Ok(Generation {
         tokens,
         stop_reason,

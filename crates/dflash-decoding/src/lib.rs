@@ -11,8 +11,11 @@ pub mod sampling;
 pub mod spec;
 pub mod tree;
 
-pub use ar::{generate_ar, GenerateConfig, Generation, StopReason};
+pub use ar::{generate_ar, generate_ar_with_margins, GenerateConfig, Generation, StopReason};
 pub use batch::{generate_ar_batch, BatchConfig, BatchOutput};
 pub use error::{DecodeError, Result};
 pub use sampling::{Sampler, SamplingConfig};
-pub use spec::{generate_speculative, BlockDrafter, DFlashRunner, SpecMode, SpecStats};
+pub use spec::{
+    generate_auto, generate_speculative, AutoChoice, BlockDrafter, DFlashRunner, SpecMode,
+    SpecStats,
+};

@@ -7,7 +7,9 @@
 //! - The same seed and the same sequence of calls give the same tokens on every machine
 //!   (ChaCha8, not `StdRng`, whose algorithm may change between rand versions).
 //! - Filtering follows transformers' order: temperature, then top-k, then top-p; the most likely
-//!   token always survives top-p.
+//!   token always survives top-p. The host sorts and keeps the lower ids at a tie on a cut; the
+//!   CUDA path (no sort, only ids cross) keeps every tied token there and walks the kept mass in
+//!   id order — the same distribution whenever the cut falls between distinct logits.
 
 use crate::{DecodeError, Result};
 use candle_core::{DType, Device, Tensor};
@@ -66,41 +68,13 @@ pub struct Sampler {
 }
 
 /// The greedy token of every row of `[rows, vocab]` logits, computed where the logits are: the
-/// lowest id among each row's maxima (as [`argmax`]), so only `rows` ids cross to the host. A row
-/// without a maximum (NaN) falls back to the host [`argmax`] of that row.
+/// lowest id among each row's maxima (as [`argmax`]), so only `rows` ids cross to the host (one
+/// kernel on CUDA). A row without a maximum (NaN) falls back to the host [`argmax`] of that row.
 pub fn greedy_rows(logits: &Tensor) -> Result<Vec<u32>> {
-    let l = logits.to_dtype(DType::F32)?;
-    let (rows, vocab) = l.dims2()?;
-    let dev = l.device();
-    let hit = l.broadcast_eq(&l.max_keepdim(1)?)?;
-    let ids = Tensor::arange(0u32, vocab as u32, dev)?
-        .unsqueeze(0)?
-        .broadcast_as((rows, vocab))?;
-    let none = Tensor::new(u32::MAX, dev)?.broadcast_as((rows, vocab))?;
-    let mut out: Vec<u32> = hit
-        .where_cond(&ids, &none)?
-        .min(1)?
-        .to_device(&Device::Cpu)?
-        .to_vec1()?;
-    for (r, id) in out.iter_mut().enumerate() {
-        if *id == u32::MAX {
-            let row: Vec<f32> = l.get(r)?.to_device(&Device::Cpu)?.to_vec1()?;
-            *id = argmax(&row);
-        }
-    }
-    Ok(out)
+    Ok(dflash_core::decode_ops::argmax_rows(logits)?)
 }
 
-/// Index of the largest value; the first one on ties.
-pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use dflash_core::decode_ops::argmax;
 
 /// Largest minus second-largest value.
 pub fn top2_margin(xs: &[f32]) -> f32 {
@@ -189,10 +163,25 @@ impl Sampler {
         Ok((rows.iter().map(|r| self.sample(r)).collect(), margins))
     }
 
-    /// One token per row of `[rows, vocab]` logits, rows in order (greedy: [`greedy_rows`]).
+    /// One token per row of `[rows, vocab]` logits, rows in order (greedy: [`greedy_rows`]). On
+    /// CUDA the filtering and the draw run on the device (one uniform per row from this RNG, as
+    /// on the host; `dflash_core::decode_ops::sample_rows`): the same distribution, only the ids
+    /// cross to the host, and no full-vocabulary sort.
     pub fn sample_rows(&mut self, logits: &Tensor) -> Result<Vec<u32>> {
         if self.cfg.is_greedy() {
             return greedy_rows(logits);
+        }
+        if logits.device().is_cuda() {
+            let rows = logits.dim(0)?;
+            let u: Vec<f32> = (0..rows).map(|_| self.rng.random()).collect();
+            let c = &self.cfg;
+            return Ok(dflash_core::decode_ops::sample_rows(
+                logits,
+                c.temperature,
+                c.top_k,
+                c.top_p,
+                &u,
+            )?);
         }
         let logits = logits.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;

@@ -11,12 +11,15 @@
 //!   sampled output has AR's distribution. Drafts are argmax proposals only.
 //! - After verification the target cache is cropped (DFlash) or compacted to the accepted path
 //!   (DDTree); emission stops at the first stop token or the token budget, as AR does.
+//! - Auto mode ([`generate_auto`]) times one AR step before the loop and switches to plain AR
+//!   steps for the rest of the answer as soon as the speculative steps so far emit fewer tokens
+//!   per second than that; either way every token is the target's own, so the switch is lossless.
 
 use crate::ar::{token_budget, Emitter, GenerateConfig, Generation};
 use crate::sampling::{greedy_rows, Sampler};
-use crate::tree::{build_tree, top_k_rows};
+use crate::tree::tree_from_draft_logits;
 use crate::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use dflash_core::AttentionMask;
 use dflash_models::{DFlashDrafter, DraftCache, ForwardRequest, LogitRows, TargetModel};
 use serde::Serialize;
@@ -99,6 +102,47 @@ pub struct SpecStats {
     pub tree_build_seconds: f64,
     /// Drafter prefill (first draft call over the whole prompt), excluded from `draft_seconds`.
     pub draft_prefill_seconds: f64,
+    /// Auto mode's measurements and choice.
+    pub auto: Option<AutoChoice>,
+}
+
+/// What auto mode measured and chose.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AutoChoice {
+    /// One AR step (a one-token forward and its argmax), median of three, before the loop.
+    pub ar_step_seconds: f64,
+    /// Tokens per second of the speculative steps after the first (which pays the drafter's
+    /// prefill), when the choice was last checked.
+    pub spec_tokens_per_second: f64,
+    pub ar_tokens_per_second: f64,
+    /// The step after which decoding went on with AR steps, if it did.
+    pub switched_to_ar_at_step: Option<usize>,
+}
+
+/// Speculative steps (after the first) auto mode watches before it may switch to AR.
+pub const AUTO_MIN_STEPS: usize = 4;
+
+/// Median seconds of three one-token AR steps at `pos` (the cache is cropped back each time).
+fn time_ar_step(
+    target: &dyn TargetModel,
+    cache: &mut dflash_core::SequenceCache,
+    token: u32,
+    pos: usize,
+) -> Result<f64> {
+    let mut times = vec![];
+    for _ in 0..3 {
+        let t = Instant::now();
+        let p = [pos as u32];
+        let out = target.forward(
+            &ForwardRequest::causal(&[token], &p, LogitRows::Last),
+            cache,
+        )?;
+        greedy_rows(out.logits.as_ref().expect("asked for logits"))?;
+        times.push(t.elapsed().as_secs_f64());
+        cache.crop(pos);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[1])
 }
 
 impl SpecStats {
@@ -122,23 +166,45 @@ fn concat_taps(taps: &[Tensor]) -> Result<Tensor> {
     Ok(Tensor::cat(taps, 1)?)
 }
 
-/// What a draft hands the verifier: DFlash's argmax ids, or DDTree's rows of log-probabilities
-/// and its node budget.
+/// What a draft hands the verifier: DFlash's argmax ids, or DDTree's drafter logits (on the
+/// device) and its node budget.
 enum Draft {
     Ids(Vec<u32>),
-    Rows(Vec<Vec<f32>>, usize),
+    Logits(Tensor, usize),
 }
 
-fn rows_f32(t: &Tensor) -> Result<Vec<Vec<f32>>> {
-    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2()?)
-}
-
+/// Speculative decoding in `mode` for the whole answer.
 pub fn generate_speculative(
     target: &dyn TargetModel,
     drafter: &mut dyn BlockDrafter,
     prompt: &[u32],
     cfg: &GenerateConfig,
     mode: SpecMode,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    generate(target, drafter, prompt, cfg, mode, false, on_token)
+}
+
+/// Speculative decoding in `mode` while it is faster than AR on this device, measured as it
+/// runs; AR steps after that (see the module invariants).
+pub fn generate_auto(
+    target: &dyn TargetModel,
+    drafter: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    mode: SpecMode,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    generate(target, drafter, prompt, cfg, mode, true, on_token)
+}
+
+fn generate(
+    target: &dyn TargetModel,
+    drafter: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    mode: SpecMode,
+    auto: bool,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
     let context = target.info().max_position_embeddings;
@@ -179,22 +245,37 @@ pub fn generate_speculative(
     };
     history.push(first);
     let mut steps = 0;
+    if auto && stop.is_none() {
+        let ar = time_ar_step(target, &mut cache, first, prompt.len())?;
+        stats.auto = Some(AutoChoice {
+            ar_step_seconds: ar,
+            ar_tokens_per_second: 1.0 / ar.max(1e-12),
+            ..Default::default()
+        });
+    }
+    let (mut spec_tokens, mut spec_seconds, mut use_ar) = (0usize, 0f64, false);
     while stop.is_none() {
         let start = history.len() - 1;
         let bonus = history[start];
+        if use_ar {
+            let p = [start as u32];
+            let out = target.forward(
+                &ForwardRequest::causal(&[bonus], &p, LogitRows::Last),
+                &mut cache,
+            )?;
+            let y = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
+            steps += 1;
+            history.push(y);
+            stop = emit.push(y, on_token);
+            continue;
+        }
+        let step_start = Instant::now();
         let td = Instant::now();
         let draft_logits = drafter.draft(target, &new_ctx, bonus, start, &history)?;
         // DFlash proposes each row's argmax (only ids cross to the host); DDTree needs the rows
         let draft = match mode {
             SpecMode::DFlash => Draft::Ids(greedy_rows(&draft_logits)?),
-            // log-softmax on the device: the host only picks each row's top-k
-            SpecMode::DdTree { budget: nodes } => {
-                let lp = candle_nn::ops::log_softmax(
-                    &draft_logits.to_dtype(DType::F32)?,
-                    candle_core::D::Minus1,
-                )?;
-                Draft::Rows(rows_f32(&lp)?, nodes)
-            }
+            SpecMode::DdTree { budget: nodes } => Draft::Logits(draft_logits, nodes),
         };
         let dt = td.elapsed().as_secs_f64();
         if steps == 0 {
@@ -226,10 +307,9 @@ pub fn generate_speculative(
                 emitted.push(y[a]);
                 ((0..=a as u32).collect::<Vec<u32>>(), emitted, out.taps)
             }
-            &Draft::Rows(ref draft_rows, nodes) => {
+            Draft::Logits(draft_logits, nodes) => {
                 let tb = Instant::now();
-                let top = top_k_rows(draft_rows, nodes.max(1));
-                let tree = build_tree(bonus, &top, nodes);
+                let tree = tree_from_draft_logits(draft_logits, bonus, *nodes)?;
                 stats.tree_build_seconds += tb.elapsed().as_secs_f64();
                 let pos: Vec<u32> = tree.depths.iter().map(|d| (start + d) as u32).collect();
                 let req = ForwardRequest {
@@ -273,6 +353,18 @@ pub fn generate_speculative(
                 .map(|t| t.index_select(&idx, 0))
                 .collect::<candle_core::Result<_>>()?;
             new_ctx = concat_taps(&rows)?;
+        }
+        if steps > 1 {
+            spec_tokens += stats.acceptance.last().copied().unwrap_or(0);
+            spec_seconds += step_start.elapsed().as_secs_f64();
+        }
+        if let Some(choice) = stats.auto.as_mut() {
+            choice.spec_tokens_per_second = spec_tokens as f64 / spec_seconds.max(1e-12);
+            let slower = choice.spec_tokens_per_second < choice.ar_tokens_per_second;
+            if stop.is_none() && steps > AUTO_MIN_STEPS && slower {
+                choice.switched_to_ar_at_step = Some(steps);
+                use_ar = true;
+            }
         }
     }
     let (tokens, stop_reason) = emit.finish(stop.expect("loop ends on a stop"));

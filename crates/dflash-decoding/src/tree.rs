@@ -5,6 +5,8 @@
 //! of the verify input is the root (the bonus token), tree nodes are `1..=n`; the tree is
 //! prefix-closed; a node's depth is its distance from the root (its position is `start + depth`).
 
+use crate::Result;
+use candle_core::Tensor;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -14,8 +16,8 @@ use std::collections::{BinaryHeap, HashMap};
 /// to +0.5) but not speed.
 pub const DEFAULT_TREE_BUDGET: usize = 64;
 
-/// Top-`k` (log-prob, token) per drafted position from rows of logits, best first (ties: lower
-/// id first): [`top_k_rows`] after a log-softmax on the host.
+/// Top-`k` (log-prob, token) per drafted position from host rows of logits, best first (ties:
+/// lower id first): [`top_k_rows`] after a log-softmax on the host.
 pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
     let log_probs: Vec<Vec<f32>> = logits
         .iter()
@@ -28,49 +30,8 @@ pub fn top_k_log_probs(logits: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
     top_k_rows(&log_probs, k)
 }
 
-/// Top-`k` (value, token) per row of already-normalised log-probabilities, best first (ties:
-/// lower id first). The decoding loop normalises on the device, so the host does no `exp`.
-///
-/// One pass per row with a size-`k` min-heap: most values are rejected by a single comparison
-/// against the heap's minimum, so this is O(V) per row in practice.
-pub fn top_k_rows(rows: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
-    rows.iter()
-        .map(|row| {
-            let k = k.min(row.len());
-            // min-heap on (value, Reverse(id)): the root is the weakest kept entry
-            let mut heap: BinaryHeap<std::cmp::Reverse<(Ordered, std::cmp::Reverse<u32>)>> =
-                BinaryHeap::with_capacity(k + 1);
-            for (i, &x) in row.iter().enumerate() {
-                let item = (Ordered(x), std::cmp::Reverse(i as u32));
-                if heap.len() < k {
-                    heap.push(std::cmp::Reverse(item));
-                } else if let Some(min) = heap.peek() {
-                    if item > min.0 {
-                        heap.pop();
-                        heap.push(std::cmp::Reverse(item));
-                    }
-                }
-            }
-            let mut v: Vec<(f32, u32)> = heap.into_iter().map(|r| (r.0 .0 .0, r.0 .1 .0)).collect();
-            v.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            v
-        })
-        .collect()
-}
-
-#[derive(Clone, Copy, PartialEq)]
-struct Ordered(f32);
-impl Eq for Ordered {}
-impl PartialOrd for Ordered {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Ordered {
-    fn cmp(&self, o: &Self) -> Ordering {
-        self.0.total_cmp(&o.0)
-    }
-}
+/// Top-`k` (value, token) per host row of log-probabilities, best first (ties: lower id first).
+pub use dflash_core::decode_ops::top_k_host as top_k_rows;
 
 /// A token tree rooted at the bonus token (index 0).
 #[derive(Debug, Clone, Default)]
@@ -120,6 +81,18 @@ impl DraftTree {
         }
         depth
     }
+}
+
+/// The DDTree step's tree from the drafter's block logits `[rows, vocab]` (on their device): each
+/// row is log-softmaxed and cut to its top-`budget` entries where the logits are, and only those
+/// `rows × budget` (log-prob, id) pairs cross to the host for the best-first expansion.
+pub fn tree_from_draft_logits(
+    draft_logits: &Tensor,
+    root: u32,
+    budget: usize,
+) -> Result<DraftTree> {
+    let top = dflash_core::decode_ops::top_k_log_probs(draft_logits, budget.max(1))?;
+    Ok(build_tree(root, &top, budget))
 }
 
 pub fn build_tree(root: u32, top: &[Vec<(f32, u32)>], budget: usize) -> DraftTree {

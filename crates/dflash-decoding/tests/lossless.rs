@@ -3,8 +3,8 @@
 
 mod support;
 use dflash_decoding::{
-    generate_ar, generate_speculative, BlockDrafter, DFlashRunner, GenerateConfig, SamplingConfig,
-    SpecMode,
+    generate_ar, generate_auto, generate_speculative, BlockDrafter, DFlashRunner, GenerateConfig,
+    SamplingConfig, SpecMode,
 };
 use dflash_models::TargetModel;
 use rand::{Rng, SeedableRng};
@@ -42,6 +42,32 @@ fn check_modes(
     .unwrap();
     assert_eq!(t.tokens, ar.tokens, "{what}: ddtree(budget {budget}) != ar");
     assert_eq!(t.stop_reason, ar.stop_reason, "{what}: ddtree stop reason");
+    // auto: DDTree while faster than AR, then AR steps; lossless whichever it chose, and when
+    // the answer outlasts the watch window it has measured both rates
+    let a = generate_auto(
+        target,
+        drafter,
+        prompt,
+        cfg,
+        SpecMode::DdTree { budget },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(a.tokens, ar.tokens, "{what}: auto != ar");
+    assert_eq!(a.stop_reason, ar.stop_reason, "{what}: auto stop reason");
+    // the AR step is timed whenever the prefill's token does not end the answer
+    let choice = a.spec.as_ref().unwrap().auto.clone();
+    assert_eq!(choice.is_some(), a.tokens.len() > 1, "{what}: auto choice");
+    if let Some(k) = choice.and_then(|c| {
+        assert!(c.ar_step_seconds > 0.0, "{what}: no AR step measured");
+        c.switched_to_ar_at_step
+    }) {
+        assert!(
+            k > dflash_decoding::spec::AUTO_MIN_STEPS,
+            "{what}: switched at {k}"
+        );
+        assert!(a.steps > k, "{what}: switched but took no AR step");
+    }
     let tau = |g: &dflash_decoding::Generation| g.spec.as_ref().unwrap().mean_acceptance();
     (tau(&d), tau(&t))
 }

@@ -3,15 +3,17 @@
 //!
 //! Invariants: modules mirror the HF checkpoint names (`model.layers.N.self_attn.q_proj` …); Qwen3
 //! differs from Llama only by per-head `q_norm`/`k_norm` applied before RoPE; a tied LM head reads
-//! `model.embed_tokens.weight`; the LM head always multiplies in f32 (an f32 view of that weight
-//! when the compute dtype is lower), so logits never carry bf16 ties.
+//! `model.embed_tokens.weight`; logits are always f32 with f32 accumulation, so they never carry
+//! bf16 ties: on CUDA the bf16/f16 head multiplies in cuBLAS with f32 compute and output (no f32
+//! weight copy); an f32 copy of the head is made only on first need (the CPU in a low dtype, an
+//! f32 input against a low-precision head, training's input gradient).
 
 use crate::config::{Architecture, DecoderConfig};
 use crate::target::{
     BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
 };
 use crate::{ModelError, Result};
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use dflash_core::{
     attention, flash_block, AttentionMask, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding,
@@ -25,10 +27,19 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<
     ))
 }
 
+/// The q/k/v projections: three GEMMs (the checkpoint's layout), or on CUDA one GEMM over their
+/// rows stacked `[q; k; v]` (decided at load, [`dflash_core::decode_ops::fused_decode`]).
+enum QkvProj {
+    Separate {
+        q_proj: Linear,
+        k_proj: Linear,
+        v_proj: Linear,
+    },
+    Fused(Linear),
+}
+
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: QkvProj,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -38,14 +49,27 @@ struct Attention {
 }
 
 impl Attention {
-    fn new(cfg: &DecoderConfig, arch: Architecture, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &DecoderConfig, arch: Architecture, vb: VarBuilder, fused: bool) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim());
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let norms = arch == Architecture::Qwen3;
+        let (q_proj, k_proj, v_proj) = (
+            linear(&vb, h, nh * hd, "q_proj")?,
+            linear(&vb, h, nkv * hd, "k_proj")?,
+            linear(&vb, h, nkv * hd, "v_proj")?,
+        );
+        let qkv = if fused {
+            let w = Tensor::cat(&[q_proj.weight(), k_proj.weight(), v_proj.weight()], 0)?;
+            QkvProj::Fused(Linear::new(w, None))
+        } else {
+            QkvProj::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            }
+        };
         Ok(Self {
-            q_proj: linear(&vb, h, nh * hd, "q_proj")?,
-            k_proj: linear(&vb, h, nkv * hd, "k_proj")?,
-            v_proj: linear(&vb, h, nkv * hd, "v_proj")?,
+            qkv,
             o_proj: linear(&vb, nh * hd, h, "o_proj")?,
             q_norm: if norms {
                 Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?)
@@ -60,6 +84,29 @@ impl Attention {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
+        })
+    }
+
+    /// Queries, keys and values `[b, n, heads·head_dim]` of `x`.
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok(match &self.qkv {
+            QkvProj::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?),
+            QkvProj::Fused(w) => {
+                let y = w.forward(x)?;
+                let (nq, nk) = (
+                    self.n_heads * self.head_dim,
+                    self.n_kv_heads * self.head_dim,
+                );
+                (
+                    y.narrow(2, 0, nq)?,
+                    y.narrow(2, nq, nk)?,
+                    y.narrow(2, nq + nk, nk)?,
+                )
+            }
         })
     }
 
@@ -83,9 +130,10 @@ impl Attention {
             };
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
-        let q = heads(self.q_proj.forward(x)?, self.n_heads, &self.q_norm)?;
-        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads, &self.k_norm)?;
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads, &None)?;
+        let (q, k, v) = self.project(x)?;
+        let q = heads(q, self.n_heads, &self.q_norm)?;
+        let k = heads(k, self.n_kv_heads, &self.k_norm)?;
+        let v = heads(v, self.n_kv_heads, &None)?;
         let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
         let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
         let (k_all, v_all) = cache.append(&k, &v)?;
@@ -107,24 +155,44 @@ impl Attention {
     }
 }
 
+/// The MLP: gate and up as two GEMMs (the checkpoint's layout), or on CUDA one GEMM over their
+/// rows stacked `[gate; up]` followed by one silu·mul kernel.
+enum GateUp {
+    Separate { gate_proj: Linear, up_proj: Linear },
+    Fused(Linear),
+}
+
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: GateUp,
     down_proj: Linear,
 }
 
 impl Mlp {
-    fn new(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &DecoderConfig, vb: VarBuilder, fused: bool) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (gate_proj, up_proj) = (
+            linear(&vb, h, i, "gate_proj")?,
+            linear(&vb, h, i, "up_proj")?,
+        );
+        let gate_up = if fused {
+            let w = Tensor::cat(&[gate_proj.weight(), up_proj.weight()], 0)?;
+            GateUp::Fused(Linear::new(w, None))
+        } else {
+            GateUp::Separate { gate_proj, up_proj }
+        };
         Ok(Self {
-            gate_proj: linear(&vb, h, i, "gate_proj")?,
-            up_proj: linear(&vb, h, i, "up_proj")?,
+            gate_up,
             down_proj: linear(&vb, i, h, "down_proj")?,
         })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        Ok(self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)?)
+        let h = match &self.gate_up {
+            GateUp::Separate { gate_proj, up_proj } => {
+                (candle_nn::ops::silu(&gate_proj.forward(x)?)? * up_proj.forward(x)?)?
+            }
+            GateUp::Fused(w) => dflash_core::decode_ops::silu_mul(&w.forward(x)?)?,
+        };
+        Ok(self.down_proj.forward(&h)?)
     }
 }
 
@@ -146,7 +214,9 @@ pub struct Decoder {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    /// `[vocab, hidden]` in the compute dtype.
+    lm_head: Tensor,
+    lm_head_f32: std::sync::OnceLock<Tensor>,
     rotary: RotaryEmbedding,
     info: TargetInfo,
 }
@@ -155,14 +225,15 @@ impl Decoder {
     /// Builds the model from HF-named weights. `vb` is at the checkpoint root.
     pub fn new(cfg: &DecoderConfig, arch: Architecture, vb: VarBuilder) -> Result<Self> {
         let m = vb.pp("model");
+        let fused = dflash_core::decode_ops::fused_decode(vb.device());
         let embed_w = m.get((cfg.vocab_size, cfg.hidden_size), "embed_tokens.weight")?;
         let embed_tokens = Embedding::new(embed_w.clone(), cfg.hidden_size);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let l = m.pp(format!("layers.{i}"));
             layers.push(DecoderLayer {
-                self_attn: Attention::new(cfg, arch, l.pp("self_attn"))?,
-                mlp: Mlp::new(cfg, l.pp("mlp"))?,
+                self_attn: Attention::new(cfg, arch, l.pp("self_attn"), fused)?,
+                mlp: Mlp::new(cfg, l.pp("mlp"), fused)?,
                 input_layernorm: RmsNorm::load(
                     l.pp("input_layernorm"),
                     cfg.hidden_size,
@@ -183,7 +254,7 @@ impl Decoder {
         };
         // Logits are computed in f32 whatever the compute dtype: bf16 logits are so coarse (steps
         // of 0.125 near 20) that greedy argmax meets exact ties on real prompts.
-        let lm_head = Linear::new(head_w.to_dtype(DType::F32)?, None);
+        let lm_head = head_w;
         let rotary = RotaryEmbedding::new(&cfg.rope().map_err(ModelError::InvalidInput)?)?;
         let info = TargetInfo {
             architecture: arch.as_str(),
@@ -199,6 +270,7 @@ impl Decoder {
             layers,
             norm,
             lm_head,
+            lm_head_f32: std::sync::OnceLock::new(),
             rotary,
             info,
         })
@@ -206,6 +278,17 @@ impl Decoder {
 }
 
 impl Decoder {
+    /// The LM head as f32 (the weight itself when the compute dtype is f32, else a copy made once).
+    fn lm_head_f32(&self) -> Result<&Tensor> {
+        if self.lm_head.dtype() == DType::F32 {
+            return Ok(&self.lm_head);
+        }
+        if self.lm_head_f32.get().is_none() {
+            let _ = self.lm_head_f32.set(self.lm_head.to_dtype(DType::F32)?);
+        }
+        Ok(self.lm_head_f32.get().expect("set above"))
+    }
+
     /// The decoder stack over embeddings `x` `[b, n, hidden]`; returns the last residual stream and
     /// the requested taps (`[b, n, hidden]` each).
     fn layers_forward(
@@ -365,7 +448,17 @@ impl TargetModel for Decoder {
     }
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(&hidden.to_dtype(DType::F32)?)?)
+        let w = &self.lm_head;
+        if hidden.device().is_cuda() && hidden.dtype() == w.dtype() && w.dtype() != DType::F32 {
+            let (lead, h) = (&hidden.dims()[..hidden.rank() - 1], hidden.dim(D::Minus1)?);
+            let mut shape = lead.to_vec();
+            shape.push(w.dim(0)?);
+            let x = hidden.reshape(((), h))?;
+            return Ok(dflash_core::decode_ops::matmul_t_f32(&x, w)?.reshape(shape)?);
+        }
+        Ok(hidden
+            .to_dtype(DType::F32)?
+            .broadcast_matmul(&self.lm_head_f32()?.t()?)?)
     }
 
     fn lm_head_input_grad(&self, grad_logits: &Tensor) -> Result<Tensor> {
@@ -373,6 +466,6 @@ impl TargetModel for Decoder {
         Ok(grad_logits
             .to_dtype(DType::F32)?
             .contiguous()?
-            .matmul(self.lm_head.weight())?)
+            .matmul(self.lm_head_f32()?)?)
     }
 }

@@ -10,6 +10,7 @@ pub mod drafter;
 pub mod error;
 pub mod gguf;
 pub mod loader;
+pub mod random;
 pub mod target;
 pub mod weights;
 
@@ -18,6 +19,7 @@ pub use decoder::Decoder;
 pub use drafter::{load_drafter, DFlashConfig, DFlashDrafter, DraftCache};
 pub use error::{ModelError, Result};
 pub use loader::{load_target, target_tensors, LoadedTarget};
+pub use random::{random_drafter, random_target, random_target_tensors};
 pub use target::{
     BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
 };

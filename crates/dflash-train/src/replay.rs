@@ -14,10 +14,10 @@
 //!   difference is a train/inference mismatch.
 
 use crate::Result;
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use dflash_core::Grad;
 use dflash_decoding::sampling::greedy_rows;
-use dflash_decoding::tree::{build_tree, top_k_rows};
+use dflash_decoding::tree::build_tree;
 use dflash_models::{DFlashDrafter, TargetModel};
 
 /// Drafted tokens a verifier following the true continuation accepts at each anchor.
@@ -72,10 +72,14 @@ pub fn anchor_acceptance(
         // row 0 is the anchor's slot; rows 1.. draft the tokens after it
         let drafts = logits.narrow(1, 1, b - 1)?.to_dtype(DType::F32)?;
         let ids = greedy_rows(&drafts.reshape((n * (b - 1), v))?)?;
-        let rows: Option<Vec<Vec<Vec<f32>>>> = if budgets.is_empty() {
-            None
-        } else {
-            Some(candle_nn::ops::log_softmax(&drafts, D::Minus1)?.to_vec3()?)
+        // the same top-k decoding's tree takes (top_k_log_probs), once at the largest budget: a
+        // smaller budget's top-k is its prefix
+        let top: Option<Vec<Vec<(f32, u32)>>> = match budgets.iter().max() {
+            None => None,
+            Some(&kmax) => Some(dflash_core::decode_ops::top_k_log_probs(
+                &drafts.reshape((n * (b - 1), v))?,
+                kmax.max(1),
+            )?),
         };
         for (i, &a) in group.iter().enumerate() {
             let a = a as usize;
@@ -88,10 +92,14 @@ pub fn anchor_acceptance(
                     .take_while(|(d, t)| d == t)
                     .count(),
             );
-            if let Some(rows) = &rows {
+            if let Some(top) = &top {
+                let rows = &top[i * (b - 1)..(i + 1) * (b - 1)];
                 for (k, &budget) in budgets.iter().enumerate() {
-                    let top = top_k_rows(&rows[i], budget.max(1));
-                    let tree = build_tree(tokens[a], &top, budget);
+                    let cut: Vec<Vec<(f32, u32)>> = rows
+                        .iter()
+                        .map(|r| r[..budget.max(1).min(r.len())].to_vec())
+                        .collect();
+                    let tree = build_tree(tokens[a], &cut, budget);
                     out.ddtree[k].push(tree.accepted_depth(continuation));
                 }
             }

@@ -68,7 +68,18 @@ pub fn config_for_target(
     block_size: usize,
     mask_token_id: u32,
 ) -> DFlashConfig {
-    let t = &target.config;
+    config_for_decoder(&target.config, layers, block_size, mask_token_id)
+}
+
+/// A drafter config sized for a target with config `t` (the z-lab layout: the target's hidden,
+/// intermediate and head sizes, taps by [`default_target_layers`]); what [`config_for_target`]
+/// returns, for callers with a config and no loaded target (benchmarks at named shapes).
+pub fn config_for_decoder(
+    t: &crate::DecoderConfig,
+    layers: usize,
+    block_size: usize,
+    mask_token_id: u32,
+) -> DFlashConfig {
     let heads = t.num_attention_heads;
     DFlashConfig {
         architectures: vec!["DFlashDraftModel".into()],

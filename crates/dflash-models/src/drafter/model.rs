@@ -73,6 +73,13 @@ impl DraftCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Forgets every committed row at or past `len` in every layer (no reallocation), so the next
+    /// [`DFlashDrafter::draft`] starts at position `len` again (benchmarks repeat one draft).
+    pub fn crop(&mut self, len: usize) {
+        for c in &mut self.layers {
+            c.crop(len);
+        }
+    }
 }
 
 impl DraftLayer {

@@ -1,0 +1,582 @@
+//! `dflash bench decode`: the parts of one decoding step at a real model's shapes, with random
+//! weights made on the device: the AR step (greedy and sampled), the verify forward of a block
+//! and of DDTree trees, one drafter block, the tree build, and the memory-bandwidth floor of an
+//! AR step (bytes it must read ÷ copy bandwidth measured in the same run). JSON on stdout (and
+//! `--out`), a table on stderr.
+//!
+//! Invariants:
+//! - Every op is the code the decoding loops run (`TargetModel::forward` with the requests
+//!   `ar.rs` and `spec.rs` make, `DFlashDrafter::draft`, `greedy_rows`, `Sampler::sample_rows`,
+//!   `tree_from_draft_logits`, the cache's `crop` / `keep_rows`), never a re-implementation.
+//! - Before every run of an op the target cache holds exactly `--context` positions and the
+//!   drafter cache `context − 4`; each op restores that state (a crop, inside its timed region),
+//!   so every round sees the same context.
+//! - Times are wall-clock between device synchronisations, after `--warmup` untimed runs; the
+//!   median of `--rounds` runs is the headline, min and p90 beside it.
+//! - Bad flags (unknown shape, zero rounds, bad widths, a context the model cannot hold) exit
+//!   with code 2 before any model is built.
+
+use crate::bench::{timings, write_report, Timing};
+use crate::bench_shapes::{copy_bandwidth, named_shape, step_bytes, target_params, SHAPE_NAMES};
+use crate::exit::UsageError;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, DeviceLocation, Tensor};
+use clap::Args;
+use dflash_core::AttentionMask;
+use dflash_decoding::sampling::greedy_rows;
+use dflash_decoding::tree::{tree_from_draft_logits, DraftTree, DEFAULT_TREE_BUDGET};
+use dflash_decoding::{Sampler, SamplingConfig};
+use dflash_models::drafter::io::config_for_decoder;
+use dflash_models::drafter::parameter_shapes;
+use dflash_models::{DecoderConfig, ForwardRequest, LogitRows, TargetModel};
+use serde_json::{json, Map, Value};
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Committed positions the drafter receives before the timed block (a step's accepted tokens).
+const NEW_CTX: usize = 4;
+/// Prefill chunk (bounds the prefill's attention scores at long contexts).
+const PREFILL_CHUNK: usize = 1024;
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// Named shape: tiny, smollm2-135m, qwen3-0.6b, qwen3-8b (default smollm2-135m).
+    #[arg(long, conflicts_with = "target")]
+    shape: Option<String>,
+    /// An HF model directory whose config.json gives the shape (its weights are not read).
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Cached positions before every timed op.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32, bf16 or f16 (default: bf16 on CUDA, f32 on the CPU).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Timed runs of each op (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    rounds: usize,
+    /// Untimed runs of each op first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// DDTree node budgets to verify (comma-separated).
+    #[arg(long, default_value = "16,64,256")]
+    widths: String,
+    /// Drafted block size (the chain verify's length).
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Drafter layers.
+    #[arg(long, default_value_t = 5)]
+    draft_layers: usize,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also write the JSON here (atomically).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn usage(msg: String) -> anyhow::Error {
+    UsageError(msg).into()
+}
+
+/// The tree budgets of `--widths`: positive, distinct, in the order given.
+fn parse_widths(s: &str) -> Result<Vec<usize>> {
+    let mut out = vec![];
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let w: usize = part
+            .parse()
+            .ok()
+            .filter(|&w| w > 0)
+            .ok_or_else(|| usage(format!("--widths: '{part}' is not a positive integer")))?;
+        if !out.contains(&w) {
+            out.push(w);
+        }
+    }
+    if out.is_empty() {
+        return Err(usage("--widths needs at least one tree size".into()));
+    }
+    Ok(out)
+}
+
+/// (name for the report, config, mask token id) of `--shape` / `--target`.
+fn resolve_shape(a: &DecodeArgs) -> Result<(String, DecoderConfig, u32)> {
+    if let Some(dir) = &a.target {
+        let cfg = dflash_models::loader::read_config(dir)?;
+        let mask = cfg.vocab_size.saturating_sub(1) as u32;
+        return Ok((dir.display().to_string(), cfg, mask));
+    }
+    let name = a.shape.as_deref().unwrap_or("smollm2-135m");
+    match named_shape(name)? {
+        Some(s) => Ok((s.name.to_string(), s.config, s.mask_token_id)),
+        None => Err(usage(format!(
+            "unknown --shape '{name}' (expected one of {})",
+            SHAPE_NAMES.join(", ")
+        ))),
+    }
+}
+
+fn device_name(dev: &Device) -> String {
+    match dev.location() {
+        DeviceLocation::Cpu => "cpu".into(),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => "other",
+    }
+}
+
+/// The short commit of the working directory's repository, if git answers.
+fn git_commit() -> Option<String> {
+    let o = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let s = String::from_utf8(o.stdout).ok()?.trim().to_string();
+    (o.status.success() && !s.is_empty()).then_some(s)
+}
+
+/// A plausible accepted path through `t`: root to the highest-index node at depth
+/// min(3, deepest), so the compaction moves rows (an all-first-children path would be the
+/// identity, which `keep_rows` skips).
+fn accepted_path(t: &DraftTree) -> Vec<u32> {
+    let depth = t.depths.iter().copied().max().unwrap_or(0).min(3);
+    let leaf = (0..t.tokens.len())
+        .rev()
+        .find(|&i| t.depths[i] == depth)
+        .unwrap_or(0);
+    let mut path = vec![];
+    let mut cur = leaf as i64;
+    while cur >= 0 {
+        path.push(cur as u32);
+        cur = t.parents[cur as usize];
+    }
+    path.reverse();
+    path
+}
+
+/// One measured op: its report key and times.
+struct Op {
+    key: String,
+    label: String,
+    t: Timing,
+}
+
+fn push(ops: &mut Vec<Op>, key: String, label: String, t: Timing) {
+    ops.push(Op { key, label, t });
+}
+
+pub fn run(a: DecodeArgs) -> Result<()> {
+    // every flag is checked before anything heavy happens
+    let dev = dflash_core::parse_device(&a.device)?;
+    let dtype = match &a.dtype {
+        Some(d) => dflash_core::parse_dtype(d)?,
+        None if dev.is_cpu() => DType::F32,
+        None => DType::BF16,
+    };
+    let (shape, cfg, mask) = resolve_shape(&a)?;
+    let widths = parse_widths(&a.widths)?;
+    if a.rounds == 0 || a.warmup == 0 {
+        return Err(usage("--rounds and --warmup must be at least 1".into()));
+    }
+    if a.block_size < 2 || a.draft_layers == 0 {
+        return Err(usage(
+            "--block-size must be at least 2 and --draft-layers at least 1".into(),
+        ));
+    }
+    if a.context < 2 * NEW_CTX {
+        return Err(usage(format!("--context must be at least {}", 2 * NEW_CTX)));
+    }
+    let max_w = widths.iter().copied().max().expect("non-empty");
+    let rows = (max_w + 1).max(a.block_size);
+    let needed = a.context + rows + a.block_size;
+    if needed > cfg.max_position_embeddings {
+        return Err(usage(format!(
+            "--context {} + a verify of {rows} rows + a block of {} needs {needed} positions; \
+             the model holds {}",
+            a.context, a.block_size, cfg.max_position_embeddings
+        )));
+    }
+    if mask as usize >= cfg.vocab_size {
+        return Err(usage(format!(
+            "mask token {mask} outside the vocabulary of {}",
+            cfg.vocab_size
+        )));
+    }
+    let context = a.context;
+    let devname = device_name(&dev);
+    eprintln!(
+        "[dflash] bench decode: {shape} on {devname} in {}, context {context}",
+        dtype_name(dtype)
+    );
+
+    // the floor's bandwidth first, while the device is empty
+    let bw = copy_bandwidth(&dev, a.rounds)?;
+    let (weight_bytes, kv_bytes) = step_bytes(&cfg, dtype, context)?;
+    let bytes = weight_bytes + kv_bytes;
+    let floor = bytes as f64 / (bw.gbps * 1e9);
+
+    let t0 = Instant::now();
+    let target = dflash_models::random_target(&cfg, dtype, &dev, a.seed)?;
+    let dcfg = config_for_decoder(&cfg, a.draft_layers, a.block_size, mask);
+    let drafter = dflash_models::random_drafter(&dcfg, dtype, &dev, a.seed + 1)?;
+    drafter.check_target(&target)?;
+    dev.synchronize()?;
+    let build_s = t0.elapsed().as_secs_f64();
+    let params_target = target_params(&cfg)?;
+    let params_drafter: usize = parameter_shapes(&dcfg)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    eprintln!(
+        "[dflash] random weights: target {:.1} M, drafter {:.1} M parameters ({build_s:.1} s)",
+        params_target as f64 / 1e6,
+        params_drafter as f64 / 1e6
+    );
+
+    // prefill the context (taps for the drafter, as the decoding loop's prefill)
+    let t1 = Instant::now();
+    let taps: Vec<usize> = drafter.target_layers().to_vec();
+    let vocab = cfg.vocab_size;
+    let ids: Vec<u32> = (0..context)
+        .map(|i| ((i * 7919 + 13) % vocab) as u32)
+        .collect();
+    let positions: Vec<u32> = (0..context as u32).collect();
+    let mut cache = target.new_cache(context + rows)?;
+    let mut ctx_rows = vec![];
+    let mut last = None;
+    for s in (0..context).step_by(PREFILL_CHUNK) {
+        let e = (s + PREFILL_CHUNK).min(context);
+        let req = ForwardRequest {
+            tokens: &ids[s..e],
+            positions: &positions[s..e],
+            mask: AttentionMask::Causal,
+            taps: &taps,
+            logits: LogitRows::Last,
+        };
+        let out = target.forward(&req, &mut cache)?;
+        ctx_rows.push(Tensor::cat(&out.taps, 1)?);
+        last = out.logits;
+    }
+    let ctx = Tensor::cat(&ctx_rows, 0)?;
+    drop(ctx_rows);
+    let bonus = greedy_rows(last.as_ref().context("prefill logits")?)?[0];
+    let mut dcache = drafter.new_cache(context);
+    let base = context - NEW_CTX;
+    drafter.draft(&target, &mut dcache, &ctx.narrow(0, 0, base)?, bonus, base)?;
+    let new_ctx = ctx.narrow(0, base, NEW_CTX)?.contiguous()?;
+    let draft_logits = drafter.draft(&target, &mut dcache, &new_ctx, bonus, context)?;
+    dcache.crop(base);
+    dev.synchronize()?;
+    eprintln!(
+        "[dflash] prefill of {context} positions: {:.1} s",
+        t1.elapsed().as_secs_f64()
+    );
+
+    let time = |f: &mut dyn FnMut() -> Result<()>| timings(&dev, a.warmup, a.rounds, f);
+    let mut ops: Vec<Op> = vec![];
+    let one_pos = [context as u32];
+    let next_tok = [bonus];
+
+    // AR step: one token, only its id crosses to the host
+    let t = time(&mut || {
+        let out = target.forward(
+            &ForwardRequest::causal(&next_tok, &one_pos, LogitRows::Last),
+            &mut cache,
+        )?;
+        black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
+        cache.crop(context);
+        Ok(())
+    })?;
+    push(&mut ops, "ar_step".into(), "AR step (greedy)".into(), t);
+
+    let mut sampler = Sampler::new(SamplingConfig {
+        temperature: 0.7,
+        top_p: 0.9,
+        top_k: 0,
+        seed: 1,
+    })?;
+    let t = time(&mut || {
+        let out = target.forward(
+            &ForwardRequest::causal(&next_tok, &one_pos, LogitRows::Last),
+            &mut cache,
+        )?;
+        black_box(sampler.sample_rows(out.logits.as_ref().context("logits")?)?);
+        cache.crop(context);
+        Ok(())
+    })?;
+    push(
+        &mut ops,
+        "sampled_step".into(),
+        "AR step (T 0.7, top-p 0.9)".into(),
+        t,
+    );
+
+    // verify of the drafted block, as spec.rs's DFlash step
+    let mut block = vec![bonus];
+    block.extend(greedy_rows(&draft_logits)?);
+    let block_pos: Vec<u32> = (context as u32..(context + block.len()) as u32).collect();
+    let t = time(&mut || {
+        let req = ForwardRequest {
+            tokens: &block,
+            positions: &block_pos,
+            mask: AttentionMask::Causal,
+            taps: &taps,
+            logits: LogitRows::All,
+        };
+        let out = target.forward(&req, &mut cache)?;
+        black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
+        cache.crop(context);
+        Ok(())
+    })?;
+    let chain = format!("chain{}", a.block_size);
+    push(
+        &mut ops,
+        format!("verify.{chain}"),
+        format!("verify {chain} (causal)"),
+        t,
+    );
+
+    // verify of DDTree trees, as spec.rs's DDTree step (compaction included)
+    let mut tree_info = Map::new();
+    for &w in &widths {
+        let tree = tree_from_draft_logits(&draft_logits, bonus, w)?;
+        let path = accepted_path(&tree);
+        let t = time(&mut || {
+            let pos: Vec<u32> = tree.depths.iter().map(|d| (context + d) as u32).collect();
+            let req = ForwardRequest {
+                tokens: &tree.tokens,
+                positions: &pos,
+                mask: AttentionMask::Tree {
+                    parents: tree.parents.clone(),
+                },
+                taps: &taps,
+                logits: LogitRows::All,
+            };
+            let out = target.forward(&req, &mut cache)?;
+            black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
+            cache.keep_rows(context, &path)?;
+            cache.crop(context);
+            Ok(())
+        })?;
+        tree_info.insert(
+            format!("tree{w}"),
+            json!({"nodes": tree.tokens.len(),
+                   "depth": tree.depths.iter().max().copied().unwrap_or(0),
+                   "accepted_path": path.len()}),
+        );
+        push(
+            &mut ops,
+            format!("verify.tree{w}"),
+            format!("verify tree{w} ({} nodes)", tree.tokens.len()),
+            t,
+        );
+    }
+
+    // one drafter block after NEW_CTX newly committed positions
+    let t = time(&mut || {
+        let l = drafter.draft(&target, &mut dcache, &new_ctx, bonus, context)?;
+        black_box(greedy_rows(&l)?);
+        dcache.crop(base);
+        Ok(())
+    })?;
+    push(
+        &mut ops,
+        "draft_block".into(),
+        format!("draft block ({} layers)", a.draft_layers),
+        t,
+    );
+
+    // tree builds: the default budget, then each width
+    let mut budgets = vec![DEFAULT_TREE_BUDGET];
+    budgets.extend(widths.iter().filter(|&&w| w != DEFAULT_TREE_BUDGET));
+    for &b in &budgets {
+        let t = time(&mut || {
+            black_box(tree_from_draft_logits(&draft_logits, bonus, b)?);
+            Ok(())
+        })?;
+        push(
+            &mut ops,
+            format!("tree_build.{b}"),
+            format!("tree build ({b} nodes)"),
+            t,
+        );
+    }
+
+    let report = report(&ReportIn {
+        a: &a,
+        shape: &shape,
+        cfg: &cfg,
+        devname: &devname,
+        dtype,
+        widths: &widths,
+        params: (params_target, params_drafter),
+        bytes: (weight_bytes, kv_bytes),
+        bw: &bw,
+        floor,
+        ops: &ops,
+        trees: tree_info,
+        build_s,
+    });
+    print_table(&ops, floor, bytes, &bw);
+    write_report(&report, a.out.as_deref())
+}
+
+struct ReportIn<'a> {
+    a: &'a DecodeArgs,
+    shape: &'a str,
+    cfg: &'a DecoderConfig,
+    devname: &'a str,
+    dtype: DType,
+    widths: &'a [usize],
+    params: (usize, usize),
+    bytes: (usize, usize),
+    bw: &'a crate::bench_shapes::Bandwidth,
+    floor: f64,
+    ops: &'a [Op],
+    trees: Map<String, Value>,
+    build_s: f64,
+}
+
+fn ms(s: f64) -> f64 {
+    s * 1e3
+}
+
+/// The JSON report: headline medians in ms at the top level, every op's min / median / p90 under
+/// `stats`, ratios to the AR step and to the floor.
+fn report(r: &ReportIn) -> Value {
+    let get = |k: &str| r.ops.iter().find(|o| o.key == k).map(|o| o.t.median);
+    let ar = get("ar_step").unwrap_or(f64::NAN);
+    let mut verify = Map::new();
+    let mut by_budget = Map::new();
+    let (mut stats, mut to_ar, mut to_floor) = (Map::new(), Map::new(), Map::new());
+    for o in r.ops {
+        if let Some(k) = o.key.strip_prefix("verify.") {
+            verify.insert(k.into(), json!(ms(o.t.median)));
+        }
+        if let Some(b) = o.key.strip_prefix("tree_build.") {
+            by_budget.insert(b.into(), json!(ms(o.t.median)));
+        }
+        stats.insert(
+            o.key.clone(),
+            json!({"median_ms": ms(o.t.median), "min_ms": ms(o.t.min), "p90_ms": ms(o.t.p90)}),
+        );
+        to_ar.insert(o.key.clone(), json!(o.t.median / ar));
+        to_floor.insert(o.key.clone(), json!(o.t.median / r.floor));
+    }
+    let tree_build = get(&format!("tree_build.{DEFAULT_TREE_BUDGET}")).unwrap_or(f64::NAN);
+    json!({
+        "shape": r.shape,
+        "architecture": r.cfg.architecture().unwrap_or(dflash_models::config::Architecture::Llama).as_str(),
+        "device": r.devname,
+        "dtype": dtype_name(r.dtype),
+        "context": r.a.context,
+        "rounds": r.a.rounds,
+        "warmup": r.a.warmup,
+        "block_size": r.a.block_size,
+        "draft_layers": r.a.draft_layers,
+        "widths": r.widths,
+        "params_target": r.params.0,
+        "params_drafter": r.params.1,
+        "bytes_per_step": r.bytes.0 + r.bytes.1,
+        "bytes_weights": r.bytes.0,
+        "bytes_kv_cache": r.bytes.1,
+        "copy_gbps": r.bw.gbps,
+        "copy_method": r.bw.method,
+        "copy_bytes": r.bw.bytes,
+        "floor_ms": ms(r.floor),
+        "ar_step_ms": ms(ar),
+        "sampled_step_ms": get("sampled_step").map(ms),
+        "verify_ms": verify,
+        "draft_block_ms": get("draft_block").map(ms),
+        "tree_build_ms": ms(tree_build),
+        "tree_build_budget": DEFAULT_TREE_BUDGET,
+        "tree_build_ms_by_budget": by_budget,
+        "trees": r.trees,
+        "stats": stats,
+        "ratio_to_ar_step": to_ar,
+        "ratio_to_floor": to_floor,
+        "setup_seconds": r.build_s,
+        "dflash_version": env!("CARGO_PKG_VERSION"),
+        "git": git_commit(),
+    })
+}
+
+/// The human table on stderr: op, median / min / p90 ms, × AR step, × floor.
+fn print_table(ops: &[Op], floor: f64, bytes: usize, bw: &crate::bench_shapes::Bandwidth) {
+    let ar = ops
+        .iter()
+        .find(|o| o.key == "ar_step")
+        .map(|o| o.t.median)
+        .unwrap_or(f64::NAN);
+    eprintln!(
+        "{:<30} {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "op", "ms", "min ms", "p90 ms", "× AR", "× floor"
+    );
+    for o in ops {
+        eprintln!(
+            "{:<30} {:>10.3} {:>10.3} {:>10.3} {:>8.2} {:>8.2}",
+            o.label,
+            ms(o.t.median),
+            ms(o.t.min),
+            ms(o.t.p90),
+            o.t.median / ar,
+            o.t.median / floor
+        );
+    }
+    eprintln!(
+        "{:<30} {:>10.3} {:>10} {:>10} {:>8.2} {:>8.2}",
+        "floor",
+        ms(floor),
+        "",
+        "",
+        floor / ar,
+        1.0
+    );
+    eprintln!(
+        "floor: {:.1} MB per AR step at {:.1} GB/s ({})",
+        bytes as f64 / 1e6,
+        bw.gbps,
+        bw.method
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn widths_parse_and_refuse_bad_values() {
+        assert_eq!(parse_widths("16, 64,256,64").unwrap(), vec![16, 64, 256]);
+        assert!(parse_widths("").is_err());
+        assert!(parse_widths("0").is_err());
+        assert!(parse_widths("16,x").is_err());
+    }
+
+    #[test]
+    fn accepted_path_follows_parents_and_is_not_the_identity() {
+        let top = vec![
+            vec![(-0.5f32, 1), (-1.0, 2)],
+            vec![(-0.1f32, 3), (-2.0, 4)],
+            vec![(-0.1f32, 5), (-2.0, 6)],
+        ];
+        let t = dflash_decoding::tree::build_tree(0, &top, 6);
+        let p = accepted_path(&t);
+        assert_eq!(p[0], 0);
+        for w in p.windows(2) {
+            assert_eq!(t.parents[w[1] as usize], w[0] as i64);
+        }
+        assert!(p.iter().enumerate().any(|(i, &r)| i as u32 != r));
+    }
+}

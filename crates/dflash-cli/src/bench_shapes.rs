@@ -1,0 +1,219 @@
+//! What `dflash bench decode` measures against: the named model shapes (the real `config.json`
+//! values of each model, parsed by the ordinary config path), the bytes one autoregressive step
+//! must read, and the device's copy bandwidth measured in the same run.
+//!
+//! Invariants:
+//! - A named shape is exactly its model's published config (dimensions, RoPE, norms, tying); only
+//!   the weights are random. `tiny` is a made-up shape for tests.
+//! - `step_bytes` counts every weight once in the compute dtype (the embedding table as one row,
+//!   unless tied, when the LM head reads it whole) plus the K and V cache at the context.
+//! - Copy bandwidth counts bytes read plus bytes written, so `bytes / bandwidth` is the time a
+//!   perfect kernel would need to stream `bytes` once.
+
+use anyhow::{anyhow, Result};
+use candle_core::{DType, Device};
+use dflash_models::config::Architecture;
+use dflash_models::DecoderConfig;
+use std::time::Instant;
+
+/// A named shape: its config and the mask token its z-lab drafter uses.
+pub struct NamedShape {
+    pub name: &'static str,
+    pub config: DecoderConfig,
+    pub mask_token_id: u32,
+}
+
+/// The names `--shape` accepts.
+pub const SHAPE_NAMES: &[&str] = &["tiny", "smollm2-135m", "qwen3-0.6b", "qwen3-8b"];
+
+/// The config of a named shape, or `None` for an unknown name.
+pub fn named_shape(name: &str) -> Result<Option<NamedShape>> {
+    let (json, mask) = match name {
+        "tiny" => (
+            serde_json::json!({
+                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "max_position_embeddings": 4096, "tie_word_embeddings": false,
+                "hidden_act": "silu", "attention_bias": false,
+            }),
+            511,
+        ),
+        // HuggingFaceTB/SmolLM2-135M(-Instruct) config.json
+        "smollm2-135m" => (
+            serde_json::json!({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "rope_scaling": null,
+                "max_position_embeddings": 8192, "tie_word_embeddings": true,
+                "hidden_act": "silu", "attention_bias": false,
+                "bos_token_id": 1, "eos_token_id": 2,
+            }),
+            16, // the shipped drafter's
+        ),
+        // Qwen/Qwen3-0.6B config.json
+        "qwen3-0.6b" => (
+            serde_json::json!({
+                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "rope_scaling": null, "max_position_embeddings": 40960,
+                "tie_word_embeddings": true, "hidden_act": "silu", "attention_bias": false,
+                "bos_token_id": 151643, "eos_token_id": 151645,
+            }),
+            151669, // z-lab's Qwen3 drafters
+        ),
+        // Qwen/Qwen3-8B config.json
+        "qwen3-8b" => (
+            serde_json::json!({
+                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "rope_scaling": null, "max_position_embeddings": 40960,
+                "tie_word_embeddings": false, "hidden_act": "silu", "attention_bias": false,
+                "bos_token_id": 151643, "eos_token_id": 151645,
+            }),
+            151669,
+        ),
+        _ => return Ok(None),
+    };
+    let config: DecoderConfig = serde_json::from_value(json)?;
+    config
+        .validate()
+        .map_err(|m| anyhow!("shape {name}: bad built-in config: {m}"))?;
+    let name = SHAPE_NAMES
+        .iter()
+        .find(|n| **n == name)
+        .expect("matched above");
+    Ok(Some(NamedShape {
+        name,
+        config,
+        mask_token_id: mask,
+    }))
+}
+
+/// Bytes one AR step must read at `context` cached positions (see the module invariants):
+/// `(weights, kv_cache)`.
+pub fn step_bytes(cfg: &DecoderConfig, dtype: DType, context: usize) -> Result<(usize, usize)> {
+    let arch = cfg
+        .architecture()
+        .map_err(|a| anyhow!("architecture {a}"))?;
+    let h = cfg.hidden_size;
+    let elems: usize = dflash_models::random::target_parameter_shapes(cfg, arch)
+        .iter()
+        .map(|(name, shape)| {
+            if name == "model.embed_tokens.weight" && !cfg.tie_word_embeddings {
+                h // one row looked up; the untied LM head reads its own table
+            } else {
+                shape.iter().product::<usize>()
+            }
+        })
+        .sum();
+    let kv = 2 * cfg.num_hidden_layers * cfg.num_kv_heads() * cfg.head_dim() * context;
+    Ok((elems * dtype.size_in_bytes(), kv * dtype.size_in_bytes()))
+}
+
+/// Parameters of a target with this config (every tensor, the embedding included).
+pub fn target_params(cfg: &DecoderConfig) -> Result<usize> {
+    let arch: Architecture = cfg
+        .architecture()
+        .map_err(|a| anyhow!("architecture {a}"))?;
+    Ok(dflash_models::random::target_parameter_shapes(cfg, arch)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum())
+}
+
+/// A measured copy bandwidth.
+pub struct Bandwidth {
+    /// Bytes read plus bytes written per second, in GB/s (10⁹).
+    pub gbps: f64,
+    /// How the copy was made.
+    pub method: &'static str,
+    /// Size of one copy (bytes read).
+    pub bytes: usize,
+}
+
+/// The device's copy bandwidth: the median of `rounds` large copies after one warm-up.
+pub fn copy_bandwidth(dev: &Device, rounds: usize) -> Result<Bandwidth> {
+    let rounds = rounds.clamp(3, 10);
+    match dev {
+        Device::Cpu => cpu_copy(rounds),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(c) => cuda_copy(dev, c, rounds),
+        _ => tensor_copy(dev, rounds),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// One `memcpy` of 256 MiB (well past any cache) between two touched host buffers.
+fn cpu_copy(rounds: usize) -> Result<Bandwidth> {
+    let n = 256 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src);
+    let mut t = vec![];
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(Bandwidth {
+        gbps: 2.0 * n as f64 / median(t) / 1e9,
+        method: "host memcpy (copy_from_slice, 256 MiB)",
+        bytes: n,
+    })
+}
+
+/// The driver's device-to-device copy (`cuMemcpyDtoDAsync` on the device's stream) of 2 GiB.
+#[cfg(feature = "cuda")]
+fn cuda_copy(dev: &Device, c: &candle_core::CudaDevice, rounds: usize) -> Result<Bandwidth> {
+    let n = 2usize << 30;
+    let src = c.alloc_zeros::<u8>(n)?;
+    let mut dst = c.alloc_zeros::<u8>(n)?;
+    c.memcpy_dtod(&src, &mut dst)?;
+    dev.synchronize()?;
+    let mut t = vec![];
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        c.memcpy_dtod(&src, &mut dst)?;
+        dev.synchronize()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(Bandwidth {
+        gbps: 2.0 * n as f64 / median(t) / 1e9,
+        method: "cudarc memcpy_dtod (2 GiB)",
+        bytes: n,
+    })
+}
+
+/// Any other device: candle's own elementwise kernel reading and writing 1 GiB.
+fn tensor_copy(dev: &Device, rounds: usize) -> Result<Bandwidth> {
+    let n = 1usize << 30;
+    let x = candle_core::Tensor::zeros(n / 4, DType::F32, dev)?;
+    let mut t = vec![];
+    for i in 0..=rounds {
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        let y = x.affine(1.0, 0.0)?;
+        dev.synchronize()?;
+        drop(y);
+        if i > 0 {
+            t.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(Bandwidth {
+        gbps: 2.0 * n as f64 / median(t) / 1e9,
+        method: "candle affine kernel (1 GiB)",
+        bytes: n,
+    })
+}

@@ -1,0 +1,378 @@
+// Decoding-step kernels, compiled at run time by NVRTC. Mirrors the CPU reference in
+// decode_ops.rs:
+// - argmax_rows: the lowest id among each row's maxima (NaN never wins; a row with no winner
+//   gives 0xffffffff and the host takes that row).
+// - topk_rows: each row's k largest logits as log-probabilities (x − logsumexp), by an exact
+//   radix select on order-preserving 32-bit keys; entries above the k-th key in any order, then
+//   the entries equal to it with the lowest ids (ties: lower id first, as the host's heap).
+//   The host sorts the k pairs. One thread block per row, blockDim.x = TPB.
+// - visibility_mask: additive [n, past + n] f32 mask, 0 where query i may see key j (every past
+//   key; a tree key j − past when it is i or an ancestor of i through parents[]), −inf elsewhere.
+//   A causal block is the chain parents[i] = i − 1.
+#define TPB 1024
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ unsigned int fkey(float x) {
+  unsigned int u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  v = (threadIdx.x < (blockDim.x >> 5)) ? red[threadIdx.x] : NEG_INF;
+  if (w == 0)
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x == 0) red[0] = v;
+  __syncthreads();
+  return red[0];
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  v = (threadIdx.x < (blockDim.x >> 5)) ? red[threadIdx.x] : 0.0f;
+  if (w == 0)
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x == 0) red[0] = v;
+  __syncthreads();
+  return red[0];
+}
+
+// The k-th largest order key of row[0..V) (1 ≤ k ≤ V) by a 4-pass radix select over 8-bit digits
+// (256 shared counters); on return sel[1] holds how many entries equal to it complete the k.
+__device__ unsigned int kth_largest_key(const float* row, int V, unsigned int k, unsigned int* hist,
+                                        unsigned int* sel) {
+  const int t = threadIdx.x;
+  unsigned int prefix = 0, mask = 0;
+  if (t == 0) sel[1] = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = t; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    for (int i = t; i < V; i += blockDim.x) {
+      const unsigned int key = fkey(row[i]);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (t == 0) {
+      unsigned int need = sel[1], cum = 0;
+      int d = 255;
+      for (; d > 0; --d) {
+        if (cum + hist[d] >= need) break;
+        cum += hist[d];
+      }
+      sel[0] = prefix | ((unsigned int)d << shift);
+      sel[1] = need - cum;
+    }
+    __syncthreads();
+    prefix = sel[0];
+    mask |= 255u << shift;
+  }
+  return prefix;
+}
+
+extern "C" __global__ void argmax_rows(const float* x, int V, unsigned int* out) {
+  __shared__ float sv[32];
+  __shared__ unsigned int si[32];
+  const float* row = x + (long long)blockIdx.x * V;
+  float best = NEG_INF;
+  unsigned int bi = 0xffffffffu;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = row[i];
+    if (v > best || (v == best && (unsigned int)i < bi)) {
+      best = v;
+      bi = i;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const unsigned int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > best || (ov == best && oi < bi)) {
+      best = ov;
+      bi = oi;
+    }
+  }
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  if (l == 0) {
+    sv[w] = best;
+    si[w] = bi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < (int)(blockDim.x >> 5); ++k)
+      if (sv[k] > best || (sv[k] == best && si[k] < bi)) {
+        best = sv[k];
+        bi = si[k];
+      }
+    out[blockIdx.x] = bi;
+  }
+}
+
+extern "C" __global__ void topk_rows(const float* x, int V, int k, float* out_val,
+                                     unsigned int* out_idx) {
+  __shared__ float red[32];
+  __shared__ unsigned int hist[256];
+  __shared__ unsigned int sel[2];  // prefix, still needed from the threshold key
+  __shared__ unsigned int pos;
+  __shared__ unsigned int counts[TPB];
+  const float* row = x + (long long)blockIdx.x * V;
+  float* ov = out_val + (long long)blockIdx.x * k;
+  unsigned int* oi = out_idx + (long long)blockIdx.x * k;
+  const int t = threadIdx.x;
+
+  float m = NEG_INF;
+  for (int i = t; i < V; i += blockDim.x) m = fmaxf(m, row[i]);
+  m = block_max(m, red);
+  float s = 0.0f;
+  for (int i = t; i < V; i += blockDim.x) s += expf(row[i] - m);
+  const float lse = m + logf(block_sum(s, red));
+
+  const unsigned int thr = kth_largest_key(row, V, (unsigned int)k, hist, sel);
+  const unsigned int ties = sel[1];
+  const unsigned int above = (unsigned int)k - ties;
+
+  if (t == 0) pos = 0;
+  __syncthreads();
+  for (int i = t; i < V; i += blockDim.x) {
+    const float v = row[i];
+    if (fkey(v) > thr) {
+      const unsigned int p = atomicAdd(&pos, 1u);
+      ov[p] = v - lse;
+      oi[p] = i;
+    }
+  }
+  // ties at the threshold: the lowest ids, by a scan over contiguous chunks
+  const int chunk = (V + blockDim.x - 1) / blockDim.x;
+  const int lo = min(V, t * chunk), hi = min(V, lo + chunk);
+  unsigned int c = 0;
+  for (int i = lo; i < hi; ++i) c += fkey(row[i]) == thr;
+  counts[t] = c;
+  __syncthreads();
+  for (int o = 1; o < (int)blockDim.x; o <<= 1) {
+    const unsigned int add = t >= o ? counts[t - o] : 0u;
+    __syncthreads();
+    counts[t] += add;
+    __syncthreads();
+  }
+  unsigned int r = counts[t] - c;  // exclusive prefix
+  for (int i = lo; i < hi && r < ties; ++i) {
+    const float v = row[i];
+    if (fkey(v) == thr) {
+      ov[above + r] = v - lse;
+      oi[above + r] = i;
+      ++r;
+    }
+  }
+}
+
+extern "C" __global__ void visibility_mask(const long long* parents, int n, int past, float* out) {
+  const int kv = past + n;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  const int i = blockIdx.y;
+  if (j >= kv) return;
+  float v = NEG_INF;
+  if (j < past) {
+    v = 0.0f;
+  } else {
+    const int node = j - past;
+    long long a = i;
+    while (a >= node) {
+      if (a == node) {
+        v = 0.0f;
+        break;
+      }
+      a = parents[a];
+    }
+  }
+  out[(long long)i * kv + j] = v;
+}
+
+// softmax_scaled_{f32,bf16}: attention probabilities from raw scores in one pass per row:
+// p = softmax(scale·s + mask[q]) in f32, written in the scores' dtype. Row r of
+// [b, rows_per_b] has query q = (r mod rows_per_b) mod q_len and reads the additive mask row
+// mask[b·mask_bstride + q·kv .. + kv] when has_mask (the composite: to f32, ×scale, +mask,
+// softmax, to dtype). One warp per row, 4 rows per block; an all −inf row gives 0s, as no real
+// row is (every query sees at least one key).
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float ldv(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ldv(const bf16_t* p, long long i) {
+  return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void stv(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void stv(bf16_t* p, long long i, float v) {
+  unsigned int u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (finite values)
+  p[i] = (bf16_t)(u >> 16);
+}
+
+template <typename T>
+__device__ void softmax_scaled(const T* s, const float* mask, int total_rows, int rows_per_b,
+                               int q_len, int kv, long long mask_bstride, int has_mask,
+                               float scale, T* out) {
+  const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int l = threadIdx.x & 31;
+  if (r >= total_rows) return;
+  const long long off = (long long)r * kv;
+  const float* mrow = 0;
+  if (has_mask) {
+    const int b = r / rows_per_b, q = (r % rows_per_b) % q_len;
+    mrow = mask + b * mask_bstride + (long long)q * kv;
+  }
+  float m = NEG_INF;
+  for (int j = l; j < kv; j += 32) {
+    float v = ldv(s, off + j) * scale;
+    if (has_mask) v += mrow[j];
+    m = fmaxf(m, v);
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float z = 0.0f;
+  for (int j = l; j < kv; j += 32) {
+    float v = ldv(s, off + j) * scale;
+    if (has_mask) v += mrow[j];
+    z += (m == NEG_INF) ? 0.0f : expf(v - m);
+  }
+  for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  const float inv = z > 0.0f ? 1.0f / z : 0.0f;
+  for (int j = l; j < kv; j += 32) {
+    float v = ldv(s, off + j) * scale;
+    if (has_mask) v += mrow[j];
+    stv(out, off + j, (m == NEG_INF) ? 0.0f : expf(v - m) * inv);
+  }
+}
+
+extern "C" __global__ void softmax_scaled_f32(const float* s, const float* mask, int total_rows,
+                                              int rows_per_b, int q_len, int kv,
+                                              long long mask_bstride, int has_mask, float scale,
+                                              float* out) {
+  softmax_scaled(s, mask, total_rows, rows_per_b, q_len, kv, mask_bstride, has_mask, scale, out);
+}
+
+extern "C" __global__ void softmax_scaled_bf16(const bf16_t* s, const float* mask, int total_rows,
+                                               int rows_per_b, int q_len, int kv,
+                                               long long mask_bstride, int has_mask, float scale,
+                                               bf16_t* out) {
+  softmax_scaled(s, mask, total_rows, rows_per_b, q_len, kv, mask_bstride, has_mask, scale, out);
+}
+
+// silu_mul_{f32,bf16}: out[r, c] = silu(x[r, c]) · x[r, inter + c] for x = [gate | up] of
+// [rows, 2·inter] (the fused gate-up projection), computed in f32.
+template <typename T>
+__device__ void silu_mul(const T* x, int rows, int inter, T* out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)rows * inter) return;
+  const long long r = i / inter, c = i % inter;
+  const float g = ldv(x, r * 2 * inter + c), u = ldv(x, r * 2 * inter + inter + c);
+  stv(out, i, g / (1.0f + expf(-g)) * u);
+}
+
+extern "C" __global__ void silu_mul_f32(const float* x, int rows, int inter, float* out) {
+  silu_mul(x, rows, inter, out);
+}
+
+extern "C" __global__ void silu_mul_bf16(const bf16_t* x, int rows, int inter, bf16_t* out) {
+  silu_mul(x, rows, inter, out);
+}
+
+// sample_rows: one token per row of logits x [rows, V] from softmax(x / T) cut by top-k (top_k ≤ 0
+// or ≥ V: off) and then top-p (top_p ≥ 1: off), for a uniform u[row] ∈ [0, 1) drawn by the host's
+// seeded RNG. Masses exp((x − max) / T) are fixed point (units of 2^-40, 64-bit integer sums), so
+// the choice is a deterministic function of u. top-k keeps the keys ≥ the k-th largest, top-p the
+// largest keys whose mass reaches top_p of what top-k kept (ties at either cut are all kept: the
+// host keeps the lower ids). The token is where the kept mass, accumulated in id order, passes
+// u · (kept mass): the same distribution as walking it in sorted order.
+#define FX 1099511627776.0f  // 2^40
+
+__device__ __forceinline__ unsigned long long fx_mass(float x, float m, float inv_t) {
+  return (unsigned long long)(expf((x - m) * inv_t) * FX);
+}
+
+extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int top_k, float top_p,
+                                       const float* u, unsigned int* out) {
+  __shared__ float red[32];
+  __shared__ unsigned int hist[256];
+  __shared__ unsigned int sel[2];
+  __shared__ unsigned long long mhist[256];
+  __shared__ unsigned long long msel[2];
+  __shared__ unsigned long long sums[TPB];
+  const float* row = x + (long long)blockIdx.x * V;
+  const int t = threadIdx.x;
+  float mx = NEG_INF;
+  for (int i = t; i < V; i += blockDim.x) mx = fmaxf(mx, row[i]);
+  const float m = block_max(mx, red);
+
+  unsigned int thr = 0;  // keep keys >= thr
+  if (top_k > 0 && top_k < V) thr = kth_largest_key(row, V, (unsigned int)top_k, hist, sel);
+  if (top_p < 1.0f) {
+    if (t == 0) msel[0] = 0;
+    __syncthreads();
+    unsigned long long z = 0;
+    for (int i = t; i < V; i += blockDim.x)
+      if (fkey(row[i]) >= thr) z += fx_mass(row[i], m, inv_t);
+    atomicAdd(&msel[0], z);
+    __syncthreads();
+    const double want = (double)top_p * (double)msel[0];
+    unsigned long long need = (unsigned long long)want;
+    if ((double)need < want) need += 1;
+    __syncthreads();
+    unsigned int prefix = 0, mask = 0;
+    if (t == 0) msel[1] = need;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int b = t; b < 256; b += blockDim.x) mhist[b] = 0;
+      __syncthreads();
+      for (int i = t; i < V; i += blockDim.x) {
+        const unsigned int key = fkey(row[i]);
+        if (key >= thr && (key & mask) == prefix)
+          atomicAdd(&mhist[(key >> shift) & 255u], fx_mass(row[i], m, inv_t));
+      }
+      __syncthreads();
+      if (t == 0) {
+        unsigned long long left = msel[1], cum = 0;
+        int d = 255;
+        for (; d > 0; --d) {
+          if (cum + mhist[d] >= left) break;
+          cum += mhist[d];
+        }
+        sel[0] = prefix | ((unsigned int)d << shift);
+        msel[1] = left > cum ? left - cum : 0;
+      }
+      __syncthreads();
+      prefix = sel[0];
+      mask |= 255u << shift;
+    }
+    thr = max(thr, prefix);
+  }
+  // kept mass per contiguous chunk, exclusive scan, then the chunk holding u · total
+  const int chunk = (V + blockDim.x - 1) / blockDim.x;
+  const int lo = min(V, t * chunk), hi = min(V, lo + chunk);
+  unsigned long long c = 0;
+  for (int i = lo; i < hi; ++i)
+    if (fkey(row[i]) >= thr) c += fx_mass(row[i], m, inv_t);
+  sums[t] = c;
+  __syncthreads();
+  for (int o = 1; o < (int)blockDim.x; o <<= 1) {
+    const unsigned long long add = t >= o ? sums[t - o] : 0ull;
+    __syncthreads();
+    sums[t] += add;
+    __syncthreads();
+  }
+  const unsigned long long total = sums[blockDim.x - 1];
+  unsigned long long r = (unsigned long long)((double)u[blockIdx.x] * (double)total);
+  if (r >= total) r = total - 1;
+  unsigned long long acc = sums[t] - c;
+  if (c > 0 && r >= acc && r < acc + c) {
+    for (int i = lo; i < hi; ++i) {
+      if (fkey(row[i]) < thr) continue;
+      acc += fx_mass(row[i], m, inv_t);
+      if (r < acc) {
+        out[blockIdx.x] = i;
+        break;
+      }
+    }
+  }
+}

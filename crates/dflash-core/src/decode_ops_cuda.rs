@@ -1,0 +1,513 @@
+//! Launches of the decoding-step kernels (`decode_kernels.cu`, NVRTC, compiled once per process)
+//! and the LM head's bf16/f16 GEMM with f32 output (cuBLAS GemmEx on candle's stream).
+//!
+//! Invariants: inputs are read through their contiguous offsets (anything else is an error);
+//! every output element is written by exactly one thread, so outputs are allocated
+//! uninitialised; everything runs on candle's stream, in order with the ops around it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublas::sys as cublas;
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape};
+use candle_core::{Result, Tensor};
+use std::sync::OnceLock;
+
+const SOURCE: &str = include_str!("decode_kernels.cu");
+const MODULE: &str = "dflash_decode_kernels";
+const TPB: u32 = 1024;
+
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("decode kernels: NVRTC failed: {e:?}"))
+    })
+    .as_deref()
+    .map_err(|e| candle_core::Error::Msg(e.clone()))
+}
+
+fn contiguous<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("decode kernels: non-contiguous input".into()))?;
+    Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
+}
+
+fn not_on_cpu<T>(name: &str) -> Result<T> {
+    candle_core::bail!("{name}: the CUDA op was called on a CPU tensor")
+}
+
+struct ArgmaxRows;
+impl CustomOp1 for ArgmaxRows {
+    fn name(&self) -> &'static str {
+        "argmax-rows"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        let dev = s.device().clone();
+        let x = contiguous(s, l)?;
+        // SAFETY: the kernel writes one id per row.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        let f = dev.get_or_load_custom_func("argmax_rows", MODULE, ptx()?)?;
+        let mut b = f.builder();
+        let v = vocab as i32;
+        b.arg(&x).arg(&v).arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (TPB, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; one block per row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}
+
+/// Ids of each row's maximum (lowest id on ties; `u32::MAX` where no value wins).
+pub(crate) fn argmax_rows(logits: &Tensor) -> crate::Result<Vec<u32>> {
+    Ok(logits.apply_op1_no_bwd(&ArgmaxRows)?.to_vec1()?)
+}
+
+struct TopKRows(usize);
+impl CustomOp1 for TopKRows {
+    fn name(&self) -> &'static str {
+        "top-k-rows"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        let k = self.0;
+        let dev = s.device().clone();
+        let x = contiguous(s, l)?;
+        // SAFETY: the kernel writes k values and k ids per row (values as f32 bits).
+        let mut out = unsafe { dev.alloc::<u32>(rows * 2 * k)? };
+        let f = dev.get_or_load_custom_func("topk_rows", MODULE, ptx()?)?;
+        {
+            let (mut vals, mut ids) = out.split_at_mut(rows * k);
+            let mut b = f.builder();
+            let (v, kk) = (vocab as i32, k as i32);
+            b.arg(&x).arg(&v).arg(&kk).arg(&mut vals).arg(&mut ids);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (TPB, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match the kernel's signature (the value plane is written as
+            // f32 through a u32 buffer of the same size); one block per row.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((2, rows, k)),
+        ))
+    }
+}
+
+/// Each row's `k` largest log-probabilities (value, id), unsorted.
+pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> crate::Result<Vec<Vec<(f32, u32)>>> {
+    let out: Vec<Vec<Vec<u32>>> = logits.apply_op1_no_bwd(&TopKRows(k))?.to_vec3()?;
+    Ok(out[0]
+        .iter()
+        .zip(&out[1])
+        .map(|(vals, ids)| {
+            vals.iter()
+                .zip(ids)
+                .map(|(&v, &i)| (f32::from_bits(v), i))
+                .collect()
+        })
+        .collect())
+}
+
+struct VisibilityMask {
+    past: usize,
+}
+impl CustomOp1 for VisibilityMask {
+    fn name(&self) -> &'static str {
+        "visibility-mask"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let n = l.shape().dims1()?;
+        let kv = self.past + n;
+        let dev = s.device().clone();
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("visibility mask: strided parents".into()))?;
+        let parents = s.as_cuda_slice::<i64>()?.slice(a..b);
+        // SAFETY: one thread per (query, key) writes every element.
+        let out = unsafe { dev.alloc::<f32>(n * kv)? };
+        let f = dev.get_or_load_custom_func("visibility_mask", MODULE, ptx()?)?;
+        let mut bld = f.builder();
+        let (nn, past) = (n as i32, self.past as i32);
+        bld.arg(&parents).arg(&nn).arg(&past).arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (kv.div_ceil(256) as u32, n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; the grid covers [n, kv].
+        unsafe { bld.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, kv))))
+    }
+}
+
+/// The additive mask of [`crate::decode_ops::visibility_mask`], built on the device from the
+/// `n` parent indices (the only upload).
+pub(crate) fn visibility_mask(parents: &[i64], past: usize, dev: &Device) -> crate::Result<Tensor> {
+    let p = Tensor::from_slice(parents, parents.len(), dev)?;
+    Ok(p.apply_op1_no_bwd(&VisibilityMask { past })?)
+}
+
+struct MatmulTF32;
+impl CustomOp2 for MatmulTF32 {
+    fn name(&self) -> &'static str {
+        "matmul-t-f32-out"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, k) = xl.shape().dims2()?;
+        let (v, _) = wl.shape().dims2()?;
+        let dev = xs.device().clone();
+        let stream = dev.cuda_stream();
+        let ((xa, xb), (wa, wb)) = match (xl.contiguous_offsets(), wl.contiguous_offsets()) {
+            (Some(x), Some(w)) => (x, w),
+            _ => candle_core::bail!("matmul_t_f32: non-contiguous operand"),
+        };
+        let ty = match xs.dtype() {
+            DType::BF16 => cublas::cudaDataType_t::CUDA_R_16BF,
+            DType::F16 => cublas::cudaDataType_t::CUDA_R_16F,
+            d => candle_core::bail!("matmul_t_f32: {d:?} operands"),
+        };
+        // SAFETY: cuBLAS writes all n·v outputs (beta = 0).
+        let mut out = unsafe { dev.alloc::<f32>(n * v)? };
+        let blas = dev.cublas_handle();
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        macro_rules! ptrs {
+            ($t:ty) => {{
+                let x = xs.as_cuda_slice::<$t>()?.slice(xa..xb);
+                let w = ws.as_cuda_slice::<$t>()?.slice(wa..wb);
+                let (xp, _gx) = x.device_ptr(&stream);
+                let (wp, _gw) = w.device_ptr(&stream);
+                let (op, _go) = out.device_ptr_mut(&stream);
+                // Column-major: out (v × n, ld v) = wᵀ (v × k; w is k × v, ld k) · x (k × n, ld k).
+                // SAFETY: pointers are live device buffers of the stated sizes on this stream.
+                unsafe {
+                    candle_core::cuda_backend::cudarc::cublas::result::gemm_ex(
+                        *blas.handle(),
+                        cublas::cublasOperation_t::CUBLAS_OP_T,
+                        cublas::cublasOperation_t::CUBLAS_OP_N,
+                        v as i32,
+                        n as i32,
+                        k as i32,
+                        &alpha as *const f32 as *const _,
+                        wp as *const _,
+                        ty,
+                        k as i32,
+                        xp as *const _,
+                        ty,
+                        k as i32,
+                        &beta as *const f32 as *const _,
+                        op as *mut _,
+                        cublas::cudaDataType_t::CUDA_R_32F,
+                        v as i32,
+                        cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| candle_core::Error::Msg(format!("matmul_t_f32: {e:?}")))?;
+            }};
+        }
+        match xs.dtype() {
+            DType::BF16 => ptrs!(half::bf16),
+            _ => ptrs!(half::f16),
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, v))))
+    }
+}
+
+pub(crate) fn matmul_t_f32(x: &Tensor, w: &Tensor) -> crate::Result<Tensor> {
+    Ok(x.apply_op2_no_bwd(w, &MatmulTF32)?)
+}
+
+fn sfx(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => candle_core::bail!("decode kernels: {d:?} not supported"),
+    }
+}
+
+/// Scores `[b, rows_per_b, kv]` (contiguous) and an optional additive f32 mask `[q_len, kv]`
+/// (shared) or `[b, q_len, kv]`.
+struct SoftmaxScaled {
+    q_len: usize,
+    scale: f32,
+    mask_bstride: usize,
+}
+
+impl SoftmaxScaled {
+    #[allow(clippy::too_many_arguments)]
+    fn launch<
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    >(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        mask: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (b, rows_per_b, kv) = l.shape().dims3()?;
+        let dev = s.device().clone();
+        let (a, e) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("softmax_scaled: strided scores".into()))?;
+        let sv = s.as_cuda_slice::<T>()?.slice(a..e);
+        let total = b * rows_per_b;
+        // SAFETY: one warp per row writes every element of its row.
+        let out = unsafe { dev.alloc::<T>(total * kv)? };
+        let f = dev.get_or_load_custom_func(
+            &format!("softmax_scaled_{}", sfx(s.dtype())?),
+            MODULE,
+            ptx()?,
+        )?;
+        let dummy;
+        let mv = match mask {
+            Some((ms, ml)) => {
+                let (ma, me) = ml.contiguous_offsets().ok_or_else(|| {
+                    candle_core::Error::Msg("softmax_scaled: strided mask".into())
+                })?;
+                ms.as_cuda_slice::<f32>()?.slice(ma..me)
+            }
+            None => {
+                dummy = dev.alloc_zeros::<f32>(1)?;
+                dummy.slice(0..1)
+            }
+        };
+        let mut bld = f.builder();
+        let ints = [total, rows_per_b, self.q_len, kv].map(|x| x as i32);
+        let (bstride, has) = (self.mask_bstride as i64, mask.is_some() as i32);
+        bld.arg(&sv).arg(&mv);
+        for x in &ints {
+            bld.arg(x);
+        }
+        bld.arg(&bstride).arg(&has).arg(&self.scale).arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(4) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; 4 rows (warps) per block.
+        unsafe { bld.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), l.shape().clone()))
+    }
+}
+
+impl CustomOp1 for SoftmaxScaled {
+    fn name(&self) -> &'static str {
+        "softmax-scaled"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu("softmax-scaled")
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        match s.dtype() {
+            DType::BF16 => self.launch::<half::bf16>(s, l, None),
+            _ => self.launch::<f32>(s, l, None),
+        }
+    }
+}
+
+impl CustomOp2 for SoftmaxScaled {
+    fn name(&self) -> &'static str {
+        "softmax-scaled-masked"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu("softmax-scaled")
+    }
+    fn cuda_fwd(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        m: &CudaStorage,
+        ml: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        match s.dtype() {
+            DType::BF16 => self.launch::<half::bf16>(s, l, Some((m, ml))),
+            _ => self.launch::<f32>(s, l, Some((m, ml))),
+        }
+    }
+}
+
+/// `softmax(scale·scores + mask)` per row of `[b, rows_per_b, kv]` scores (f32 or bf16; the
+/// result has their dtype). `mask`: f32 `[q_len, kv]` or `[b, q_len, kv]`.
+pub(crate) fn softmax_scaled(
+    scores: &Tensor,
+    mask: Option<&Tensor>,
+    q_len: usize,
+    scale: f32,
+) -> crate::Result<Tensor> {
+    let s = scores.contiguous()?;
+    Ok(match mask {
+        None => s.apply_op1_no_bwd(&SoftmaxScaled {
+            q_len,
+            scale,
+            mask_bstride: 0,
+        })?,
+        Some(m) => {
+            let kv = m.dim(candle_core::D::Minus1)?;
+            let op = SoftmaxScaled {
+                q_len,
+                scale,
+                mask_bstride: if m.rank() == 3 { q_len * kv } else { 0 },
+            };
+            s.apply_op2_no_bwd(&m.to_dtype(DType::F32)?.contiguous()?, &op)?
+        }
+    })
+}
+
+struct SiluMul;
+impl CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn go<
+            T: candle_core::cuda_backend::CudaDType
+                + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        >(
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let dims = l.shape().dims();
+            let two = *dims.last().expect("rank checked by the caller");
+            let (inter, rows) = (two / 2, l.shape().elem_count() / two);
+            let dev = s.device().clone();
+            let (a, e) = l
+                .contiguous_offsets()
+                .ok_or_else(|| candle_core::Error::Msg("silu_mul: strided input".into()))?;
+            let x = s.as_cuda_slice::<T>()?.slice(a..e);
+            // SAFETY: one thread per output element.
+            let out = unsafe { dev.alloc::<T>(rows * inter)? };
+            let f = dev.get_or_load_custom_func(
+                &format!("silu_mul_{}", sfx(s.dtype())?),
+                MODULE,
+                ptx()?,
+            )?;
+            let mut bld = f.builder();
+            let (r, i) = (rows as i32, inter as i32);
+            bld.arg(&x).arg(&r).arg(&i).arg(&out);
+            let cfg = LaunchConfig {
+                grid_dim: ((rows * inter).div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match the kernel's signature; the grid covers every output.
+            unsafe { bld.launch(cfg) }.w()?;
+            let mut shape = dims.to_vec();
+            *shape.last_mut().expect("rank ≥ 1") = inter;
+            Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(shape)))
+        }
+        match s.dtype() {
+            DType::BF16 => go::<half::bf16>(s, l),
+            _ => go::<f32>(s, l),
+        }
+    }
+}
+
+/// `silu(gate) · up` for `x = [gate | up]` along the last dimension.
+pub(crate) fn silu_mul(x: &Tensor) -> crate::Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1_no_bwd(&SiluMul)?)
+}
+
+struct SampleRows<'a> {
+    inv_t: f32,
+    top_k: i32,
+    top_p: f32,
+    u: &'a [f32],
+}
+impl CustomOp1 for SampleRows<'_> {
+    fn name(&self) -> &'static str {
+        "sample-rows"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        let dev = s.device().clone();
+        let x = contiguous(s, l)?;
+        let u = dev.clone_htod(self.u)?;
+        // SAFETY: exactly one thread of each row's block writes its id.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        let f = dev.get_or_load_custom_func("sample_rows", MODULE, ptx()?)?;
+        let mut b = f.builder();
+        let v = vocab as i32;
+        b.arg(&x)
+            .arg(&v)
+            .arg(&self.inv_t)
+            .arg(&self.top_k)
+            .arg(&self.top_p)
+            .arg(&u)
+            .arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (TPB, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; one block per row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}
+
+pub(crate) fn sample_rows(
+    logits: &Tensor,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    u: &[f32],
+) -> crate::Result<Vec<u32>> {
+    let op = SampleRows {
+        inv_t: 1.0 / temperature,
+        top_k: top_k.min(i32::MAX as usize) as i32,
+        top_p,
+        u,
+    };
+    Ok(logits.apply_op1_no_bwd(&op)?.to_vec1()?)
+}

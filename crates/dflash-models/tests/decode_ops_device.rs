@@ -1,0 +1,252 @@
+//! The decoding-step ops on `DFLASH_TEST_DEVICE` (cpu | cuda[:N]; default cpu) against host
+//! references on fresh random data with planted ties: argmax ids, top-k ids and log-probs,
+//! visibility masks, the scaled masked softmax and silu·mul against candle's composites, and the
+//! f32-output LM-head GEMM against an f32 GEMM of the upcast operands. On the CPU this checks the
+//! host paths; `scripts/build-cuda.sh` packages the CUDA build so the GPU machine runs the same
+//! (it lives in dflash-models so that build shares the fixture tests' feature set).
+
+use candle_core::{DType, Device, Tensor, D};
+use dflash_core::decode_ops::{
+    argmax, argmax_rows, matmul_t_f32, silu_mul, softmax_scaled, top_k_host, top_k_log_probs,
+    visibility_mask,
+};
+
+fn device() -> Device {
+    let d = std::env::var("DFLASH_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    dflash_core::parse_device(&d).unwrap()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// Rows of logits with repeated values (ties at the top and inside the top-k).
+fn logits_with_ties(rows: usize, vocab: usize, seed: u64) -> Vec<Vec<f32>> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    (0..rows)
+        .map(|r| {
+            let mut row: Vec<f32> = (0..vocab)
+                .map(|_| (next() % 4096) as f32 / 256.0 - 8.0)
+                .collect();
+            if r % 2 == 0 {
+                let top = row.iter().cloned().fold(f32::MIN, f32::max);
+                let a = (next() as usize) % vocab;
+                let b = (next() as usize) % vocab;
+                row[a] = top + 1.0;
+                row[b] = top + 1.0;
+            }
+            row
+        })
+        .collect()
+}
+
+#[test]
+fn argmax_rows_matches_the_host_on_the_device() {
+    let dev = device();
+    for (rows, vocab) in [(1, 49152), (17, 151936), (65, 1000)] {
+        let host = logits_with_ties(rows, vocab, rows as u64);
+        let t = Tensor::new(host.clone(), &Device::Cpu)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap();
+        let want: Vec<u32> = host.iter().map(|r| argmax(r)).collect();
+        assert_eq!(argmax_rows(&t).unwrap(), want, "{rows}×{vocab}");
+    }
+}
+
+#[test]
+fn top_k_log_probs_matches_the_host_on_the_device() {
+    let dev = device();
+    for (rows, vocab, k) in [
+        (15, 49152, 64),
+        (15, 151936, 256),
+        (3, 300, 300),
+        (2, 50, 1),
+    ] {
+        let host = logits_with_ties(rows, vocab, 7 + k as u64);
+        let t = Tensor::new(host.clone(), &Device::Cpu).unwrap();
+        let lp: Vec<Vec<f32>> = candle_nn::ops::log_softmax(&t, D::Minus1)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let want = top_k_host(&lp, k);
+        let got = top_k_log_probs(&t.to_device(&dev).unwrap(), k).unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            let gi: Vec<u32> = g.iter().map(|x| x.1).collect();
+            let wi: Vec<u32> = w.iter().map(|x| x.1).collect();
+            assert_eq!(gi, wi, "{rows}×{vocab} k {k}");
+            for (a, b) in g.iter().zip(w) {
+                assert!((a.0 - b.0).abs() < 1e-4, "{} vs {}", a.0, b.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn visibility_masks_match_the_host_on_the_device() {
+    let dev = device();
+    let parents: Vec<i64> = (0..65)
+        .map(|i: i64| if i == 0 { -1 } else { (i - 1) / 3 })
+        .collect();
+    let chain: Vec<i64> = (0..16).map(|i| i - 1).collect();
+    for (p, past) in [(&parents, 37usize), (&chain, 0), (&chain, 300)] {
+        let want = visibility_mask(p, past, &Device::Cpu).unwrap();
+        let got = visibility_mask(p, past, &dev).unwrap();
+        let w: Vec<Vec<f32>> = want.to_vec2().unwrap();
+        let g: Vec<Vec<f32>> = got.to_device(&Device::Cpu).unwrap().to_vec2().unwrap();
+        assert_eq!(g, w);
+    }
+}
+
+#[test]
+fn softmax_scaled_and_silu_mul_match_the_composites() {
+    let dev = device();
+    for dtype in [DType::F32, DType::BF16] {
+        let (b, rows, q, kv) = (2, 3 * 4 * 5, 5, 77);
+        let s = Tensor::randn(0f32, 3.0, (b, rows, kv), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let parents: Vec<i64> = (0..q as i64).map(|i| i - 1).collect();
+        let mask = visibility_mask(&parents, kv - q, &dev).unwrap();
+        let scale = 0.125f32;
+        let composite = |m: Option<&Tensor>| -> Tensor {
+            let x = (s.to_dtype(DType::F32).unwrap() * scale as f64).unwrap();
+            let x = match m {
+                Some(m) => x
+                    .reshape((b, rows / q, q, kv))
+                    .unwrap()
+                    .broadcast_add(m)
+                    .unwrap()
+                    .reshape((b, rows, kv))
+                    .unwrap(),
+                None => x,
+            };
+            candle_nn::ops::softmax(&x, D::Minus1)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let tol = if dtype == DType::F32 { 1e-6 } else { 8e-3 };
+        for m in [None, Some(&mask)] {
+            if let Some(got) = softmax_scaled(&s, m, q, scale).unwrap() {
+                let d = max_abs(&got, &composite(m));
+                assert!(d < tol, "{dtype:?} mask {} diff {d}", m.is_some());
+            }
+        }
+        let x = Tensor::randn(0f32, 2.0, (3, 2, 2 * 40), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let want = (candle_nn::ops::silu(&x.narrow(2, 0, 40).unwrap()).unwrap()
+            * x.narrow(2, 40, 40).unwrap())
+        .unwrap();
+        // relative to the largest output: f32 differs in expf only; bf16's composite rounds
+        // silu(gate) to bf16 before the product (two roundings against one)
+        let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let scale: f32 = scale.to_dtype(DType::F32).unwrap().to_scalar().unwrap();
+        let d = max_abs(&silu_mul(&x).unwrap(), &want) / scale;
+        assert!(
+            d < if dtype == DType::F32 { 2e-6 } else { 1.6e-2 },
+            "{dtype:?} {d}"
+        );
+    }
+}
+
+#[test]
+fn matmul_t_f32_matches_an_f32_gemm_of_the_upcast_operands() {
+    let dev = device();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = Tensor::randn(0f32, 1.0, (17, 256), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let w = Tensor::randn(0f32, 1.0, (1000, 256), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let got = matmul_t_f32(&x, &w).unwrap();
+        assert_eq!(got.dtype(), DType::F32);
+        let want = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+            .unwrap();
+        let d = max_abs(&got, &want);
+        assert!(d < 1e-3, "{dtype:?} {d}");
+    }
+}
+
+#[test]
+fn device_sampling_matches_its_host_rule_and_the_samplers_distribution() {
+    use dflash_core::decode_ops::{sample_row_host, sample_rows};
+    let dev = device();
+    // distinct logits (no ties at any cut): the rule's kept set and probabilities are the
+    // sorted sampler's (`Sampler::distribution` in dflash-decoding, checked by chi-square there)
+    let vocab = 3000;
+    let row: Vec<f32> = (0..vocab)
+        .map(|i| ((i as u64 * 2654435761) % 10007) as f32 / 700.0)
+        .collect();
+    let t = Tensor::new(vec![row.clone(); 64], &Device::Cpu)
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    let mut s = 0x2545F4914F6CDD1Du64;
+    for (temp, top_k, top_p) in [(0.7, 0, 0.9), (1.0, 50, 1.0), (0.5, 20, 0.8), (1.3, 0, 1.0)] {
+        let u: Vec<f32> = (0..64)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32
+            })
+            .collect();
+        let got = sample_rows(&t, temp, top_k, top_p, &u).unwrap();
+        let want: Vec<u32> = u
+            .iter()
+            .map(|&x| sample_row_host(&row, temp, top_k, top_p, x))
+            .collect();
+        let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        // host exp and device expf may differ in the last bit: a u within ~1e-7 of a boundary
+        assert!(
+            same >= 63,
+            "T {temp} k {top_k} p {top_p}: {same}/64 ({got:?} vs {want:?})"
+        );
+        // every sample is inside the sorted sampler's kept set
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        let kept_k = if top_k > 0 { top_k } else { vocab };
+        let zk: f64 = order[..kept_k]
+            .iter()
+            .map(|&i| ((row[i] - row[order[0]]) as f64 / temp as f64).exp())
+            .sum();
+        let mut cum = 0.0;
+        let mut kept = kept_k;
+        for (j, &i) in order[..kept_k].iter().enumerate() {
+            cum += ((row[i] - row[order[0]]) as f64 / temp as f64).exp() / zk;
+            if cum >= top_p as f64 {
+                kept = j + 1;
+                break;
+            }
+        }
+        for &g in &got {
+            let rank = order.iter().position(|&i| i == g as usize).unwrap();
+            assert!(rank < kept, "sampled rank {rank} outside the kept {kept}");
+        }
+    }
+}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (one device call; carry dist/cuda from scripts/build-cuda.sh): the
+# decode-op parity tests and the reference fixtures on CUDA, then `dflash bench decode` at the
+# SmolLM2-135M, Qwen3-0.6B and Qwen3-8B shapes (random weights), each with the decode fusions off
+# (DFLASH_FUSED_DECODE=0, the plain candle path) and on, beside transformers on the same shapes in
+# the same call (scripts/peer_decode.py). Everything lands in $OUT/bench-decode.jsonl (one JSON per
+# line, tagged) and $OUT/bench-decode.log; the last lines printed are a summary table.
+# Knobs: SHAPES="smollm2-135m:f32:512 ..." (shape:dtype:context), ROUNDS, PEER=0 to skip peers,
+# TESTS=0 to skip the tests.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ROUNDS=${ROUNDS:-30}
+SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
+J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
+: > "$J"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$LOG"
+mkdir -p /tmp/bin && for f in ${DIST:-dist/cuda}/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done
+chmod +x /tmp/bin/*
+D=/tmp/bin/dflash
+if [ "${TESTS:-1}" = 1 ]; then
+  echo "== decode ops on cuda" | tee -a "$LOG"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  for dt in f32 bf16; do
+    echo "== reference fixtures on cuda $dt (fused decode path)" | tee -a "$LOG"
+    DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
+      --test-threads 1 --skip smollm2 2>&1 | grep -E "result|FAILED|panicked" | tee -a "$LOG"
+  done
+fi
+tag() {  # tag KEY=VALUE... < one JSON document > one tagged line appended to $J
+  python3 -c 'import json,sys
+d=json.load(sys.stdin)
+for kv in sys.argv[1:]:
+    k,v=kv.split("=",1); d[k]=v
+print(json.dumps(d))' "$@" >> "$J"
+}
+for spec in $SHAPES; do
+  IFS=: read -r shape dtype ctx <<< "$spec"
+  for fused in 0 1; do
+    echo "== dflash bench decode $shape $dtype context $ctx fused=$fused" | tee -a "$LOG"
+    DFLASH_FUSED_DECODE=$fused timeout 300 $D bench decode --shape "$shape" --context "$ctx" --device cuda \
+      --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
+      && tag engine=dflash fused=$fused < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
+  done
+  if [ "${PEER:-1}" = 1 ]; then
+    echo "== transformers $shape $dtype context $ctx" | tee -a "$LOG"
+    timeout 400 python3 scripts/peer_decode.py --shape "$shape" --context "$ctx" --dtype "$dtype" \
+      --rounds "$ROUNDS" --out /tmp/peer.json 2>>"$LOG" >/dev/null \
+      && tag engine=transformers < /tmp/peer.json || echo "FAILED ($?)" | tee -a "$LOG"
+  fi
+done
+python3 - "$J" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def f(x):
+    return "-" if x is None else f"{x:.3f}"
+print(f"{'shape':14} {'dt':4} {'ctx':>5} {'engine':13} {'floor':>7} {'AR':>7} {'chain16':>8} {'tree64':>8} {'tree256':>8} {'draft':>7} {'tree-b':>7} {'sampled':>8}")
+for r in rows:
+    v = r.get("verify_ms") or {}
+    eng = r["engine"] + ("" if r["engine"] != "dflash" else ("+fused" if r.get("fused") == "1" else "-plain"))
+    print(f"{r.get('shape','?'):14} {r.get('dtype','?'):4} {r.get('context',0):>5} {eng:13} {f(r.get('floor_ms')):>7} "
+          f"{f(r.get('ar_step_ms')):>7} {f(v.get('chain16')):>8} {f(v.get('tree64')):>8} {f(v.get('tree256')):>8} "
+          f"{f(r.get('draft_block_ms')):>7} {f(r.get('tree_build_ms')):>7} {f(r.get('sampled_step_ms')):>8}")
+PY

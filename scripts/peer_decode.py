@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""The peer column for `dflash bench decode`: the same step parts timed in transformers.
+
+Run on the GPU machine (torch + transformers 5.x; no network needed): each named shape is built
+from its config with random weights directly on the GPU (`attn_implementation="sdpa"`), the
+context is prefilled into a DynamicCache, and then, after warm-up, each op is timed between
+`torch.cuda.synchronize()` calls and the median of `--rounds` runs is reported:
+
+- `ar_step_ms`: one token over the cache (logits of that token only), its argmax read back, the
+  cache cropped back to the context;
+- `sampled_step_ms`: the same with T = 0.7, top-p 0.9 sampling on the GPU (torch ops);
+- `verify_ms.chain16`: a block of `--block-size` tokens (causal), every row's argmax read back;
+- `verify_ms.treeW`: a tree of W + 1 nodes (a binary-heap tree, `parents[i] = (i - 1) // 2`,
+  positions context + depth) under a 4D ancestor mask; null (with `tree_error`) when this
+  transformers refuses custom 4D masks. No KV compaction (dflash's includes it);
+- `copy_gbps`: a 2 GiB `clone` (bytes read + written), and `floor_ms`: the bytes an AR step must
+  read (weights once in the compute dtype, the embedding as one row unless tied, K and V at the
+  context) over that bandwidth.
+
+Prints JSON (and writes it with `--out`) with the keys `dflash bench decode` uses, plus
+`peer: "transformers <version>"`. Importable without torch: torch is imported inside main.
+
+    python3 scripts/peer_decode.py --shape qwen3-8b --context 512 --out peer.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SHAPES = {
+    "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                 tie_word_embeddings=False),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=40960,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, max_position_embeddings=40960,
+                     tie_word_embeddings=False),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--widths", default="16,64,256")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    try:
+        a.widths = sorted({int(w) for w in a.widths.split(",") if w.strip()})
+    except ValueError:
+        p.error(f"--widths: bad list {a.widths!r}")
+    if not a.widths or min(a.widths) <= 0 or a.rounds <= 0 or a.context < 1 or a.block_size < 2:
+        p.error("--widths, --rounds, --context must be positive and --block-size at least 2")
+    return a
+
+
+def crop(cache, ctx):
+    """Drops the cache's rows past `ctx` (a negative count: positive lengths are deprecated)."""
+    extra = cache.get_seq_length() - ctx
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def tree_parents(n):
+    """A binary-heap tree of n nodes: node 0 the root, parents[i] = (i - 1) // 2."""
+    return [-1] + [(i - 1) // 2 for i in range(1, n)]
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    dev = torch.device(a.device)
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a.dtype]
+    spec = dict(SHAPES[a.shape])
+    if a.context + max(max(a.widths) + 1, a.block_size) > spec["max_position_embeddings"]:
+        sys.exit("context too long for the shape")
+    torch.manual_seed(a.seed)
+    mt = spec.pop("model_type")
+    cfg = AutoConfig.for_model(mt, **spec)
+    cfg._attn_implementation = "sdpa"
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        except TypeError:
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype,
+                                                     attn_implementation="sdpa")
+    model = model.to(dev, dtype).eval()
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync()
+    build_s = time.perf_counter() - t0
+
+    def timed(f):
+        for _ in range(max(a.warmup, 1)):
+            f()
+        sync()
+        v = []
+        for _ in range(a.rounds):
+            t = time.perf_counter()
+            f()
+            sync()
+            v.append(time.perf_counter() - t)
+        v.sort()
+        return {"median_ms": statistics.median(v) * 1e3, "min_ms": v[0] * 1e3,
+                "p90_ms": v[max(-(-len(v) * 9 // 10), 1) - 1] * 1e3}
+
+    # copy bandwidth: a 2 GiB clone, bytes read + written
+    n = 2 << 30 if dev.type == "cuda" else 256 << 20
+    x = torch.empty(n, dtype=torch.uint8, device=dev)
+    copy = timed(lambda: x.clone())
+    del x
+    copy_gbps = 2 * n / (copy["median_ms"] / 1e3) / 1e9
+
+    ctx = a.context
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    ids = torch.tensor([[(i * 7919 + 13) % vocab for i in range(ctx)]], device=dev)
+    stats = {}
+    with torch.inference_mode():
+        cache = DynamicCache(config=cfg) if "config" in DynamicCache.__init__.__code__.co_varnames \
+            else DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        bonus = int(out.logits[0, -1].argmax())
+        one = torch.tensor([[bonus]], device=dev)
+        one_pos = torch.tensor([[ctx]], device=dev)
+
+        def ar_step():
+            o = model(input_ids=one, position_ids=one_pos, past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+            int(o.logits[0, -1].argmax())
+            crop(cache, ctx)
+
+        gen = torch.Generator(device=dev).manual_seed(1)
+
+        def sampled_step():
+            o = model(input_ids=one, position_ids=one_pos, past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+            p = torch.softmax(o.logits[0, -1].float() / 0.7, -1)
+            sp, si = p.sort(descending=True)
+            keep = sp.cumsum(-1) - sp < 0.9
+            sp = sp * keep
+            int(si[torch.multinomial(sp / sp.sum(), 1, generator=gen)])
+            crop(cache, ctx)
+
+        stats["ar_step"] = timed(ar_step)
+        stats["sampled_step"] = timed(sampled_step)
+
+        bs = a.block_size
+        block = torch.tensor([[(bonus + 31 * i) % vocab for i in range(bs)]], device=dev)
+        block_pos = torch.arange(ctx, ctx + bs, device=dev)[None]
+
+        def verify_chain():
+            o = model(input_ids=block, position_ids=block_pos, past_key_values=cache,
+                      use_cache=True)
+            o.logits[0].argmax(-1).tolist()
+            crop(cache, ctx)
+
+        stats[f"verify.chain{bs}"] = timed(verify_chain)
+
+        tree_error = None
+        tree_mask_kind = None
+        for w in a.widths:
+            nodes = w + 1
+            parents = tree_parents(nodes)
+            depth = [0] * nodes
+            vis = torch.zeros(nodes, ctx + nodes, dtype=torch.bool)
+            vis[:, :ctx] = True
+            for i in range(nodes):
+                if i:
+                    depth[i] = depth[parents[i]] + 1
+                j = i
+                while j >= 0:
+                    vis[i, ctx + j] = True
+                    j = parents[j]
+            tok = torch.tensor([[(bonus + 17 * i) % vocab for i in range(nodes)]], device=dev)
+            pos = torch.tensor([[ctx + d for d in depth]], device=dev)
+            masks = [("4d bool", vis[None, None].to(dev))]
+            additive = torch.zeros(nodes, ctx + nodes, dtype=dtype)
+            additive.masked_fill_(~vis, torch.finfo(dtype).min)
+            masks.append(("4d additive", additive[None, None].to(dev)))
+            key = f"verify.tree{w}"
+            stats[key] = None
+            for kind, m in masks if tree_mask_kind is None else \
+                    [x for x in masks if x[0] == tree_mask_kind]:
+                def verify_tree(m=m, tok=tok, pos=pos):
+                    o = model(input_ids=tok, position_ids=pos, attention_mask=m,
+                              past_key_values=cache, use_cache=True)
+                    o.logits[0].argmax(-1).tolist()
+                    crop(cache, ctx)
+                try:
+                    stats[key] = timed(verify_tree)
+                    tree_mask_kind = kind
+                    tree_error = None
+                    break
+                except Exception as e:  # this transformers refuses the mask: try the next kind
+                    crop(cache, ctx)
+                    tree_error = f"{kind}: {type(e).__name__}: {e}"[:500]
+
+    params = sum(p.numel() for p in model.parameters())
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    weights = params if tied else params - vocab * hidden + hidden
+    hd = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * ctx
+    esize = torch.tensor([], dtype=dtype).element_size()
+    bytes_per_step = (weights + kv) * esize
+    floor = bytes_per_step / (copy_gbps * 1e9)
+
+    med = {k: (v["median_ms"] if v else None) for k, v in stats.items()}
+    ar = med["ar_step"]
+    report = {
+        "peer": f"transformers {transformers.__version__}",
+        "torch": torch.__version__,
+        "shape": a.shape,
+        "device": str(dev) if dev.index is not None or dev.type != "cuda" else "cuda:0",
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "dtype": a.dtype,
+        "context": ctx,
+        "rounds": a.rounds,
+        "warmup": a.warmup,
+        "attn_implementation": "sdpa",
+        "params_target": params,
+        "bytes_per_step": bytes_per_step,
+        "copy_gbps": copy_gbps,
+        "copy_method": f"torch clone ({n >> 20} MiB)",
+        "floor_ms": floor * 1e3,
+        "ar_step_ms": ar,
+        "sampled_step_ms": med["sampled_step"],
+        "verify_ms": {k.split(".", 1)[1]: v for k, v in med.items() if k.startswith("verify.")},
+        "tree_shape": "binary heap, parents[i] = (i - 1) // 2; no KV compaction",
+        "tree_mask": tree_mask_kind,
+        "tree_error": tree_error,
+        "stats": stats,
+        "ratio_to_ar_step": {k: (v / ar if v else None) for k, v in med.items()},
+        "ratio_to_floor": {k: (v / (floor * 1e3) if v else None) for k, v in med.items()},
+        "setup_seconds": build_s,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, a.out)
+    w = max(len(k) for k in med)
+    print(f"{'op':<{w}} {'ms':>10} {'x AR':>8} {'x floor':>8}", file=sys.stderr)
+    for k, v in med.items():
+        if v is None:
+            print(f"{k:<{w}} {'-':>10}", file=sys.stderr)
+        else:
+            print(f"{k:<{w}} {v:>10.3f} {v / ar:>8.2f} {v / (floor * 1e3):>8.2f}",
+                  file=sys.stderr)
+    print(f"{'floor':<{w}} {floor * 1e3:>10.3f}  ({bytes_per_step / 1e6:.1f} MB at "
+          f"{copy_gbps:.0f} GB/s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
