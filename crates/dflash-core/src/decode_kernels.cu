@@ -376,3 +376,91 @@ extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int t
     }
   }
 }
+
+// qkv_heads_{f32,bf16}: the fused q/k/v projection's rows y [n, (H + 2·KV)·hd] to head-major
+// q | k | v = out [H + 2·KV, n, hd]: per-head RMSNorm of q and k when has_norm (Qwen3; f32 math,
+// x·rsqrt(mean x² + eps)·w rounded once, as candle's fused rms_norm), then rotate-half RoPE of the
+// first `rot` channels of q and k with cos/sin [n, rot/2] (rounded once), v copied. One block per
+// (row, head), one thread per channel (blockDim.x = hd ≤ 1024).
+template <typename T>
+__device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const T* qw, const T* kw,
+                          int n, int H, int KV, int hd, int rot, int has_norm, float eps, T* out) {
+  extern __shared__ float sh[];  // hd values + 32 partial sums
+  const int r = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
+  const int heads = H + 2 * KV;
+  float v = ldv(y, ((long long)r * heads + h) * hd + c);
+  const bool is_v = h >= H + KV;
+  if (!is_v && has_norm) {
+    float sq = v * v;
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if ((c & 31) == 0) sh[hd + (c >> 5)] = sq;
+    __syncthreads();
+    if (c == 0) {
+      float s = 0.0f;
+      for (int w = 0; w < (hd + 31) / 32; ++w) s += sh[hd + w];
+      sh[hd] = s;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(sh[hd] / hd + eps);
+    const T* w = h < H ? qw : kw;
+    T tmp[1];
+    stv(tmp, 0, v * inv * ldv(w, c));
+    v = ldv(tmp, 0);
+    __syncthreads();
+  }
+  if (!is_v) {  // uniform in the block: every thread reaches the barrier
+    if (c < rot) sh[c] = v;
+    __syncthreads();
+    if (c < rot) {
+      const int half = rot / 2;
+      const int j = c < half ? c : c - half;
+      const float cs = ldv(cos_t, (long long)r * half + j);
+      const float sn = ldv(sin_t, (long long)r * half + j);
+      v = c < half ? v * cs - sh[c + half] * sn : v * cs + sh[c - half] * sn;
+    }
+  }
+  stv(out, ((long long)h * n + r) * hd + c, v);
+}
+
+extern "C" __global__ void qkv_heads_f32(const float* y, const float* cs, const float* sn,
+                                         const float* qw, const float* kw, int n, int H, int KV,
+                                         int hd, int rot, int has_norm, float eps, float* out) {
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out);
+}
+
+extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, const bf16_t* sn,
+                                          const bf16_t* qw, const bf16_t* kw, int n, int H, int KV,
+                                          int hd, int rot, int has_norm, float eps, bf16_t* out) {
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out);
+}
+
+// add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w
+// (f32 math, rounded once), for rows of width W: out = [s ; normed], each [rows, W]. One block per
+// row.
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* d, const T* w, int rows, int W, float eps,
+                             T* out) {
+  __shared__ float red[32];
+  const int r = blockIdx.x;
+  const long long off = (long long)r * W;
+  float sq = 0.0f;
+  for (int i = threadIdx.x; i < W; i += blockDim.x) {
+    stv(out, off + i, ldv(x, off + i) + ldv(d, off + i));
+    const float s = ldv(out, off + i);
+    sq += s * s;
+  }
+  const float inv = rsqrtf(block_sum(sq, red) / W + eps);
+  T* nrm = out + (long long)rows * W;
+  for (int i = threadIdx.x; i < W; i += blockDim.x)
+    stv(nrm, off + i, ldv(out, off + i) * inv * ldv(w, i));
+}
+
+extern "C" __global__ void add_rms_norm_f32(const float* x, const float* d, const float* w,
+                                            int rows, int W, float eps, float* out) {
+  add_rms_norm(x, d, w, rows, W, eps, out);
+}
+
+extern "C" __global__ void add_rms_norm_bf16(const bf16_t* x, const bf16_t* d, const bf16_t* w,
+                                             int rows, int W, float eps, bf16_t* out) {
+  add_rms_norm(x, d, w, rows, W, eps, out);
+}

@@ -290,6 +290,76 @@ pub fn sample_rows(
         .collect())
 }
 
+/// Head-major `(q, k, v)` (`[1, heads, n, head_dim]` each) from the fused projection's rows `y`
+/// `[n, (h + 2·kv)·head_dim]`: Qwen3's per-head q/k RMSNorm when `norms` (`[2, head_dim]`, q_norm
+/// then k_norm weights) is given, then rotate-half RoPE of the first `rot` channels of q and k with
+/// `cos_sin` (cos then sin, `[2·n, rot/2]`), as one kernel on CUDA (f32, bf16; head_dim a multiple
+/// of 32 up to 1024). `None` where the caller must take the composite.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_heads(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: Option<&Tensor>,
+    h: usize,
+    kv: usize,
+    head_dim: usize,
+    rot: usize,
+    eps: f64,
+) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let supported = head_dim.is_multiple_of(32)
+        && head_dim <= 1024
+        && rot.is_multiple_of(2)
+        && rot <= head_dim
+        && matches!(y.dtype(), DType::F32 | DType::BF16);
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() && supported {
+        let dummy;
+        let w = match norms {
+            Some(w) => w,
+            None => {
+                dummy = Tensor::zeros((2, head_dim), y.dtype(), y.device())?;
+                &dummy
+            }
+        };
+        let out = crate::decode_ops_cuda::qkv_heads(
+            y,
+            cos_sin,
+            w,
+            h,
+            kv,
+            head_dim,
+            rot,
+            norms.is_some(),
+            eps as f32,
+        )?;
+        return Ok(Some((
+            out.narrow(0, 0, h)?.unsqueeze(0)?,
+            out.narrow(0, h, kv)?.unsqueeze(0)?,
+            out.narrow(0, h + kv, kv)?.unsqueeze(0)?,
+        )));
+    }
+    let _ = (y, cos_sin, norms, h, kv, head_dim, rot, eps, supported);
+    Ok(None)
+}
+
+/// `(x + d, rms_norm(x + d)·w)` over the last dimension (the residual add and the next norm) as
+/// one kernel on CUDA (f32, bf16); `None` where the caller must take the composite.
+pub fn add_rms_norm(
+    x: &Tensor,
+    d: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && x.dims() == d.dims()
+    {
+        let out = crate::decode_ops_cuda::add_rms_norm(x, d, w, eps as f32)?;
+        return Ok(Some((out.get(0)?, out.get(1)?)));
+    }
+    let _ = (x, d, w, eps);
+    Ok(None)
+}
+
 /// `x · wᵀ` as f32 (`x`: `[n, k]`, `w`: `[v, k]`, same dtype) with f32 accumulation.
 pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (_, k) = x.dims2()?;

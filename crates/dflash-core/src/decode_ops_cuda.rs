@@ -511,3 +511,233 @@ pub(crate) fn sample_rows(
     };
     Ok(logits.apply_op1_no_bwd(&op)?.to_vec1()?)
 }
+
+fn slice_of<
+    'a,
+    T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: strided input")))?;
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// Inputs: `y` `[n, (h + 2·kv)·hd]`, `cs` = cos then sin `[2·n, rot/2]`, `norms` = q_norm then
+/// k_norm weights `[2, hd]` (ignored without `has_norm`). Output `[h + 2·kv, n, hd]`.
+struct QkvHeads {
+    h: usize,
+    kv: usize,
+    hd: usize,
+    rot: usize,
+    has_norm: bool,
+    eps: f32,
+}
+
+impl QkvHeads {
+    fn go<
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    >(
+        &self,
+        ys: &CudaStorage,
+        yl: &Layout,
+        css: &CudaStorage,
+        csl: &Layout,
+        ns: &CudaStorage,
+        nl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let n = yl.shape().dims2()?.0;
+        let heads = self.h + 2 * self.kv;
+        let dev = ys.device().clone();
+        let y = slice_of::<T>(ys, yl, "qkv_heads")?;
+        let cs = slice_of::<T>(css, csl, "qkv_heads")?;
+        let half = self.rot / 2;
+        let (cos, sin) = (cs.slice(0..n * half), cs.slice(n * half..2 * n * half));
+        let norms = slice_of::<T>(ns, nl, "qkv_heads")?;
+        let (qw, kw) = (norms.slice(0..self.hd), norms.slice(self.hd..2 * self.hd));
+        // SAFETY: one thread per (row, head, channel) writes every element.
+        let out = unsafe { dev.alloc::<T>(heads * n * self.hd)? };
+        let f = dev.get_or_load_custom_func(
+            &format!("qkv_heads_{}", sfx(ys.dtype())?),
+            MODULE,
+            ptx()?,
+        )?;
+        let mut b = f.builder();
+        b.arg(&y).arg(&cos).arg(&sin).arg(&qw).arg(&kw);
+        let ints = [
+            n,
+            self.h,
+            self.kv,
+            self.hd,
+            self.rot,
+            self.has_norm as usize,
+        ]
+        .map(|x| x as i32);
+        for x in &ints {
+            b.arg(x);
+        }
+        b.arg(&self.eps).arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, heads as u32, 1),
+            block_dim: (self.hd as u32, 1, 1),
+            shared_mem_bytes: ((self.hd + 33) * 4) as u32,
+        };
+        // SAFETY: arguments match the kernel's signature; one block per (row, head).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((heads, n, self.hd)),
+        ))
+    }
+}
+
+impl candle_core::CustomOp3 for QkvHeads {
+    fn name(&self) -> &'static str {
+        "qkv-heads"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu("qkv-heads")
+    }
+    fn cuda_fwd(
+        &self,
+        y: &CudaStorage,
+        yl: &Layout,
+        cs: &CudaStorage,
+        csl: &Layout,
+        n: &CudaStorage,
+        nl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        match y.dtype() {
+            DType::BF16 => self.go::<half::bf16>(y, yl, cs, csl, n, nl),
+            _ => self.go::<f32>(y, yl, cs, csl, n, nl),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_heads(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: &Tensor,
+    h: usize,
+    kv: usize,
+    hd: usize,
+    rot: usize,
+    has_norm: bool,
+    eps: f32,
+) -> crate::Result<Tensor> {
+    let op = QkvHeads {
+        h,
+        kv,
+        hd,
+        rot,
+        has_norm,
+        eps,
+    };
+    Ok(y.contiguous()?
+        .apply_op3_no_bwd(&cos_sin.contiguous()?, &norms.contiguous()?, &op)?)
+}
+
+struct AddRmsNorm {
+    eps: f32,
+}
+
+impl candle_core::CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu("add-rms-norm")
+    }
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ds: &CudaStorage,
+        dl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        fn go<
+            T: candle_core::cuda_backend::CudaDType
+                + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        >(
+            eps: f32,
+            xs: &CudaStorage,
+            xl: &Layout,
+            ds: &CudaStorage,
+            dl: &Layout,
+            ws: &CudaStorage,
+            wl: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let width = *xl
+                .shape()
+                .dims()
+                .last()
+                .expect("rank checked by the caller");
+            let rows = xl.shape().elem_count() / width;
+            let dev = xs.device().clone();
+            let (x, d, w) = (
+                slice_of::<T>(xs, xl, "add_rms_norm")?,
+                slice_of::<T>(ds, dl, "add_rms_norm")?,
+                slice_of::<T>(ws, wl, "add_rms_norm")?,
+            );
+            // SAFETY: each row's block writes its sum and its normed row.
+            let out = unsafe { dev.alloc::<T>(2 * rows * width)? };
+            let f = dev.get_or_load_custom_func(
+                &format!("add_rms_norm_{}", sfx(xs.dtype())?),
+                MODULE,
+                ptx()?,
+            )?;
+            let mut b = f.builder();
+            let (r, wd) = (rows as i32, width as i32);
+            b.arg(&x)
+                .arg(&d)
+                .arg(&w)
+                .arg(&r)
+                .arg(&wd)
+                .arg(&eps)
+                .arg(&out);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (width.clamp(32, 1024).div_ceil(32) as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match the kernel's signature; one block per row.
+            unsafe { b.launch(cfg) }.w()?;
+            let mut shape = vec![2];
+            shape.extend_from_slice(xl.shape().dims());
+            Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(shape)))
+        }
+        match xs.dtype() {
+            DType::BF16 => go::<half::bf16>(self.eps, xs, xl, ds, dl, ws, wl),
+            _ => go::<f32>(self.eps, xs, xl, ds, dl, ws, wl),
+        }
+    }
+}
+
+/// `[x + d ; rms_norm(x + d)·w]` stacked on a new leading dimension of 2.
+pub(crate) fn add_rms_norm(x: &Tensor, d: &Tensor, w: &Tensor, eps: f32) -> crate::Result<Tensor> {
+    Ok(x.contiguous()?
+        .apply_op3_no_bwd(&d.contiguous()?, &w.contiguous()?, &AddRmsNorm { eps })?)
+}

@@ -13,8 +13,9 @@
 //!   key's gradient over parts of the blocks before adding the parts in order; no kernel uses
 //!   atomics, so results do not depend on scheduling (`DFLASH_FLASH_BWD=row` selects the
 //!   one-thread-per-row backward).
-//! - [`use_fused`] decides per call: the CUDA default for calls of many (query, key) pairs (where
-//!   the H200 measured it faster, at the composite's f32 rounding), `DFLASH_FUSED_ATTENTION`
+//! - [`use_fused`] decides per call from a process-wide setting: the CUDA default for calls of many
+//!   (query, key) pairs (where the H200 measured it faster, at the composite's f32 rounding),
+//!   [`set_fused_attention`] or `DFLASH_FUSED_ATTENTION`
 //!   overrides.
 //! - [`flash_block_attention`] returns `None` for shapes outside the kernels' limits (block
 //!   larger than 16, more than 128 rows per kv group, shared memory above 48 KiB, no context);
@@ -40,14 +41,40 @@ const SHARED_LIMIT: usize = 48 * 1024;
 /// forward and backward; a 16-row draft stays below the threshold at any context up to 64 k.
 pub const FUSED_MIN_PAIRS: usize = 1 << 20;
 
+/// The process-wide choice: 0 auto, 1 forced on, 2 forced off; `u8::MAX` until first read.
+static FUSED_SETTING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+/// Forces the fused attention on (`Some(true)`) or off (`Some(false)`) for the whole process, or
+/// back to the automatic choice (`None`). Tests and benches call this to compare both paths;
+/// `DFLASH_FUSED_ATTENTION=1`/`0` sets the same at start.
+pub fn set_fused_attention(force: Option<bool>) {
+    let v = match force {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    FUSED_SETTING.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether an attention of `pairs` (query row, key) pairs on `device` takes the fused kernels:
-/// `DFLASH_FUSED_ATTENTION=1` / `=0` force them on / off (read at each call, so one process can
-/// compare both paths); unset, on for CUDA calls of at least [`FUSED_MIN_PAIRS`] pairs and off on
+/// forced on / off by [`set_fused_attention`] (or `DFLASH_FUSED_ATTENTION=1` / `=0`, read once,
+/// not per layer); otherwise on for CUDA calls of at least [`FUSED_MIN_PAIRS`] pairs and off on
 /// the CPU (its reference is single-threaded loops, slower than the composite's GEMMs).
 pub fn use_fused(device: &candle_core::Device, pairs: usize) -> bool {
-    match std::env::var("DFLASH_FUSED_ATTENTION").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut v = FUSED_SETTING.load(Relaxed);
+    if v == u8::MAX {
+        v = match std::env::var("DFLASH_FUSED_ATTENTION").as_deref() {
+            Ok("1") => 1,
+            Ok("0") => 2,
+            _ => 0,
+        };
+        let _ = FUSED_SETTING.compare_exchange(u8::MAX, v, Relaxed, Relaxed);
+        v = FUSED_SETTING.load(Relaxed);
+    }
+    match v {
+        1 => true,
+        2 => false,
         _ => device.is_cuda() && pairs >= FUSED_MIN_PAIRS,
     }
 }

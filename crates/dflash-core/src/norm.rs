@@ -26,6 +26,10 @@ impl RmsNorm {
         &self.weight
     }
 
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     pub fn forward(&self, x: &Tensor, grad: Grad) -> Result<Tensor> {
         match grad {
             Grad::Off

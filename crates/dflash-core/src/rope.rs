@@ -151,6 +151,11 @@ impl RotaryEmbedding {
         })
     }
 
+    /// How many leading channels of a head rotate.
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
+    }
+
     /// `(cos, sin)`, each `[positions.len(), rotary_dim / 2]` in `dtype`.
     pub fn cos_sin(
         &self,

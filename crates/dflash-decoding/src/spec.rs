@@ -119,8 +119,10 @@ pub struct AutoChoice {
     pub switched_to_ar_at_step: Option<usize>,
 }
 
-/// Speculative steps (after the first) auto mode watches before it may switch to AR.
-pub const AUTO_MIN_STEPS: usize = 4;
+/// Speculative steps auto mode watches before it may switch to AR. On the H200 with SmolLM2 a
+/// window of 4 switched on prompts whose early τ dipped although DDTree was faster over the whole
+/// answer (auto 0.99× AR on mt_bench where DDTree gave 1.12×, docs/benchmarks.md session 10).
+pub const AUTO_MIN_STEPS: usize = 16;
 
 /// Median seconds of three one-token AR steps at `pos` (the cache is cropped back each time).
 fn time_ar_step(

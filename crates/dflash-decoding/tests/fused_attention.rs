@@ -37,9 +37,9 @@ fn fused_attention_keeps_batched_and_speculative_decoding_exact() {
             sampling: SamplingConfig::greedy(),
             prefill_chunk: 4,
         };
-        std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+        dflash_core::flash_block::set_fused_attention(Some(false));
         let composite = generate_ar_batch(target, &prompts, &cfg, &|i| i as u64).unwrap();
-        std::env::set_var("DFLASH_FUSED_ATTENTION", "1");
+        dflash_core::flash_block::set_fused_attention(Some(true));
         let before = dflash_core::flash_block::calls();
         let fused = generate_ar_batch(target, &prompts, &cfg, &|i| i as u64).unwrap();
         assert!(
@@ -67,5 +67,5 @@ fn fused_attention_keeps_batched_and_speculative_decoding_exact() {
             }
         }
     }
-    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+    dflash_core::flash_block::set_fused_attention(Some(false));
 }

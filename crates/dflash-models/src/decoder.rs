@@ -40,6 +40,10 @@ enum QkvProj {
 
 struct Attention {
     qkv: QkvProj,
+    /// q_norm then k_norm weights `[2, head_dim]` (Qwen3, fused decode only).
+    qk_norms: Option<Tensor>,
+    /// The one-kernel q/k/v heads path applies (fused projection, a supported head shape).
+    fast_heads: bool,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -68,19 +72,29 @@ impl Attention {
                 v_proj,
             }
         };
+        let q_norm = if norms {
+            Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?)
+        } else {
+            None
+        };
+        let k_norm = if norms {
+            Some(RmsNorm::load(vb.pp("k_norm"), hd, cfg.rms_norm_eps)?)
+        } else {
+            None
+        };
+        let qk_norms = match (&q_norm, &k_norm, fused) {
+            (Some(q), Some(k), true) => Some(Tensor::stack(&[q.weight(), k.weight()], 0)?),
+            _ => None,
+        };
+        let fast_heads =
+            fused && hd % 32 == 0 && hd <= 1024 && matches!(vb.dtype(), DType::F32 | DType::BF16);
         Ok(Self {
             qkv,
+            qk_norms,
+            fast_heads,
             o_proj: linear(&vb, nh * hd, h, "o_proj")?,
-            q_norm: if norms {
-                Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?)
-            } else {
-                None
-            },
-            k_norm: if norms {
-                Some(RmsNorm::load(vb.pp("k_norm"), hd, cfg.rms_norm_eps)?)
-            } else {
-                None
-            },
+            q_norm,
+            k_norm,
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
@@ -130,12 +144,35 @@ impl Attention {
             };
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
-        let (q, k, v) = self.project(x)?;
-        let q = heads(q, self.n_heads, &self.q_norm)?;
-        let k = heads(k, self.n_kv_heads, &self.k_norm)?;
-        let v = heads(v, self.n_kv_heads, &None)?;
-        let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
-        let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
+        let one_kernel = match (&self.qkv, &rope.packed) {
+            (QkvProj::Fused(w), Some(cs)) if self.fast_heads && b == 1 => {
+                let y = w.forward(x)?.reshape((n, ()))?;
+                let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
+                dflash_core::decode_ops::qkv_heads(
+                    &y,
+                    cs,
+                    self.qk_norms.as_ref(),
+                    self.n_heads,
+                    self.n_kv_heads,
+                    self.head_dim,
+                    rope.emb.rotary_dim(),
+                    eps,
+                )?
+            }
+            _ => None,
+        };
+        let (q, k, v) = match one_kernel {
+            Some(qkv) => qkv,
+            None => {
+                let (q, k, v) = self.project(x)?;
+                let q = heads(q, self.n_heads, &self.q_norm)?;
+                let k = heads(k, self.n_kv_heads, &self.k_norm)?;
+                let v = heads(v, self.n_kv_heads, &None)?;
+                let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
+                let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
+                (q, k, v)
+            }
+        };
         let (k_all, v_all) = cache.append(&k, &v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let fused = match causal_from {
@@ -207,6 +244,9 @@ struct Rope<'a> {
     emb: &'a RotaryEmbedding,
     cos: Tensor,
     sin: Tensor,
+    /// cos then sin `[2·n, rot/2]` for [`dflash_core::decode_ops::qkv_heads`] (one sequence, fused
+    /// decode only).
+    packed: Option<Tensor>,
 }
 
 /// A Llama or Qwen3 causal LM.
@@ -217,6 +257,8 @@ pub struct Decoder {
     /// `[vocab, hidden]` in the compute dtype.
     lm_head: Tensor,
     lm_head_f32: std::sync::OnceLock<Tensor>,
+    /// Decode-step fusions on (CUDA; fixed at load, see `dflash_core::decode_ops::fused_decode`).
+    fused: bool,
     rotary: RotaryEmbedding,
     info: TargetInfo,
 }
@@ -271,6 +313,7 @@ impl Decoder {
             norm,
             lm_head,
             lm_head_f32: std::sync::OnceLock::new(),
+            fused,
             rotary,
             info,
         })
@@ -301,12 +344,50 @@ impl Decoder {
         tap_layers: &[usize],
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let mut taps: Vec<Option<Tensor>> = vec![None; tap_layers.len()];
+        // fused decode: each residual add and the norm after it are one kernel; `next` carries
+        // the next layer's normed input
+        let add_norm =
+            |x: &Tensor, d: &Tensor, norm: &RmsNorm| -> Result<Option<(Tensor, Tensor)>> {
+                if !self.fused {
+                    return Ok(None);
+                }
+                Ok(dflash_core::decode_ops::add_rms_norm(
+                    x,
+                    d,
+                    norm.weight(),
+                    norm.eps(),
+                )?)
+            };
+        let mut next: Option<Tensor> = None;
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let LayerCache::Attention(kv) = lc;
-            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
-            x = (x + layer.self_attn.forward(&h, rope, mask, causal_from, kv)?)?;
-            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            let h = match next.take() {
+                Some(h) => h,
+                None => layer.input_layernorm.forward(&x, Grad::Off)?,
+            };
+            let a = layer.self_attn.forward(&h, rope, mask, causal_from, kv)?;
+            let h = match add_norm(&x, &a, &layer.post_attention_layernorm)? {
+                Some((sum, normed)) => {
+                    x = sum;
+                    normed
+                }
+                None => {
+                    x = (x + a)?;
+                    layer.post_attention_layernorm.forward(&x, Grad::Off)?
+                }
+            };
+            let m = layer.mlp.forward(&h)?;
+            let fused_next = match self.layers.get(i + 1) {
+                Some(nl) => add_norm(&x, &m, &nl.input_layernorm)?,
+                None => None,
+            };
+            match fused_next {
+                Some((sum, normed)) => {
+                    x = sum;
+                    next = Some(normed);
+                }
+                None => x = (&x + m)?,
+            }
             for (slot, &t) in taps.iter_mut().zip(tap_layers) {
                 if t == i {
                     *slot = Some(x.clone());
@@ -353,10 +434,16 @@ impl TargetModel for Decoder {
         let past = cache.len();
         let mask = req.mask.build(n, past + n, dev)?;
         let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
+        let packed = if self.fused {
+            Some(Tensor::cat(&[&cos, &sin], 0)?)
+        } else {
+            None
+        };
         let rope = Rope {
             emb: &self.rotary,
             cos,
             sin,
+            packed,
         };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
@@ -413,6 +500,7 @@ impl TargetModel for Decoder {
             emb: &self.rotary,
             cos: cos.reshape((b, n, half))?,
             sin: sin.reshape((b, n, half))?,
+            packed: None,
         };
         let ids = Tensor::from_slice(req.tokens, (b, n), dev)?;
         let x = self.embed_tokens.forward(&ids)?;

@@ -29,9 +29,9 @@ fn assert_all_close(a: &[Tensor], b: &[Tensor]) {
 fn run(fused: bool, target: &dyn TargetModel, drafter: &DFlashDrafter, vm: &VarMap) -> Vec<Tensor> {
     let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 263).collect();
     // the taps through the composite, so the count below is the drafter's alone
-    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+    dflash_core::flash_block::set_fused_attention(Some(false));
     let taps = sequence_taps(target, &tokens, drafter.target_layers());
-    std::env::set_var("DFLASH_FUSED_ATTENTION", if fused { "1" } else { "0" });
+    dflash_core::flash_block::set_fused_attention(Some(fused));
     let ctx = Tensor::stack(
         &[
             taps.narrow(0, 0, 20).unwrap(),
@@ -115,13 +115,13 @@ fn fused_attention_equals_the_composite_in_the_drafter_and_the_target() {
         "the fused path ran"
     );
     assert_all_close(&composite, &fused);
-    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+    dflash_core::flash_block::set_fused_attention(Some(false));
     fused_causal_attention_equals_the_composite_in_the_target();
 }
 
 /// Logits and taps of a causal prefill, a cached continuation and a batched causal forward.
 fn target_outputs(fused: bool, t: &dyn TargetModel) -> Vec<Tensor> {
-    std::env::set_var("DFLASH_FUSED_ATTENTION", if fused { "1" } else { "0" });
+    dflash_core::flash_block::set_fused_attention(Some(fused));
     let tokens: Vec<u32> = (0..29).map(|i| (i * 53 + 7) % 263).collect();
     let mut cache = t.new_cache(64).unwrap();
     let mut out = vec![];
@@ -178,7 +178,7 @@ fn fused_causal_attention_equals_the_composite_in_the_target() {
         "the switch is off"
     );
     let fused = target_outputs(true, t.model.as_ref());
-    std::env::set_var("DFLASH_FUSED_ATTENTION", "0");
+    dflash_core::flash_block::set_fused_attention(Some(false));
     // three causal forwards through every layer
     let layers = t.config.num_hidden_layers;
     assert_eq!(
