@@ -29,14 +29,19 @@ fn ptx() -> Result<&'static str> {
     .map_err(|e| candle_core::Error::Msg(e.clone()))
 }
 
-fn contiguous<'a>(
+/// The contiguous elements of an input (anything strided is an error, never a misread).
+fn slice_of<
+    'a,
+    T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+>(
     s: &'a CudaStorage,
     l: &Layout,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
+    what: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("decode kernels: non-contiguous input".into()))?;
-    Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
+        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: strided input")))?;
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
 fn not_on_cpu<T>(name: &str) -> Result<T> {
@@ -54,7 +59,7 @@ impl CustomOp1 for ArgmaxRows {
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let (rows, vocab) = l.shape().dims2()?;
         let dev = s.device().clone();
-        let x = contiguous(s, l)?;
+        let x = slice_of::<f32>(s, l, "decode kernels")?;
         // SAFETY: the kernel writes one id per row.
         let out = unsafe { dev.alloc::<u32>(rows)? };
         let f = dev.get_or_load_custom_func("argmax_rows", MODULE, ptx()?)?;
@@ -89,7 +94,7 @@ impl CustomOp1 for TopKRows {
         let (rows, vocab) = l.shape().dims2()?;
         let k = self.0;
         let dev = s.device().clone();
-        let x = contiguous(s, l)?;
+        let x = slice_of::<f32>(s, l, "decode kernels")?;
         // SAFETY: the kernel writes k values and k ids per row (values as f32 bits).
         let mut out = unsafe { dev.alloc::<u32>(rows * 2 * k)? };
         let f = dev.get_or_load_custom_func("topk_rows", MODULE, ptx()?)?;
@@ -143,10 +148,7 @@ impl CustomOp1 for VisibilityMask {
         let n = l.shape().dims1()?;
         let kv = self.past + n;
         let dev = s.device().clone();
-        let (a, b) = l
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("visibility mask: strided parents".into()))?;
-        let parents = s.as_cuda_slice::<i64>()?.slice(a..b);
+        let parents = slice_of::<i64>(s, l, "visibility mask")?;
         // SAFETY: one thread per (query, key) writes every element.
         let out = unsafe { dev.alloc::<f32>(n * kv)? };
         let f = dev.get_or_load_custom_func("visibility_mask", MODULE, ptx()?)?;
@@ -285,10 +287,7 @@ impl SoftmaxScaled {
     ) -> Result<(CudaStorage, Shape)> {
         let (b, rows_per_b, kv) = l.shape().dims3()?;
         let dev = s.device().clone();
-        let (a, e) = l
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("softmax_scaled: strided scores".into()))?;
-        let sv = s.as_cuda_slice::<T>()?.slice(a..e);
+        let sv = slice_of::<T>(s, l, "softmax_scaled")?;
         let total = b * rows_per_b;
         // SAFETY: one warp per row writes every element of its row.
         let out = unsafe { dev.alloc::<T>(total * kv)? };
@@ -299,12 +298,7 @@ impl SoftmaxScaled {
         )?;
         let dummy;
         let mv = match mask {
-            Some((ms, ml)) => {
-                let (ma, me) = ml.contiguous_offsets().ok_or_else(|| {
-                    candle_core::Error::Msg("softmax_scaled: strided mask".into())
-                })?;
-                ms.as_cuda_slice::<f32>()?.slice(ma..me)
-            }
+            Some((ms, ml)) => slice_of::<f32>(ms, ml, "softmax_scaled mask")?,
             None => {
                 dummy = dev.alloc_zeros::<f32>(1)?;
                 dummy.slice(0..1)
@@ -418,10 +412,7 @@ impl CustomOp1 for SiluMul {
             let two = *dims.last().expect("rank checked by the caller");
             let (inter, rows) = (two / 2, l.shape().elem_count() / two);
             let dev = s.device().clone();
-            let (a, e) = l
-                .contiguous_offsets()
-                .ok_or_else(|| candle_core::Error::Msg("silu_mul: strided input".into()))?;
-            let x = s.as_cuda_slice::<T>()?.slice(a..e);
+            let x = slice_of::<T>(s, l, "silu_mul")?;
             // SAFETY: one thread per output element.
             let out = unsafe { dev.alloc::<T>(rows * inter)? };
             let f = dev.get_or_load_custom_func(
@@ -471,7 +462,7 @@ impl CustomOp1 for SampleRows<'_> {
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let (rows, vocab) = l.shape().dims2()?;
         let dev = s.device().clone();
-        let x = contiguous(s, l)?;
+        let x = slice_of::<f32>(s, l, "decode kernels")?;
         let u = dev.clone_htod(self.u)?;
         // SAFETY: exactly one thread of each row's block writes its id.
         let out = unsafe { dev.alloc::<u32>(rows)? };
@@ -510,20 +501,6 @@ pub(crate) fn sample_rows(
         u,
     };
     Ok(logits.apply_op1_no_bwd(&op)?.to_vec1()?)
-}
-
-fn slice_of<
-    'a,
-    T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
->(
-    s: &'a CudaStorage,
-    l: &Layout,
-    what: &str,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: strided input")))?;
-    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
 /// Inputs: `y` `[n, (h + 2·kv)·hd]`, `cs` = cos then sin `[2·n, rot/2]`, `norms` = q_norm then
