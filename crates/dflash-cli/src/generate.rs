@@ -300,7 +300,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 ),
                 None if a.spec_tokens_per_second == 0.0 => "auto -> ddtree".to_string(),
                 None => format!(
-                    "auto -> ddtree (speculative {:.1} tok/s >= AR step {:.1} tok/s)",
+                    "auto -> ddtree (speculative {:.1} tok/s, AR step {:.1} tok/s)",
                     a.spec_tokens_per_second, a.ar_tokens_per_second
                 ),
             },

@@ -12,8 +12,9 @@
 //! - After verification the target cache is cropped (DFlash) or compacted to the accepted path
 //!   (DDTree); emission stops at the first stop token or the token budget, as AR does.
 //! - Auto mode ([`generate_auto`]) times one AR step before the loop and switches to plain AR
-//!   steps for the rest of the answer as soon as the speculative steps so far emit fewer tokens
-//!   per second than that; either way every token is the target's own, so the switch is lossless.
+//!   steps for the rest of the answer once the speculative steps so far emit fewer tokens per
+//!   second than that ([`auto_prefers_ar`]); either way every token is the target's own, so the
+//!   switch is lossless.
 
 use crate::ar::{token_budget, Emitter, GenerateConfig, Generation};
 use crate::sampling::{greedy_rows, Sampler};
@@ -119,10 +120,38 @@ pub struct AutoChoice {
     pub switched_to_ar_at_step: Option<usize>,
 }
 
-/// Speculative steps auto mode watches before it may switch to AR. On the H200 with SmolLM2 a
-/// window of 4 switched on prompts whose early τ dipped although DDTree was faster over the whole
-/// answer (auto 0.99× AR on mt_bench where DDTree gave 1.12×, docs/benchmarks.md session 10).
+/// Speculative steps auto mode watches before it may switch to AR for being merely slower. On the
+/// H200 with SmolLM2 a window of 4 switched on prompts whose early τ dipped although DDTree was
+/// faster over the whole answer (auto 0.99× AR on mt_bench where DDTree gave 1.12×,
+/// docs/benchmarks.md session 10).
 pub const AUTO_MIN_STEPS: usize = 16;
+
+/// Speculative steps after which auto mode switches when they run at under half AR's rate (the
+/// CPU, where a DDTree step costs ~15 AR steps).
+pub const AUTO_CLEAR_STEPS: usize = 4;
+
+/// Whether auto mode should go on with AR steps, after `counted` speculative steps (the first,
+/// which pays the drafter's prefill, is not counted) that emitted `spec_rate` tokens per second
+/// against AR's `ar_rate`; `max_per_step` is the most tokens one step can emit (the block size).
+/// Switch at once when even a fully accepted step would lose, after [`AUTO_CLEAR_STEPS`] when
+/// speculation runs at under half AR's rate, after [`AUTO_MIN_STEPS`] when it is slower at all.
+pub fn auto_prefers_ar(
+    counted: usize,
+    spec_tokens: usize,
+    spec_seconds: f64,
+    ar_step_seconds: f64,
+    max_per_step: usize,
+) -> bool {
+    if counted == 0 || spec_seconds <= 0.0 {
+        return false;
+    }
+    let step = spec_seconds / counted as f64;
+    let break_even_tau = step / ar_step_seconds.max(1e-12);
+    let tau = spec_tokens as f64 / counted as f64;
+    break_even_tau > max_per_step as f64
+        || (counted >= AUTO_CLEAR_STEPS && tau < break_even_tau / 2.0)
+        || (counted >= AUTO_MIN_STEPS && tau < break_even_tau)
+}
 
 /// Median seconds of three one-token AR steps at `pos` (the cache is cropped back each time).
 fn time_ar_step(
@@ -246,7 +275,7 @@ fn generate(
         emit.push(first, on_token)
     };
     history.push(first);
-    let mut steps = 0;
+    let mut steps: usize = 0;
     if auto && stop.is_none() {
         let ar = time_ar_step(target, &mut cache, first, prompt.len())?;
         stats.auto = Some(AutoChoice {
@@ -362,8 +391,9 @@ fn generate(
         }
         if let Some(choice) = stats.auto.as_mut() {
             choice.spec_tokens_per_second = spec_tokens as f64 / spec_seconds.max(1e-12);
-            let slower = choice.spec_tokens_per_second < choice.ar_tokens_per_second;
-            if stop.is_none() && steps > AUTO_MIN_STEPS && slower {
+            let counted = steps.saturating_sub(1);
+            let ar = choice.ar_step_seconds;
+            if stop.is_none() && auto_prefers_ar(counted, spec_tokens, spec_seconds, ar, bs) {
                 choice.switched_to_ar_at_step = Some(steps);
                 use_ar = true;
             }
@@ -380,4 +410,23 @@ fn generate(
         spec: Some(stats),
         margins: vec![],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_prefers_ar;
+
+    #[test]
+    fn auto_switches_fast_when_speculation_is_far_slower_and_late_when_it_is_close() {
+        // 2 CPU cores, SmolLM2: a DDTree step 0.5 s, an AR step 32 ms, τ 2.2 (break-even τ 15.6)
+        assert!(!auto_prefers_ar(1, 2, 0.5, 0.032, 16));
+        assert!(auto_prefers_ar(4, 9, 2.0, 0.032, 16));
+        // no accepted length could pay for the step: switch after the first counted step
+        assert!(auto_prefers_ar(1, 16, 1.0, 0.05, 16));
+        // H200-like: a 12 ms step against a 4.4 ms AR step (break-even τ 2.7)
+        assert!(!auto_prefers_ar(40, 124, 0.48, 0.0044, 16)); // τ 3.1: faster, never switch
+        assert!(!auto_prefers_ar(15, 37, 0.18, 0.0044, 16)); // τ 2.5: slower, still watching
+        assert!(auto_prefers_ar(16, 40, 0.192, 0.0044, 16)); // τ 2.5 over 16 steps: switch
+        assert!(!auto_prefers_ar(0, 0, 0.0, 0.0044, 16));
+    }
 }
