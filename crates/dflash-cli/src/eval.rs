@@ -22,8 +22,10 @@ use dflash_decoding::{
     GenerateConfig, Generation, SamplingConfig, SpecMode,
 };
 use dflash_models::{load_drafter, load_target};
-use dflash_text::{ChatMessage, RenderOptions};
-use dflash_train::{anchor_acceptance, replay_steps, sequence_taps, AnchorAcceptance};
+use dflash_text::ChatMessage;
+use dflash_train::{
+    anchor_acceptance, bootstrap_ci95, replay_steps, sequence_taps, AnchorAcceptance,
+};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -134,57 +136,6 @@ struct BenchResult {
     modes: Vec<ModeSummary>,
 }
 
-fn bench_file(name: &str, dir: Option<&Path>) -> Result<PathBuf> {
-    let p = PathBuf::from(name);
-    if p.extension().is_some_and(|e| e == "jsonl") {
-        return Ok(p);
-    }
-    let file = match name {
-        "gsm8k" => "gsm8k_test.jsonl",
-        "humaneval" => "humaneval.jsonl",
-        "mt_bench" => "mt_bench.jsonl",
-        other => {
-            return Err(UsageError(format!(
-                "unknown benchmark {other:?} (gsm8k, humaneval, mt_bench or a .jsonl path)"
-            ))
-            .into())
-        }
-    };
-    let dir = match dir {
-        Some(d) => d.to_path_buf(),
-        None => crate::defaults::find_upwards("data/benchmarks")
-            .ok_or_else(|| UsageError("data/benchmarks not found: pass --bench-dir".into()))?,
-    };
-    Ok(dir.join(file))
-}
-
-/// One benchmark row as the paper's harness phrases it: a list of user turns.
-fn turns(bench: &str, v: &serde_json::Value) -> Option<Vec<String>> {
-    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(String::from);
-    if bench == "gsm8k" {
-        return s("question").map(|q| {
-            vec![format!(
-                "{q}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-            )]
-        });
-    }
-    if bench == "humaneval" {
-        return s("prompt").map(|p| {
-            vec![format!(
-                "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{p}\n```"
-            )]
-        });
-    }
-    if let Some(t) = v.get("turns").and_then(|t| t.as_array()) {
-        return Some(
-            t.iter()
-                .filter_map(|x| x.as_str().map(String::from))
-                .collect(),
-        );
-    }
-    s("prompt").or_else(|| s("question")).map(|p| vec![p])
-}
-
 pub fn run(a: EvalArgs) -> Result<()> {
     if a.max_new_tokens == 0 || a.limit == 0 {
         return Err(UsageError("--max-new-tokens and --limit must be at least 1".into()).into());
@@ -225,11 +176,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         stop_tokens: target.eos_token_ids.clone(),
         sampling: SamplingConfig::greedy(),
     };
-    let opts = RenderOptions {
-        add_generation_prompt: true,
-        enable_thinking: Some(false),
-        tools: None,
-    };
+    let opts = crate::bench_prompts::render_options();
     // (mode, DDTree budget, name): ddtree once per budget
     let runs: Vec<(Mode, Option<usize>, String)> = a
         .modes
@@ -293,27 +240,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let mut results = vec![];
     let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
     for bench in &a.bench {
-        let path = bench_file(bench, a.bench_dir.as_deref())?;
-        let raw = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        let rows: Vec<Vec<String>> = raw
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .take(a.limit)
-            .enumerate()
-            .map(|(i, l)| {
-                let v: serde_json::Value = serde_json::from_str(l)
-                    .map_err(|e| UsageError(format!("{}:{}: {e}", path.display(), i + 1)))?;
-                turns(bench, &v).ok_or_else(|| {
-                    UsageError(format!(
-                        "{}:{}: no prompt in this row",
-                        path.display(),
-                        i + 1
-                    ))
-                    .into()
-                })
-            })
-            .collect::<Result<_>>()?;
+        let rows = crate::bench_prompts::load_rows(bench, a.bench_dir.as_deref(), a.limit)?;
         let mut sums: Vec<ModeSummary> = runs
             .iter()
             .map(|(_, b, name)| ModeSummary {
@@ -596,58 +523,4 @@ fn tally_replay(
     };
     t.all_tau += all.iter().map(|x| x + 1).sum::<usize>();
     t.anchors += all.len();
-}
-
-/// 95 % percentile-bootstrap interval of the pooled τ = Σ acceptance / Σ steps, resampling the
-/// prompts (`(Σ acceptance, steps)` each) with replacement `rounds` times; deterministic (a fixed
-/// SplitMix64 stream), so the same results give the same interval.
-fn bootstrap_ci95(per_prompt: &[(usize, usize)], rounds: usize) -> [f64; 2] {
-    let n = per_prompt.len();
-    let pooled = |picks: &mut dyn Iterator<Item = usize>| {
-        let (a, s) = picks.fold((0usize, 0usize), |(a, s), i| {
-            (a + per_prompt[i].0, s + per_prompt[i].1)
-        });
-        a as f64 / s.max(1) as f64
-    };
-    if n <= 1 {
-        let t = pooled(&mut (0..n));
-        return [t, t];
-    }
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let mut taus: Vec<f64> = (0..rounds.max(1))
-        .map(|_| pooled(&mut (0..n).map(|_| (next() % n as u64) as usize)))
-        .collect();
-    taus.sort_by(f64::total_cmp);
-    let at = |q: f64| taus[((q * (taus.len() - 1) as f64).round() as usize).min(taus.len() - 1)];
-    [at(0.025), at(0.975)]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::bootstrap_ci95;
-
-    #[test]
-    fn bootstrap_interval_brackets_the_pooled_tau_and_narrows_with_more_prompts() {
-        // five prompts of τ 2, 3, 4, 5, 6 (ten steps each): pooled 4
-        let five: Vec<(usize, usize)> = (2..7).map(|t| (10 * t, 10)).collect();
-        let [lo, hi] = bootstrap_ci95(&five, 2000);
-        assert!(lo < 4.0 && 4.0 < hi && lo >= 2.0 && hi <= 6.0, "{lo} {hi}");
-        assert!(lo > 2.5 && hi < 5.5, "not the extremes: {lo} {hi}");
-        // the same spread over 80 prompts: a narrower interval
-        let many: Vec<(usize, usize)> = (0..80).map(|i| (10 * (2 + i % 5), 10)).collect();
-        let [lo2, hi2] = bootstrap_ci95(&many, 2000);
-        assert!(lo2 < 4.0 && 4.0 < hi2, "{lo2} {hi2}");
-        assert!(hi2 - lo2 < 0.5 * (hi - lo), "{lo2}-{hi2} vs {lo}-{hi}");
-        // identical prompts: no spread; one prompt: its τ; deterministic
-        assert_eq!(bootstrap_ci95(&[(30, 10); 4], 500), [3.0, 3.0]);
-        assert_eq!(bootstrap_ci95(&[(7, 2)], 500), [3.5, 3.5]);
-        assert_eq!(bootstrap_ci95(&five, 2000), [lo, hi]);
-    }
 }

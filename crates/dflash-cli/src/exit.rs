@@ -2,6 +2,7 @@
 
 use dflash_core::CoreError;
 use dflash_decoding::DecodeError;
+use dflash_diagnose::DiagnoseError;
 use dflash_models::ModelError;
 use dflash_text::TextError;
 use dflash_train::TrainError;
@@ -11,7 +12,16 @@ use dflash_train::TrainError;
 #[error("{0}")]
 pub struct UsageError(pub String);
 
+/// An outcome the command already reported (e.g. `diagnose`'s table with a FAIL): exit with this
+/// code and print nothing more.
+#[derive(Debug, thiserror::Error)]
+#[error("exit code {0}")]
+pub struct Reported(pub i32);
+
 pub fn code(e: &anyhow::Error) -> i32 {
+    if let Some(r) = e.downcast_ref::<Reported>() {
+        return r.0;
+    }
     for cause in e.chain() {
         let bad = if cause.downcast_ref::<UsageError>().is_some() {
             true
@@ -21,6 +31,8 @@ pub fn code(e: &anyhow::Error) -> i32 {
             d.is_bad_input()
         } else if let Some(t) = cause.downcast_ref::<TrainError>() {
             matches!(t, TrainError::InvalidInput(_))
+        } else if let Some(d) = cause.downcast_ref::<DiagnoseError>() {
+            d.is_bad_input()
         } else if let Some(c) = cause.downcast_ref::<CoreError>() {
             matches!(c, CoreError::InvalidInput(_))
         } else {

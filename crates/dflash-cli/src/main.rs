@@ -1,12 +1,15 @@
 //! `dflash`: train, evaluate, diagnose and run DFlash speculative decoding from one binary.
 //!
 //! Invariants: bad input (flags, files, prompts) exits with code 2 and a one-line message; internal
-//! failures exit 1; machine-readable output goes to stdout as JSON, human summaries to stderr.
+//! failures exit 1 (so does a `diagnose` check that FAILs, after its table, with no "error:" line);
+//! machine-readable output goes to stdout as JSON, human summaries to stderr.
 
 mod bench;
 mod bench_decode;
+mod bench_prompts;
 mod bench_shapes;
 mod defaults;
+mod diagnose;
 mod draft;
 mod eval;
 mod exit;
@@ -37,6 +40,8 @@ enum Command {
     Draft(draft::DraftCommand),
     /// Acceptance length, speed-up and losslessness on benchmark prompts.
     Eval(eval::EvalArgs),
+    /// Find a train/eval mismatch of a drafter by measurement (conventions, target, taps).
+    Diagnose(diagnose::DiagnoseArgs),
     /// Train a drafter on regenerated data.
     Train(train::TrainArgs),
     /// Draw a training run's curves (log.jsonl) as a PNG.
@@ -57,11 +62,14 @@ fn main() {
         Command::Train(a) => train::train(a),
         Command::Plot(a) => train::plot(a),
         Command::Eval(a) => eval::run(a),
+        Command::Diagnose(a) => diagnose::run(a),
         Command::Data(cmd) => regen::run(cmd),
         Command::Bench(cmd) => bench::run(cmd),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        if e.downcast_ref::<exit::Reported>().is_none() {
+            eprintln!("error: {e:#}");
+        }
         std::process::exit(exit::code(&e));
     }
 }

@@ -23,7 +23,10 @@ pub use error::{Result, TrainError};
 pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use profile::PhaseTimer;
-pub use replay::{anchor_acceptance, replay_steps, AnchorAcceptance};
+pub use replay::{
+    anchor_acceptance, anchor_likelihood, bootstrap_ci95, bootstrap_interval, replay_steps,
+    AnchorAcceptance,
+};
 pub use step::{
     batch_probs, compute_drafter, sequence_taps, soft_label_positions, Sequence, StepReport,
     TrainStep,

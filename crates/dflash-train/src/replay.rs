@@ -12,9 +12,10 @@
 //!   `generate_speculative` measured for it, except the last: decoding may accept drafts past
 //!   the output's end (a stop token, the token budget), which the replay cannot see. Any other
 //!   difference is a train/inference mismatch.
+//! - [`bootstrap_ci95`] is deterministic: the same per-prompt sums give the same interval.
 
 use crate::Result;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, D};
 use dflash_core::Grad;
 use dflash_decoding::sampling::greedy_rows;
 use dflash_decoding::tree::build_tree;
@@ -58,13 +59,47 @@ pub fn anchor_acceptance(
     budgets: &[usize],
     chunk: usize,
 ) -> Result<AnchorAcceptance> {
+    let (acc, _) = acceptance(
+        target, drafter, taps, tokens, anchors, budgets, chunk, false,
+    )?;
+    Ok(acc)
+}
+
+/// [`anchor_acceptance`] and, per anchor, the mean log-probability the block's draft rows give
+/// the true continuation (rows past the end of `tokens` left out; 0 for an anchor with none):
+/// a continuous score of the same forward, far less noisy than acceptance counts (`diagnose`
+/// compares drafter inputs with it).
+pub fn anchor_likelihood(
+    target: &dyn TargetModel,
+    drafter: &DFlashDrafter,
+    taps: &Tensor,
+    tokens: &[u32],
+    anchors: &[u32],
+    budgets: &[usize],
+    chunk: usize,
+) -> Result<(AnchorAcceptance, Vec<f64>)> {
+    acceptance(target, drafter, taps, tokens, anchors, budgets, chunk, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn acceptance(
+    target: &dyn TargetModel,
+    drafter: &DFlashDrafter,
+    taps: &Tensor,
+    tokens: &[u32],
+    anchors: &[u32],
+    budgets: &[usize],
+    chunk: usize,
+    likelihood: bool,
+) -> Result<(AnchorAcceptance, Vec<f64>)> {
+    let mut ll = vec![];
     let mut out = AnchorAcceptance {
         anchors: anchors.to_vec(),
         ddtree: vec![vec![]; budgets.len()],
         ..Default::default()
     };
     if anchors.is_empty() {
-        return Ok(out);
+        return Ok((out, ll));
     }
     for group in anchors.chunks(chunk.max(1)) {
         let logits = drafter.forward_train(target, taps, tokens, group, Grad::Off)?;
@@ -81,6 +116,27 @@ pub fn anchor_acceptance(
                 kmax.max(1),
             )?),
         };
+        if likelihood {
+            // log p(true token) of each draft row; rows past the end look up token 0, unused
+            let truth: Vec<u32> = group
+                .iter()
+                .flat_map(|&a| (1..b).map(move |k| a as usize + k))
+                .map(|p| tokens.get(p).copied().unwrap_or(0))
+                .collect();
+            let idx = Tensor::from_vec(truth, (n * (b - 1), 1), drafts.device())?;
+            let lp = candle_nn::ops::log_softmax(&drafts.reshape((n * (b - 1), v))?, D::Minus1)?
+                .gather(&idx, 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for (i, &a) in group.iter().enumerate() {
+                let rows = (b - 1).min(tokens.len().saturating_sub(a as usize + 1));
+                let sum: f64 = lp[i * (b - 1)..i * (b - 1) + rows]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .sum();
+                ll.push(if rows == 0 { 0.0 } else { sum / rows as f64 });
+            }
+        }
         for (i, &a) in group.iter().enumerate() {
             let a = a as usize;
             let continuation = &tokens[(a + 1).min(tokens.len())..];
@@ -105,7 +161,7 @@ pub fn anchor_acceptance(
             }
         }
     }
-    Ok(out)
+    Ok((out, ll))
 }
 
 /// The steps decoding takes over an output occupying `tokens[start..end]` (its first token comes
@@ -128,6 +184,47 @@ pub fn replay_steps(
     steps
 }
 
+/// 95 % percentile-bootstrap interval of the pooled τ = Σ acceptance / Σ steps, resampling the
+/// prompts (`(Σ acceptance, steps)` each) with replacement `rounds` times; deterministic (a fixed
+/// SplitMix64 stream), so the same results give the same interval. `eval` reports it beside τ and
+/// `diagnose` compares replayed τ of convention variants against it.
+pub fn bootstrap_ci95(per_prompt: &[(usize, usize)], rounds: usize) -> [f64; 2] {
+    bootstrap_interval(per_prompt.len(), rounds, &|picks| {
+        let (a, s) = picks.fold((0usize, 0usize), |(a, s), i| {
+            (a + per_prompt[i].0, s + per_prompt[i].1)
+        });
+        a as f64 / s.max(1) as f64
+    })
+}
+
+/// 95 % percentile-bootstrap interval of any statistic of `n` prompts: `stat` takes the indices
+/// of one resample (with replacement, `n` of them); `rounds` resamples from the fixed SplitMix64
+/// stream of [`bootstrap_ci95`] (deterministic). With `n <= 1` the interval is the statistic.
+pub fn bootstrap_interval(
+    n: usize,
+    rounds: usize,
+    stat: &dyn Fn(&mut dyn Iterator<Item = usize>) -> f64,
+) -> [f64; 2] {
+    if n <= 1 {
+        let t = stat(&mut (0..n));
+        return [t, t];
+    }
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut taus: Vec<f64> = (0..rounds.max(1))
+        .map(|_| stat(&mut (0..n).map(|_| (next() % n as u64) as usize)))
+        .collect();
+    taus.sort_by(f64::total_cmp);
+    let at = |q: f64| taus[((q * (taus.len() - 1) as f64).round() as usize).min(taus.len() - 1)];
+    [at(0.025), at(0.975)]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +245,23 @@ mod tests {
         assert_eq!(replay_steps(&acc, None, 8, 10), [2]);
         // an output of one token (from the prefill) takes no step
         assert!(replay_steps(&acc, None, 4, 5).is_empty());
+    }
+
+    #[test]
+    fn bootstrap_interval_brackets_the_pooled_tau_and_narrows_with_more_prompts() {
+        // five prompts of τ 2, 3, 4, 5, 6 (ten steps each): pooled 4
+        let five: Vec<(usize, usize)> = (2..7).map(|t| (10 * t, 10)).collect();
+        let [lo, hi] = bootstrap_ci95(&five, 2000);
+        assert!(lo < 4.0 && 4.0 < hi && lo >= 2.0 && hi <= 6.0, "{lo} {hi}");
+        assert!(lo > 2.5 && hi < 5.5, "not the extremes: {lo} {hi}");
+        // the same spread over 80 prompts: a narrower interval
+        let many: Vec<(usize, usize)> = (0..80).map(|i| (10 * (2 + i % 5), 10)).collect();
+        let [lo2, hi2] = bootstrap_ci95(&many, 2000);
+        assert!(lo2 < 4.0 && 4.0 < hi2, "{lo2} {hi2}");
+        assert!(hi2 - lo2 < 0.5 * (hi - lo), "{lo2}-{hi2} vs {lo}-{hi}");
+        // identical prompts: no spread; one prompt: its τ; deterministic
+        assert_eq!(bootstrap_ci95(&[(30, 10); 4], 500), [3.0, 3.0]);
+        assert_eq!(bootstrap_ci95(&[(7, 2)], 500), [3.5, 3.5]);
+        assert_eq!(bootstrap_ci95(&five, 2000), [lo, hi]);
     }
 }

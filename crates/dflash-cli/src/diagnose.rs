@@ -1,0 +1,287 @@
+//! `dflash diagnose`: find a train/eval mismatch of a drafter by measurement (issue 16's first
+//! slice): the target answers benchmark prompts greedily, then dflash-diagnose runs its checks
+//! (conventions scan through the taps, target integrity, tap statistics) on those answers.
+//!
+//! Invariants: target and drafter resolve exactly as in `eval` (crate::defaults), prompts load and
+//! render as in `eval` (crate::bench_prompts; MT-Bench's second turn follows the target's own
+//! first answer); the table goes to stderr, the JSON to stdout (and `--json-out`, atomically);
+//! exit code 0 when no check FAILs, 1 when one does (no "error:" line: the table said it), 2 on
+//! bad input.
+
+use crate::exit::{Reported, UsageError};
+use anyhow::{Context, Result};
+use clap::Args;
+use dflash_decoding::{generate_ar, GenerateConfig, SamplingConfig};
+use dflash_diagnose::{diagnose, stats, Diagnosis, Options, Sample, Verdict};
+use dflash_models::{load_drafter, load_target};
+use dflash_text::ChatMessage;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct DiagnoseArgs {
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Drafter directory (default: the shipped drafter of the target, if any).
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Benchmarks: gsm8k, humaneval, mt_bench (from --bench-dir) or paths to .jsonl files.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gsm8k,humaneval,mt_bench"
+    )]
+    bench: Vec<String>,
+    /// Directory of the benchmark files (default: data/benchmarks of this repository).
+    #[arg(long)]
+    bench_dir: Option<PathBuf>,
+    /// Prompts per benchmark (the first N).
+    #[arg(long, default_value_t = 3)]
+    limit: usize,
+    /// Length of the target's answers the checks run on.
+    #[arg(long, default_value_t = 96)]
+    max_new_tokens: usize,
+    /// DDTree node budget of the replayed τ.
+    #[arg(long, default_value_t = dflash_decoding::tree::DEFAULT_TREE_BUDGET)]
+    tree_budget: usize,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Also write the JSON here.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+    /// Draw the replayed τ of each conventions variant into this PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Write the measured tap statistics to the drafter directory's tap_stats.json (what later
+    /// diagnoses compare against).
+    #[arg(long)]
+    record_stats: bool,
+}
+
+pub fn run(a: DiagnoseArgs) -> Result<()> {
+    if a.max_new_tokens == 0 || a.limit == 0 || a.tree_budget == 0 {
+        return Err(UsageError(
+            "--max-new-tokens, --limit and --tree-budget must be at least 1".into(),
+        )
+        .into());
+    }
+    let t0 = Instant::now();
+    let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
+    let target_path = crate::defaults::target_path(a.target.as_deref())?;
+    let draft_dir = crate::defaults::drafter_path(a.draft.as_deref(), &target_path)?;
+    if !draft_dir.is_dir() {
+        return Err(UsageError(format!(
+            "{}: drafter directory not found",
+            draft_dir.display()
+        ))
+        .into());
+    }
+    // every benchmark file exists before the models load (bad input fails fast, with code 2)
+    for bench in &a.bench {
+        let p = crate::bench_prompts::bench_file(bench, a.bench_dir.as_deref())?;
+        if !p.is_file() {
+            return Err(UsageError(format!("{}: benchmark file not found", p.display())).into());
+        }
+    }
+    let target = load_target(&target_path, &device, dtype)
+        .with_context(|| format!("loading target {}", target_path.display()))?;
+    let drafter = load_drafter(&draft_dir, &device, dtype)
+        .with_context(|| format!("loading drafter {}", draft_dir.display()))?;
+    drafter.check_target(target.model.as_ref())?;
+    let recorded = stats::read_tap_stats(&draft_dir)?;
+    let text = target
+        .text
+        .as_ref()
+        .ok_or_else(|| UsageError("target has no tokenizer".into()))?;
+    let tpl = text
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| UsageError("target has no chat template".into()))?;
+    let opts = crate::bench_prompts::render_options();
+    let cfg = GenerateConfig {
+        max_new_tokens: a.max_new_tokens,
+        stop_tokens: target.eos_token_ids.clone(),
+        sampling: SamplingConfig::greedy(),
+    };
+    let load_seconds = t0.elapsed().as_secs_f64();
+
+    // the target's own greedy answers
+    let t1 = Instant::now();
+    let mut samples = vec![];
+    for bench in &a.bench {
+        let rows = crate::bench_prompts::load_rows(bench, a.bench_dir.as_deref(), a.limit)?;
+        let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} answers"));
+        for (i, user_turns) in rows.into_iter().enumerate() {
+            let mut history: Vec<ChatMessage> = vec![];
+            for (k, turn) in user_turns.into_iter().enumerate() {
+                history.push(ChatMessage::new("user", turn));
+                let prompt = text
+                    .tokenizer
+                    .encode(&tpl.render(&history, &opts)?, false)?;
+                if prompt.is_empty() {
+                    return Err(UsageError(format!("{bench} row {}: empty prompt", i + 1)).into());
+                }
+                let g = generate_ar(target.model.as_ref(), &prompt, &cfg, &mut |_| {})?;
+                history.push(ChatMessage::new(
+                    "assistant",
+                    text.tokenizer.decode(&g.tokens, true)?,
+                ));
+                let mut tokens = prompt.clone();
+                tokens.extend(&g.tokens);
+                samples.push(Sample {
+                    name: format!("{bench}:{}.{}", i + 1, k + 1),
+                    tokens,
+                    prompt_len: prompt.len(),
+                });
+            }
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+    }
+    let answer_seconds = t1.elapsed().as_secs_f64();
+
+    let d = diagnose(
+        target.model.as_ref(),
+        &drafter,
+        &samples,
+        &Options {
+            final_norm_eps: target.config.rms_norm_eps,
+            tree_budget: a.tree_budget,
+            integrity_positions: 32,
+            recorded_stats: recorded,
+        },
+    )?;
+    if a.record_stats {
+        stats::write_tap_stats(&draft_dir, &d.tap_statistics.measured)?;
+        eprintln!(
+            "recorded tap statistics in {}",
+            draft_dir.join(stats::TAP_STATS_FILE).display()
+        );
+    }
+    print_table(&d);
+    let json = serde_json::json!({
+        "target": target_path.display().to_string(),
+        "draft": draft_dir.display().to_string(),
+        "device": a.device,
+        "dtype": format!("{dtype:?}").to_lowercase(),
+        "benches": a.bench,
+        "prompts": samples.len(),
+        "max_new_tokens": a.max_new_tokens,
+        "verdict": d.verdict(),
+        "checks": d.checks,
+        "conventions": d.conventions,
+        "target_integrity": d.target_integrity,
+        "tap_statistics": d.tap_statistics,
+        "seconds": {
+            "load": load_seconds,
+            "answers": answer_seconds,
+            "conventions": d.seconds.conventions,
+            "target_integrity": d.seconds.target_integrity,
+            "total": t0.elapsed().as_secs_f64(),
+        },
+    });
+    let out = serde_json::to_string_pretty(&json)?;
+    if let Some(p) = &a.json_out {
+        crate::defaults::write_atomic(p, out.as_bytes())?;
+    }
+    if let Some(p) = &a.plot {
+        plot_variants(&d, p).with_context(|| format!("writing {}", p.display()))?;
+    }
+    println!("{out}");
+    if d.verdict() == Verdict::Fail {
+        return Err(Reported(1).into());
+    }
+    Ok(())
+}
+
+/// The checks (verdict, evidence, cause and fix) and the τ of each variant, on stderr.
+fn print_table(d: &Diagnosis) {
+    eprintln!("{:<17} {:<7} evidence / cause / fix", "check", "verdict");
+    for c in &d.checks {
+        eprintln!(
+            "{:<17} {:<7} {}",
+            c.check,
+            c.verdict.to_string(),
+            c.evidence
+        );
+        if !c.cause.is_empty() {
+            eprintln!("{:<25} cause: {}", "", c.cause);
+        }
+        if !c.fix.is_empty() {
+            eprintln!("{:<25} fix:   {}", "", c.fix);
+        }
+    }
+    let s = &d.conventions;
+    eprintln!(
+        "\n{:<24} {:<24} {:>10} {:>11} {:>10} {:>11} {:>9} {:>8}",
+        "variant",
+        "taps",
+        format!("ddtree-{}", s.tree_budget),
+        "95%",
+        "dflash",
+        "95%",
+        "all-pos",
+        "log-lik"
+    );
+    for v in &s.variants {
+        let taps = format!(
+            "{:?}{}",
+            v.variant.target_layer_ids,
+            if v.variant.final_norm_on_last_tap {
+                "+norm"
+            } else {
+                ""
+            }
+        );
+        eprintln!(
+            "{:<24} {:<24} {:>10.2} {:>11} {:>10.2} {:>11} {:>9.2} {:>8.3}",
+            v.variant.name,
+            taps,
+            v.ddtree_tau,
+            format!("{:.2}-{:.2}", v.ddtree_tau_ci95[0], v.ddtree_tau_ci95[1]),
+            v.dflash_tau,
+            format!("{:.2}-{:.2}", v.dflash_tau_ci95[0], v.dflash_tau_ci95[1]),
+            v.teacher_forced_ddtree_tau,
+            v.log_likelihood,
+        );
+    }
+}
+
+/// `--plot`: replayed τ per variant as bars (a flat segment at the variant's index, one colour
+/// each, its name and τ in the legend).
+fn plot_variants(d: &Diagnosis, path: &Path) -> Result<()> {
+    use dflash_plot::{Figure, Panel, Series};
+    let series = d
+        .conventions
+        .variants
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let x = i as f64;
+            Series::new(
+                format!("{i} {}: {:.2}", v.variant.name, v.ddtree_tau),
+                vec![(x - 0.3, v.ddtree_tau), (x + 0.3, v.ddtree_tau)],
+            )
+        })
+        .collect();
+    let fig = Figure {
+        title: "dflash diagnose: conventions scan".into(),
+        panels: vec![Panel {
+            title: format!(
+                "replayed DDTree-{} tau per variant",
+                d.conventions.tree_budget
+            ),
+            x_label: "variant".into(),
+            y_label: "replayed tau".into(),
+            series,
+            log_y: false,
+        }],
+        columns: 1,
+        panel_width: 900,
+        panel_height: 420,
+    };
+    fig.save_png(path)?;
+    Ok(())
+}

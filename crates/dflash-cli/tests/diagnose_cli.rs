@@ -1,0 +1,186 @@
+//! `dflash diagnose` end to end on SmolLM2 (f32, CPU): the shipped pair gets no FAIL and every
+//! check in its JSON; a copy of the shipped drafter whose config declares every tap one layer too
+//! deep is a FAIL of the conventions scan naming the −1 shift (exit 1, no "error:" line); recorded
+//! tap statistics round-trip and a planted shift in them is a FAIL; bad input exits 2.
+
+use std::path::Path;
+
+mod common;
+use common::{dflash, root, run, smollm2};
+
+fn diagnose(target: &Path, draft: &Path, extra: &[&str]) -> (i32, String, String) {
+    run(dflash()
+        .arg("diagnose")
+        .arg("--target")
+        .arg(target)
+        .arg("--draft")
+        .arg(draft)
+        .args(["--dtype", "f32", "--max-new-tokens", "48"])
+        .args(extra))
+}
+
+fn check<'a>(v: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no {name} check in {v}"))
+}
+
+/// A copy of the shipped drafter in `dir`.
+fn copy_drafter(dir: &Path) {
+    let src = root().join("drafters/smollm2-135m-instruct");
+    std::fs::create_dir_all(dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn shipped_pair_passes_and_recorded_statistics_catch_a_shift() {
+    let Some(g) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("drafter");
+    copy_drafter(&draft);
+    let json_out = tmp.path().join("diagnose.json");
+    let png = tmp.path().join("variants.png");
+    let (code, out, err) = diagnose(
+        &g,
+        &draft,
+        &[
+            "--bench",
+            "gsm8k",
+            "--limit",
+            "2",
+            "--record-stats",
+            "--json-out",
+            json_out.to_str().unwrap(),
+            "--plot",
+            png.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("error:"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON on stdout");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_out).unwrap()).unwrap();
+    assert_eq!(
+        saved["checks"], v["checks"],
+        "--json-out holds the same result"
+    );
+    assert_eq!(v["prompts"], 2);
+    for name in ["conventions", "target_integrity", "tap_statistics"] {
+        let c = check(&v, name);
+        assert_eq!(c["verdict"], "ok", "{c}");
+        assert!(!c["evidence"].as_str().unwrap().is_empty(), "{c}");
+    }
+    assert_eq!(v["verdict"], "ok");
+    let variants = v["conventions"]["variants"].as_array().unwrap();
+    let names: Vec<&str> = variants
+        .iter()
+        .map(|x| x["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["declared", "taps -1", "taps +1", "final norm on last tap"]
+    );
+    assert_eq!(
+        variants[0]["target_layer_ids"],
+        serde_json::json!([1, 8, 14, 20, 27])
+    );
+    let declared = variants[0]["ddtree_tau"].as_f64().unwrap();
+    assert!(declared > 2.0, "the shipped drafter drafts: {declared}");
+    for x in variants {
+        let lo = x["ddtree_tau_ci95"][0].as_f64().unwrap();
+        let hi = x["ddtree_tau_ci95"][1].as_f64().unwrap();
+        let t = x["ddtree_tau"].as_f64().unwrap();
+        assert!(lo <= t && t <= hi && t >= 1.0, "{x}");
+    }
+    let integ = &v["target_integrity"];
+    assert_eq!(integ["argmax_agreement"], 1.0, "{integ}");
+    assert!(integ["positions"].as_u64().unwrap() >= 2, "{integ}");
+    assert!(err.contains("conventions") && err.contains("final norm on last tap"));
+    assert_eq!(&std::fs::read(&png).expect("--plot")[1..4], b"PNG");
+
+    // --record-stats wrote the statistics it measured
+    let stats_path = draft.join("tap_stats.json");
+    let mut stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats_path).unwrap()).unwrap();
+    assert_eq!(stats, v["tap_statistics"]["measured"]);
+    assert_eq!(stats["layers"].as_object().unwrap().len(), 5);
+    // statistics "recorded" on another layer path: the last tap's norm 40 % off
+    let norm = stats["layers"]["27"]["norm"].as_f64().unwrap();
+    stats["layers"]["27"]["norm"] = serde_json::json!(norm * 1.4);
+    std::fs::write(&stats_path, stats.to_string()).unwrap();
+    let (code, out, err) = diagnose(&g, &draft, &["--bench", "gsm8k", "--limit", "1"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        !err.contains("error:"),
+        "a FAIL is reported, not an error: {err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = check(&v, "tap_statistics");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    assert!(c["cause"].as_str().unwrap().contains("tap 27"), "{c}");
+    assert_eq!(v["verdict"], "FAIL");
+
+    // a malformed statistics file is bad input
+    std::fs::write(&stats_path, "{").unwrap();
+    let (code, _, err) = diagnose(&g, &draft, &["--bench", "gsm8k", "--limit", "1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("tap_stats.json"), "{err}");
+}
+
+#[test]
+fn a_planted_tap_shift_fails_and_names_the_layers() {
+    let Some(g) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("drafter");
+    copy_drafter(&draft);
+    let cfg_path = draft.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let ids = &mut cfg["dflash_config"]["target_layer_ids"];
+    assert_eq!(*ids, serde_json::json!([1, 8, 14, 20, 27]));
+    *ids = serde_json::json!([2, 9, 15, 21, 28]);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let (code, out, err) = diagnose(&g, &draft, &["--bench", "gsm8k,humaneval", "--limit", "2"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(!err.contains("error:"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = check(&v, "conventions");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let fix = c["fix"].as_str().unwrap();
+    assert!(
+        fix.contains("shifted by \u{2212}1")
+            && fix.contains("[2, 9, 15, 21, 28] \u{2192} [1, 8, 14, 20, 27]"),
+        "{fix}"
+    );
+    assert!(err.contains("FAIL") && err.contains("shifted by"), "{err}");
+}
+
+#[test]
+fn bad_input_exits_2_naming_it() {
+    let Some(g) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-drafter");
+    let (code, out, err) = diagnose(&g, &missing, &["--limit", "1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(err.contains("no-such-drafter"), "{err}");
+    let draft = root().join("drafters/smollm2-135m-instruct");
+    for (flags, needle) in [
+        (&["--limit", "0"][..], "at least 1"),
+        (&["--bench", "nope"][..], "unknown benchmark"),
+        (
+            &["--bench", "/no/such/prompts.jsonl"][..],
+            "/no/such/prompts.jsonl",
+        ),
+    ] {
+        let (code, _, err) = diagnose(&g, &draft, flags);
+        assert_eq!(code, 2, "{flags:?}: {err}");
+        assert!(err.contains(needle), "{flags:?}: {err}");
+    }
+}
