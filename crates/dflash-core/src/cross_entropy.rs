@@ -10,19 +10,16 @@
 //!   ignored (callers never use them).
 //! - Equals the composite (tested on the CPU reference); the CUDA kernels (`cross_entropy.cu`,
 //!   NVRTC) mirror the reference and use no atomics.
-//! - `DFLASH_FUSED_LOSS=1` / `=0` force it on / off; unset, it is on (measured 1.9× faster on
+//! - `DFLASH_FUSED_LOSS=0` turns it off (read once per process); otherwise on (measured 1.9× faster on
 //!   the CPU's loss phase and 7.4× on the H200's, same losses; docs/benchmarks.md).
 
 use crate::{CoreError, Result};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 
-/// Whether the fused loss runs (see the module invariants; read at each call).
+/// Whether the fused loss runs (see the module invariants; the variable is read once per process).
 pub fn enabled() -> bool {
-    match std::env::var("DFLASH_FUSED_LOSS").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => true,
-    }
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("DFLASH_FUSED_LOSS").as_deref() != Ok("0"))
 }
 
 /// See the module invariants. `logits` `[rows, V]` f32; `labels` and `weights` one per row.

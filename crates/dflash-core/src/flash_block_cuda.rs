@@ -28,7 +28,9 @@ const TARGET_CTAS: usize = 1024;
 /// `DFLASH_FLASH_BWD=row` asks for the one-thread-per-row kernels (kept to compare; both are
 /// checked against the composite by `dflash bench attention`).
 fn split_backward(d: usize) -> bool {
-    d.is_multiple_of(THREADS_PER_ROW) && std::env::var("DFLASH_FLASH_BWD").as_deref() != Ok("row")
+    static ROW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let row = *ROW.get_or_init(|| std::env::var("DFLASH_FLASH_BWD").as_deref() == Ok("row"));
+    d.is_multiple_of(THREADS_PER_ROW) && !row
 }
 
 /// PTX for head dim `d` (compiled on first use).
