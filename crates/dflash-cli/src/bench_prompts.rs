@@ -10,6 +10,27 @@ use anyhow::{Context, Result};
 use dflash_text::RenderOptions;
 use std::path::{Path, PathBuf};
 
+/// The models and prompt sets `eval` and `diagnose` both take (flattened into their flags).
+#[derive(clap::Args, Debug)]
+pub struct PromptSetArgs {
+    /// Target model (HF directory or .gguf); default as for `generate`.
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Drafter directory (default: the shipped drafter of the target, if any).
+    #[arg(long)]
+    pub draft: Option<PathBuf>,
+    /// Benchmarks: gsm8k, humaneval, mt_bench (from --bench-dir) or paths to .jsonl files.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gsm8k,humaneval,mt_bench"
+    )]
+    pub bench: Vec<String>,
+    /// Directory of the benchmark files (default: data/benchmarks of this repository).
+    #[arg(long)]
+    pub bench_dir: Option<PathBuf>,
+}
+
 pub fn bench_file(name: &str, dir: Option<&Path>) -> Result<PathBuf> {
     let p = PathBuf::from(name);
     if p.extension().is_some_and(|e| e == "jsonl") {

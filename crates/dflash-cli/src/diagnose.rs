@@ -20,21 +20,8 @@ use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct DiagnoseArgs {
-    #[arg(long)]
-    target: Option<PathBuf>,
-    /// Drafter directory (default: the shipped drafter of the target, if any).
-    #[arg(long)]
-    draft: Option<PathBuf>,
-    /// Benchmarks: gsm8k, humaneval, mt_bench (from --bench-dir) or paths to .jsonl files.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "gsm8k,humaneval,mt_bench"
-    )]
-    bench: Vec<String>,
-    /// Directory of the benchmark files (default: data/benchmarks of this repository).
-    #[arg(long)]
-    bench_dir: Option<PathBuf>,
+    #[command(flatten)]
+    set: crate::bench_prompts::PromptSetArgs,
     /// Prompts per benchmark (the first N).
     #[arg(long, default_value_t = 3)]
     limit: usize,
@@ -69,8 +56,8 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
     }
     let t0 = Instant::now();
     let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
-    let target_path = crate::defaults::target_path(a.target.as_deref())?;
-    let draft_dir = crate::defaults::drafter_path(a.draft.as_deref(), &target_path)?;
+    let target_path = crate::defaults::target_path(a.set.target.as_deref())?;
+    let draft_dir = crate::defaults::drafter_path(a.set.draft.as_deref(), &target_path)?;
     if !draft_dir.is_dir() {
         return Err(UsageError(format!(
             "{}: drafter directory not found",
@@ -79,8 +66,8 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         .into());
     }
     // every benchmark file exists before the models load (bad input fails fast, with code 2)
-    for bench in &a.bench {
-        let p = crate::bench_prompts::bench_file(bench, a.bench_dir.as_deref())?;
+    for bench in &a.set.bench {
+        let p = crate::bench_prompts::bench_file(bench, a.set.bench_dir.as_deref())?;
         if !p.is_file() {
             return Err(UsageError(format!("{}: benchmark file not found", p.display())).into());
         }
@@ -110,8 +97,8 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
     // the target's own greedy answers
     let t1 = Instant::now();
     let mut samples = vec![];
-    for bench in &a.bench {
-        let rows = crate::bench_prompts::load_rows(bench, a.bench_dir.as_deref(), a.limit)?;
+    for bench in &a.set.bench {
+        let rows = crate::bench_prompts::load_rows(bench, a.set.bench_dir.as_deref(), a.limit)?;
         let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} answers"));
         for (i, user_turns) in rows.into_iter().enumerate() {
             let mut history: Vec<ChatMessage> = vec![];
@@ -166,7 +153,7 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         "draft": draft_dir.display().to_string(),
         "device": a.device,
         "dtype": format!("{dtype:?}").to_lowercase(),
-        "benches": a.bench,
+        "benches": a.set.bench,
         "prompts": samples.len(),
         "max_new_tokens": a.max_new_tokens,
         "verdict": d.verdict(),

@@ -31,21 +31,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    #[arg(long)]
-    target: Option<PathBuf>,
-    /// Drafter directory (default: the shipped drafter of the target, if any).
-    #[arg(long)]
-    draft: Option<PathBuf>,
-    /// Benchmarks: gsm8k, humaneval, mt_bench (from --bench-dir) or paths to .jsonl files.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "gsm8k,humaneval,mt_bench"
-    )]
-    bench: Vec<String>,
-    /// Directory of the benchmark files (default: data/benchmarks of this repository).
-    #[arg(long)]
-    bench_dir: Option<PathBuf>,
+    #[command(flatten)]
+    set: crate::bench_prompts::PromptSetArgs,
     /// Prompts per benchmark (the first N).
     #[arg(long, default_value_t = 20)]
     limit: usize,
@@ -147,7 +134,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         return Err(UsageError("--modes must start with ar (the reference)".into()).into());
     }
     let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
-    let target_path = crate::defaults::target_path(a.target.as_deref())?;
+    let target_path = crate::defaults::target_path(a.set.target.as_deref())?;
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;
     let text = target
@@ -160,7 +147,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         .ok_or_else(|| UsageError("target has no chat template".into()))?;
     let needs_draft = a.modes.iter().any(|m| *m != Mode::Ar);
     let drafter = if needs_draft {
-        let dir = crate::defaults::drafter_path(a.draft.as_deref(), &target_path)?;
+        let dir = crate::defaults::drafter_path(a.set.draft.as_deref(), &target_path)?;
         let mut d = load_drafter(&dir, &device, dtype)
             .with_context(|| format!("loading drafter {}", dir.display()))?;
         d.check_target(target.model.as_ref())?;
@@ -239,8 +226,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
     }
     let mut results = vec![];
     let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
-    for bench in &a.bench {
-        let rows = crate::bench_prompts::load_rows(bench, a.bench_dir.as_deref(), a.limit)?;
+    for bench in &a.set.bench {
+        let rows = crate::bench_prompts::load_rows(bench, a.set.bench_dir.as_deref(), a.limit)?;
         let mut sums: Vec<ModeSummary> = runs
             .iter()
             .map(|(_, b, name)| ModeSummary {
