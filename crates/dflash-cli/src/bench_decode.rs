@@ -354,17 +354,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         let tree = tree_from_draft_logits(&draft_logits, bonus, w)?;
         let path = accepted_path(&tree);
         let t = time(&mut || {
-            let pos: Vec<u32> = tree.depths.iter().map(|d| (context + d) as u32).collect();
-            let req = ForwardRequest {
-                tokens: &tree.tokens,
-                positions: &pos,
-                mask: AttentionMask::Tree {
-                    parents: tree.parents.clone(),
-                },
-                taps: &taps,
-                logits: LogitRows::All,
-            };
-            let out = target.forward(&req, &mut cache)?;
+            let pos = tree.positions(context);
+            let out = target.forward(&tree.verify_request(&pos, &taps), &mut cache)?;
             black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
             cache.keep_rows(context, &path)?;
             cache.crop(context);

@@ -8,7 +8,8 @@
 //   The host sorts the k pairs. One thread block per row, blockDim.x = TPB.
 // - visibility_mask: additive [n, past + n] f32 mask, 0 where query i may see key j (every past
 //   key; a tree key j − past when it is i or an ancestor of i through parents[]), −inf elsewhere.
-//   A causal block is the chain parents[i] = i − 1.
+//   A causal block is the chain parents[i] = i − 1, flagged `chain` by the host so that no thread
+//   walks it (a walk would cost O(n) per key: O(n³) for a long prefill).
 #define TPB 1024
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -171,7 +172,8 @@ extern "C" __global__ void topk_rows(const float* x, int V, int k, float* out_va
   }
 }
 
-extern "C" __global__ void visibility_mask(const long long* parents, int n, int past, float* out) {
+extern "C" __global__ void visibility_mask(const long long* parents, int n, int past, int chain,
+                                           float* out) {
   const int kv = past + n;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   const int i = blockIdx.y;
@@ -179,6 +181,8 @@ extern "C" __global__ void visibility_mask(const long long* parents, int n, int 
   float v = NEG_INF;
   if (j < past) {
     v = 0.0f;
+  } else if (chain) {  // parents[a] = a − 1: the ancestors of i are every node up to i
+    if (j - past <= i) v = 0.0f;
   } else {
     const int node = j - past;
     long long a = i;

@@ -136,6 +136,7 @@ pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> crate::Result<Vec<Vec<(f3
 
 struct VisibilityMask {
     past: usize,
+    chain: bool,
 }
 impl CustomOp1 for VisibilityMask {
     fn name(&self) -> &'static str {
@@ -153,8 +154,8 @@ impl CustomOp1 for VisibilityMask {
         let out = unsafe { dev.alloc::<f32>(n * kv)? };
         let f = dev.get_or_load_custom_func("visibility_mask", MODULE, ptx()?)?;
         let mut bld = f.builder();
-        let (nn, past) = (n as i32, self.past as i32);
-        bld.arg(&parents).arg(&nn).arg(&past).arg(&out);
+        let (nn, past, chain) = (n as i32, self.past as i32, self.chain as i32);
+        bld.arg(&parents).arg(&nn).arg(&past).arg(&chain).arg(&out);
         let cfg = LaunchConfig {
             grid_dim: (kv.div_ceil(256) as u32, n as u32, 1),
             block_dim: (256, 1, 1),
@@ -169,8 +170,9 @@ impl CustomOp1 for VisibilityMask {
 /// The additive mask of [`crate::decode_ops::visibility_mask`], built on the device from the
 /// `n` parent indices (the only upload).
 pub(crate) fn visibility_mask(parents: &[i64], past: usize, dev: &Device) -> crate::Result<Tensor> {
+    let chain = parents.iter().enumerate().all(|(i, &p)| p == i as i64 - 1);
     let p = Tensor::from_slice(parents, parents.len(), dev)?;
-    Ok(p.apply_op1_no_bwd(&VisibilityMask { past })?)
+    Ok(p.apply_op1_no_bwd(&VisibilityMask { past, chain })?)
 }
 
 struct MatmulTF32;
@@ -296,18 +298,20 @@ impl SoftmaxScaled {
             MODULE,
             ptx()?,
         )?;
-        let dummy;
         let mv = match mask {
-            Some((ms, ml)) => slice_of::<f32>(ms, ml, "softmax_scaled mask")?,
-            None => {
-                dummy = dev.alloc_zeros::<f32>(1)?;
-                dummy.slice(0..1)
-            }
+            Some((ms, ml)) => Some(slice_of::<f32>(ms, ml, "softmax_scaled mask")?),
+            None => None,
         };
         let mut bld = f.builder();
         let ints = [total, rows_per_b, self.q_len, kv].map(|x| x as i32);
         let (bstride, has) = (self.mask_bstride as i64, mask.is_some() as i32);
-        bld.arg(&sv).arg(&mv);
+        bld.arg(&sv);
+        match &mv {
+            Some(m) => bld.arg(m),
+            // never read without a mask (has_mask 0): the scores' pointer fills the slot, so no
+            // placeholder is allocated per call
+            None => bld.arg(&sv),
+        };
         for x in &ints {
             bld.arg(x);
         }

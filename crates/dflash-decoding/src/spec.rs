@@ -131,8 +131,9 @@ pub const AUTO_MIN_STEPS: usize = 16;
 pub const AUTO_CLEAR_STEPS: usize = 4;
 
 /// Whether auto mode should go on with AR steps, after `counted` speculative steps (the first,
-/// which pays the drafter's prefill, is not counted) that emitted `spec_rate` tokens per second
-/// against AR's `ar_rate`; `max_per_step` is the most tokens one step can emit (the block size).
+/// which pays the drafter's prefill, is not counted) that emitted `spec_tokens` in
+/// `spec_seconds`, against one AR step of `ar_step_seconds`; `max_per_step` is the most tokens
+/// one step can emit (the block size).
 /// Switch at once when even a fully accepted step would lose, after [`AUTO_CLEAR_STEPS`] when
 /// speculation runs at under half AR's rate, after [`AUTO_MIN_STEPS`] when it is slower at all.
 pub fn auto_prefers_ar(
@@ -342,17 +343,8 @@ fn generate(
                 let tb = Instant::now();
                 let tree = tree_from_draft_logits(draft_logits, bonus, *nodes)?;
                 stats.tree_build_seconds += tb.elapsed().as_secs_f64();
-                let pos: Vec<u32> = tree.depths.iter().map(|d| (start + d) as u32).collect();
-                let req = ForwardRequest {
-                    tokens: &tree.tokens,
-                    positions: &pos,
-                    mask: AttentionMask::Tree {
-                        parents: tree.parents.clone(),
-                    },
-                    taps: &taps,
-                    logits: LogitRows::All,
-                };
-                let out = target.forward(&req, &mut cache)?;
+                let pos = tree.positions(start);
+                let out = target.forward(&tree.verify_request(&pos, &taps), &mut cache)?;
                 let y = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?;
                 let mut cur = 0;
                 let mut path = vec![0u32];

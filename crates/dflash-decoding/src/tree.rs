@@ -7,6 +7,8 @@
 
 use crate::Result;
 use candle_core::Tensor;
+use dflash_core::AttentionMask;
+use dflash_models::{ForwardRequest, LogitRows};
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -68,6 +70,29 @@ impl PartialOrd for Candidate {
 
 /// Builds the best-`budget`-node tree below `root` from `top[d]` = top-k of drafted position d.
 impl DraftTree {
+    /// Each node's position when the root sits at `start` (`start + depth`).
+    pub fn positions(&self, start: usize) -> Vec<u32> {
+        self.depths.iter().map(|d| (start + d) as u32).collect()
+    }
+
+    /// The target forward that verifies the tree in one pass: every node at its `positions`,
+    /// seeing the cache, its ancestors and itself, with logits for every node and `taps`.
+    pub fn verify_request<'a>(
+        &'a self,
+        positions: &'a [u32],
+        taps: &'a [usize],
+    ) -> ForwardRequest<'a> {
+        ForwardRequest {
+            tokens: &self.tokens,
+            positions,
+            mask: AttentionMask::Tree {
+                parents: self.parents.clone(),
+            },
+            taps,
+            logits: LogitRows::All,
+        }
+    }
+
     /// How many drafted tokens a verifier whose choices are `continuation` (the tokens after the
     /// root) accepts: the depth of the deepest node on the path that follows it.
     pub fn accepted_depth(&self, continuation: &[u32]) -> usize {

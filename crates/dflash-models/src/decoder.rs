@@ -434,7 +434,8 @@ impl TargetModel for Decoder {
         let past = cache.len();
         let mask = req.mask.build(n, past + n, dev)?;
         let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
-        let packed = if self.fused {
+        // only the one-kernel heads path reads the packed table (every layer has the same shape)
+        let packed = if self.layers.first().is_some_and(|l| l.self_attn.fast_heads) {
             Some(Tensor::cat(&[&cos, &sin], 0)?)
         } else {
             None
