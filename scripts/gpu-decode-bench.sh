@@ -2,7 +2,8 @@
 # Runs on the GPU machine (one device call; carry dist/cuda from scripts/build-cuda.sh): the
 # decode-op parity tests and the reference fixtures on CUDA, then `dflash bench decode` at the
 # SmolLM2-135M, Qwen3-0.6B and Qwen3-8B shapes (random weights), each with the decode fusions off
-# (DFLASH_FUSED_DECODE=0, the plain candle path) and on, beside transformers on the same shapes in
+# (DFLASH_FUSED_DECODE=0, the plain candle path), on without CUDA graphs (DFLASH_CUDA_GRAPHS=0) and
+# on with them (the default), beside transformers on the same shapes in
 # the same call (scripts/peer_decode.py). Everything lands in $OUT/bench-decode.jsonl (one JSON per
 # line, tagged) and $OUT/bench-decode.log; the last lines printed are a summary table.
 # Knobs: SHAPES="smollm2-135m:f32:512 ..." (shape:dtype:context), ROUNDS, PEER=0 to skip peers,
@@ -11,6 +12,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROUNDS=${ROUNDS:-30}
+# plain: DFLASH_FUSED_DECODE=0; fused: fused kernels, no CUDA graphs; graphs: the default path
+VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
 J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
 : > "$J"
@@ -36,11 +39,12 @@ print(json.dumps(d))' "$@" >> "$J"
 }
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
-  for fused in 0 1; do
-    echo "== dflash bench decode $shape $dtype context $ctx fused=$fused" | tee -a "$LOG"
-    DFLASH_FUSED_DECODE=$fused timeout 300 $D bench decode --shape "$shape" --context "$ctx" --device cuda \
-      --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
-      && tag engine=dflash fused=$fused < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
+  for variant in $VARIANTS; do
+    case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; *) fused=1 graphs=1;; esac
+    echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
+    DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+      --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
+      && tag engine=dflash fused=$fused graphs=$graphs < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
   done
   if [ "${PEER:-1}" = 1 ]; then
     echo "== transformers $shape $dtype context $ctx" | tee -a "$LOG"
@@ -57,7 +61,8 @@ def f(x):
 print(f"{'shape':14} {'dt':4} {'ctx':>5} {'engine':13} {'floor':>7} {'AR':>7} {'chain16':>8} {'tree64':>8} {'tree256':>8} {'draft':>7} {'tree-b':>7} {'sampled':>8}")
 for r in rows:
     v = r.get("verify_ms") or {}
-    eng = r["engine"] + ("" if r["engine"] != "dflash" else ("+fused" if r.get("fused") == "1" else "-plain"))
+    eng = r["engine"] + ("" if r["engine"] != "dflash" else
+        ("-plain" if r.get("fused") != "1" else "+graphs" if r.get("graphs") == "1" else "+fused"))
     print(f"{r.get('shape','?'):14} {r.get('dtype','?'):4} {r.get('context',0):>5} {eng:13} {f(r.get('floor_ms')):>7} "
           f"{f(r.get('ar_step_ms')):>7} {f(v.get('chain16')):>8} {f(v.get('tree64')):>8} {f(v.get('tree256')):>8} "
           f"{f(r.get('draft_block_ms')):>7} {f(r.get('tree_build_ms')):>7} {f(r.get('sampled_step_ms')):>8}")

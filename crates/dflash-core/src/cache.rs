@@ -65,6 +65,48 @@ impl KvCache {
         Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
     }
 
+    /// The whole `[b, kv_heads, capacity, head_dim]` key and value buffers, allocated (zeros)
+    /// if no row was written yet. The device step writes into them and then calls
+    /// [`KvCache::advance`].
+    pub fn buffers_for(
+        &mut self,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: candle_core::DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        if self.buffers.is_none() {
+            let shape = (1, kv_heads, self.capacity, head_dim);
+            self.buffers = Some((
+                Tensor::zeros(shape, dtype, device)?,
+                Tensor::zeros(shape, dtype, device)?,
+            ));
+        }
+        let (k, v) = self.buffers.as_ref().expect("allocated above");
+        if k.dims() != [1, kv_heads, self.capacity, head_dim] || k.dtype() != dtype {
+            return Err(CoreError::InvalidInput(format!(
+                "KV cache holds {:?} {:?}, the step needs [1, {kv_heads}, {}, {head_dim}] {dtype:?}",
+                k.dims(),
+                k.dtype(),
+                self.capacity
+            )));
+        }
+        Ok((k.clone(), v.clone()))
+    }
+
+    /// Counts `n` rows written past the valid ones by a device step.
+    pub fn advance(&mut self, n: usize) -> Result<()> {
+        let needed = self.len + n;
+        if needed > self.capacity {
+            return Err(CoreError::CacheOverflow {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        self.len = needed;
+        Ok(())
+    }
+
     /// Views of the valid rows, if any were written.
     pub fn view(&self) -> Result<Option<(Tensor, Tensor)>> {
         match &self.buffers {
@@ -162,6 +204,8 @@ impl LayerCache {
 #[derive(Debug, Clone)]
 pub struct SequenceCache {
     pub layers: Vec<LayerCache>,
+    /// CUDA graphs of this cache's device steps (they bake in its buffers).
+    pub step_graphs: crate::step_graph::StepGraphs,
     capacity: usize,
     device: Device,
 }
@@ -172,6 +216,7 @@ impl SequenceCache {
             layers: (0..num_layers)
                 .map(|_| LayerCache::Attention(KvCache::new(capacity)))
                 .collect(),
+            step_graphs: Default::default(),
             capacity,
             device: device.clone(),
         }
@@ -201,14 +246,65 @@ impl SequenceCache {
     }
 
     pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() && self.keep_rows_on_device(base, rows)? {
+            return Ok(());
+        }
         for l in &mut self.layers {
             l.keep_rows(base, rows)?;
         }
         Ok(())
     }
 
+    /// [`SequenceCache::keep_rows`] as one kernel over every layer's buffers (single-sequence
+    /// caches, a strictly increasing path); `false` where the per-layer path must run.
+    #[cfg(feature = "cuda")]
+    fn keep_rows_on_device(&mut self, base: usize, rows: &[u32]) -> Result<bool> {
+        let len = self.len();
+        if rows.iter().any(|&r| base + r as usize >= len) {
+            return Err(CoreError::InvalidInput(format!(
+                "keep_rows: row out of range (base {base}, len {len}, rows {rows:?})"
+            )));
+        }
+        if rows.windows(2).any(|w| w[0] >= w[1]) {
+            return Ok(false);
+        }
+        let mut buffers = Vec::with_capacity(2 * self.layers.len());
+        for l in &self.layers {
+            let LayerCache::Attention(c) = l;
+            match &c.buffers {
+                Some((k, v)) if k.dim(0)? == 1 => {
+                    buffers.push(k.clone());
+                    buffers.push(v.clone());
+                }
+                _ => return Ok(false),
+            }
+        }
+        let identity = rows.iter().enumerate().all(|(i, &r)| i as u32 == r);
+        if !identity {
+            crate::step_cuda::keep_rows_all(&buffers, base, rows)?;
+        }
+        for l in &mut self.layers {
+            let LayerCache::Attention(c) = l;
+            c.len = base + rows.len();
+        }
+        Ok(true)
+    }
+
+    /// Counts `n` rows a device step wrote in every layer (see [`KvCache::advance`]).
+    pub fn advance(&mut self, n: usize) -> Result<()> {
+        for l in &mut self.layers {
+            match l {
+                LayerCache::Attention(c) => c.advance(n)?,
+            }
+        }
+        Ok(())
+    }
+
     /// Keeps the given sequences of a batched cache (see [`KvCache::select_batch`]).
     pub fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
+        // the buffers are reallocated: graphs that bake them in are void
+        self.step_graphs = Default::default();
         for l in &mut self.layers {
             l.select_batch(rows)?;
         }

@@ -19,6 +19,10 @@ mod flash_block_cuda;
 pub mod fused_grad;
 pub mod norm;
 pub mod rope;
+pub mod step;
+#[cfg(feature = "cuda")]
+mod step_cuda;
+pub mod step_graph;
 #[cfg(test)]
 mod test_util;
 

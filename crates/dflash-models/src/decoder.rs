@@ -15,6 +15,8 @@ use crate::target::{
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
+mod step;
+
 use dflash_core::{
     attention, flash_block, AttentionMask, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding,
     SequenceCache,
@@ -131,11 +133,16 @@ impl Attention {
         &self,
         x: &Tensor,
         rope: &Rope,
-        mask: Option<&Tensor>,
-        causal_from: Option<&[u32]>,
+        keys: &KeyLayout,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
+        let (mask, causal_from) = match keys {
+            KeyLayout::Host { mask, causal_from } => (*mask, *causal_from),
+            KeyLayout::Device { meta, ancestors } => {
+                return self.forward_device(x, rope, meta, ancestors, cache)
+            }
+        };
         let heads = |t: Tensor, nh: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let t = t.reshape((b, n, nh, self.head_dim))?;
             let t = match norm {
@@ -190,6 +197,57 @@ impl Attention {
             .reshape((b, n, self.n_heads * self.head_dim))?;
         Ok(self.o_proj.forward(&o)?)
     }
+
+    /// The device step's attention: one kernel for the q/k/v heads, one writing k and v at the
+    /// cache rows the metadata names, the tree attention over the cache buffers (lengths and
+    /// masks read on the device), then o_proj.
+    fn forward_device(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        meta: &Tensor,
+        ancestors: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (QkvProj::Fused(w), Some(cs)) = (&self.qkv, &rope.packed) else {
+            return Err(ModelError::InvalidInput(
+                "device step without the fused q/k/v projection".into(),
+            ));
+        };
+        let n = x.dim(1)?;
+        let y = w.forward(x)?.reshape((n, ()))?;
+        let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
+        let (q, k, v) = dflash_core::decode_ops::qkv_heads(
+            &y,
+            cs,
+            self.qk_norms.as_ref(),
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            rope.emb.rotary_dim(),
+            eps,
+        )?
+        .ok_or_else(|| ModelError::InvalidInput("device step: heads kernel unavailable".into()))?;
+        let (kb, vb) = cache.buffers_for(self.n_kv_heads, self.head_dim, q.dtype(), q.device())?;
+        dflash_core::step::kv_append_at(&kb, &vb, &k, &v, meta)?;
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        let o = dflash_core::step::tree_attention(&q, &kb, &vb, meta, ancestors, scale)?;
+        Ok(self.o_proj.forward(&o)?)
+    }
+}
+
+/// Where attention finds its keys' visibility: a mask built on the host (any forward), or the
+/// device step's metadata (lengths, positions and tree parents in device memory).
+pub(crate) enum KeyLayout<'a> {
+    Host {
+        mask: Option<&'a Tensor>,
+        causal_from: Option<&'a [u32]>,
+    },
+    Device {
+        meta: &'a Tensor,
+        /// Each row's ancestors-or-self bits (`dflash_core::step::tree_ancestors`).
+        ancestors: &'a Tensor,
+    },
 }
 
 /// The MLP: gate and up as two GEMMs (the checkpoint's layout), or on CUDA one GEMM over their
@@ -259,6 +317,10 @@ pub struct Decoder {
     lm_head_f32: std::sync::OnceLock<Tensor>,
     /// Decode-step fusions on (CUDA; fixed at load, see `dflash_core::decode_ops::fused_decode`).
     fused: bool,
+    /// Forwards of up to 256 rows run as device steps (CUDA graphs; see `step.rs`).
+    device_step: bool,
+    /// cos then sin for every position `[2·P, rot/2]`, made on the first device step.
+    rope_table: std::sync::OnceLock<Tensor>,
     rotary: RotaryEmbedding,
     info: TargetInfo,
 }
@@ -307,6 +369,9 @@ impl Decoder {
             dtype: vb.dtype(),
             device: vb.device().clone(),
         };
+        let device_step = fused
+            && layers.iter().all(|l| l.self_attn.fast_heads)
+            && dflash_core::step::device_step_supported(vb.device(), vb.dtype(), cfg.head_dim());
         Ok(Self {
             embed_tokens,
             layers,
@@ -314,6 +379,8 @@ impl Decoder {
             lm_head,
             lm_head_f32: std::sync::OnceLock::new(),
             fused,
+            device_step,
+            rope_table: std::sync::OnceLock::new(),
             rotary,
             info,
         })
@@ -338,8 +405,7 @@ impl Decoder {
         &self,
         mut x: Tensor,
         rope: &Rope,
-        mask: Option<&Tensor>,
-        causal_from: Option<&[u32]>,
+        keys: &KeyLayout,
         cache: &mut SequenceCache,
         tap_layers: &[usize],
     ) -> Result<(Tensor, Vec<Tensor>)> {
@@ -365,7 +431,7 @@ impl Decoder {
                 Some(h) => h,
                 None => layer.input_layernorm.forward(&x, Grad::Off)?,
             };
-            let a = layer.self_attn.forward(&h, rope, mask, causal_from, kv)?;
+            let a = layer.self_attn.forward(&h, rope, keys, kv)?;
             let h = match add_norm(&x, &a, &layer.post_attention_layernorm)? {
                 Some((sum, normed)) => {
                     x = sum;
@@ -430,6 +496,9 @@ impl TargetModel for Decoder {
                 self.layers.len()
             )));
         }
+        if let Some(out) = self.try_device_step(req, cache)? {
+            return Ok(out);
+        }
         let dev = &self.info.device;
         let past = cache.len();
         let mask = req.mask.build(n, past + n, dev)?;
@@ -452,8 +521,11 @@ impl TargetModel for Decoder {
             AttentionMask::Causal => Some(&[0]),
             _ => None,
         };
-        let (x, taps) =
-            self.layers_forward(x, &rope, mask.as_ref(), causal_from, cache, req.taps)?;
+        let keys = KeyLayout::Host {
+            mask: mask.as_ref(),
+            causal_from,
+        };
+        let (x, taps) = self.layers_forward(x, &rope, &keys, cache, req.taps)?;
         let taps = taps
             .iter()
             .map(|t| t.squeeze(0))
@@ -512,8 +584,11 @@ impl TargetModel for Decoder {
                 self.layers.len()
             )));
         }
-        let (x, taps) =
-            self.layers_forward(x, &rope, Some(&mask), req.causal_from, cache, req.taps)?;
+        let keys = KeyLayout::Host {
+            mask: Some(&mask),
+            causal_from: req.causal_from,
+        };
+        let (x, taps) = self.layers_forward(x, &rope, &keys, cache, req.taps)?;
         let x = match req.logits {
             LogitRows::None => return Ok(ForwardOutput { logits: None, taps }),
             LogitRows::Last => x.narrow(1, n - 1, 1)?,

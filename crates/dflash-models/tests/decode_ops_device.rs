@@ -331,3 +331,230 @@ fn the_decode_step_matches_the_cpu_composite() {
         }
     }
 }
+
+/// The device step's attention (cache rows written at a device-held length, tree masks from
+/// parents, split-K online softmax) against the composite attention over the same keys, at the
+/// shapes decoding meets: one AR row, a 16-row chain, trees of 37 and 256 nodes, head_dim 64 and
+/// 128, GQA, f32 and bf16, past lengths that do and do not fill a split. CUDA only.
+#[test]
+fn tree_attention_matches_the_composite_on_the_device() {
+    use dflash_core::step::{kv_append_at, tree_ancestors, tree_attention, StepMeta};
+    use dflash_core::{attention, AttentionMask, Grad};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let mut seed = 7u64;
+    for (dtype, d, h, kv, past, parents) in [
+        (DType::F32, 64, 9, 3, 0, vec![-1i64]),
+        (DType::F32, 64, 9, 3, 130, vec![-1]),
+        (
+            DType::F32,
+            128,
+            32,
+            8,
+            700,
+            (0..16).map(|i| i - 1).collect(),
+        ),
+        (
+            DType::BF16,
+            128,
+            32,
+            8,
+            511,
+            (0..37)
+                .map(|i: i64| if i == 0 { -1 } else { (i - 1) / 3 })
+                .collect(),
+        ),
+        (
+            DType::F32,
+            64,
+            4,
+            2,
+            64,
+            (0..256)
+                .map(|i: i64| if i == 0 { -1 } else { (i * 7919 + 13) % i })
+                .collect(),
+        ),
+    ] {
+        seed += 1;
+        let n = parents.len();
+        let cap = past + n + 40;
+        let rnd = |shape: (usize, usize, usize, usize), _: u64| {
+            Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap()
+        };
+        let kb = rnd((1, kv, cap, d), seed);
+        let vb = rnd((1, kv, cap, d), seed + 1);
+        let (k, v, q) = (
+            rnd((1, kv, n, d), seed + 2),
+            rnd((1, kv, n, d), seed + 3),
+            rnd((1, h, n, d), seed + 4),
+        );
+        let tokens = vec![0u32; n];
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let before = kb.copy().unwrap();
+        let meta = StepMeta::new(past, &tokens, &positions, Some(&parents), 4096).unwrap();
+        let meta = Tensor::from_slice(&meta.words, meta.words.len(), &dev).unwrap();
+        kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+        let scale = 1.0 / (d as f32).sqrt();
+        let anc = tree_ancestors(&meta, n).unwrap();
+        let got = tree_attention(&q, &kb, &vb, &meta, &anc, scale).unwrap();
+        let keys = |b: &Tensor| b.narrow(2, 0, past + n).unwrap().contiguous().unwrap();
+        let mask = AttentionMask::Tree {
+            parents: parents.clone(),
+        }
+        .build(n, past + n, &dev)
+        .unwrap();
+        let want = attention(
+            &q,
+            &keys(&kb),
+            &keys(&vb),
+            mask.as_ref(),
+            scale as f64,
+            Grad::On,
+        )
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((1, n, h * d))
+        .unwrap();
+        let written = max_abs(&kb.narrow(2, past, n).unwrap(), &k);
+        assert_eq!(written, 0.0, "cache rows written at past {past}");
+        let untouched = max_abs(
+            &kb.narrow(2, past + n, 40).unwrap(),
+            &before.narrow(2, past + n, 40).unwrap(),
+        );
+        assert_eq!(untouched, 0.0, "rows past the step untouched");
+        let err = max_abs(&got, &want);
+        let tol = if dtype == DType::BF16 { 2e-2 } else { 2e-5 };
+        assert!(
+            err < tol,
+            "{dtype:?} d{d} h{h}/{kv} past {past} n {n}: {err}"
+        );
+    }
+}
+
+/// The decoder's device steps captured as CUDA graphs and replayed (each shape runs eagerly once,
+/// is captured on its second run, replays after) give the CPU composite's logits and taps through
+/// a decode that crops and compacts the cache between steps: AR tokens, 4-token causal blocks
+/// cropped back, trees padded to a bucket and compacted to a path. CUDA only.
+#[test]
+fn device_step_graphs_replay_the_cpu_composite() {
+    use dflash_core::AttentionMask;
+    use dflash_models::{random::random_target_tensors, Decoder, DecoderConfig, ForwardRequest};
+    use dflash_models::{LogitRows, TargetModel};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "vocab_size": 300, "hidden_size": 128, "head_dim": 64,
+        "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let arch = cfg.architecture().unwrap();
+    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 5).unwrap();
+    let on = |d: &Device| -> Decoder {
+        let w = w
+            .iter()
+            .map(|(k, t)| (k.clone(), t.to_device(d).unwrap()))
+            .collect();
+        Decoder::new(
+            &cfg,
+            arch,
+            candle_nn::VarBuilder::from_tensors(w, DType::F32, d),
+        )
+        .unwrap()
+    };
+    let (cpu, gpu) = (on(&Device::Cpu), on(&dev));
+    let (mut cc, mut gc) = (cpu.new_cache(400).unwrap(), gpu.new_cache(400).unwrap());
+    let taps = [1usize, 2];
+    let mut len = 0u32;
+    type Cache = dflash_core::SequenceCache;
+    let step = |cc: &mut Cache,
+                gc: &mut Cache,
+                tokens: Vec<u32>,
+                positions: Vec<u32>,
+                mask: AttentionMask,
+                what: &str| {
+        let req = ForwardRequest {
+            tokens: &tokens,
+            positions: &positions,
+            mask,
+            taps: &taps,
+            logits: LogitRows::All,
+        };
+        let a = cpu.forward(&req, cc).unwrap();
+        let b = gpu.forward(&req, gc).unwrap();
+        let d = max_abs(a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap());
+        assert!(d < 2e-4, "{what}: logits differ by {d}");
+        for (ta, tb) in a.taps.iter().zip(&b.taps) {
+            let d = max_abs(ta, tb);
+            assert!(d < 2e-4, "{what}: taps differ by {d}");
+        }
+        assert_eq!(cc.len(), gc.len(), "{what}: cache lengths");
+    };
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 37 % 300) as u32).collect();
+    step(
+        &mut cc,
+        &mut gc,
+        prompt,
+        (0..30).collect(),
+        AttentionMask::Causal,
+        "prefill",
+    );
+    len += 30;
+    for i in 0..6 {
+        step(
+            &mut cc,
+            &mut gc,
+            vec![i * 11],
+            vec![len],
+            AttentionMask::Causal,
+            "ar",
+        );
+        len += 1;
+    }
+    for i in 0..4 {
+        step(
+            &mut cc,
+            &mut gc,
+            (0..4).map(|j| j * 5 + i).collect(),
+            (len..len + 4).collect(),
+            AttentionMask::Causal,
+            "block",
+        );
+        cc.crop(len as usize + 2);
+        gc.crop(len as usize + 2);
+        len += 2;
+    }
+    let parents = vec![-1i64, 0, 0, 1, 1, 3, 2];
+    for i in 0..4u32 {
+        let pos: Vec<u32> = [0, 1, 1, 2, 2, 3, 2].iter().map(|&p| len + p).collect();
+        step(
+            &mut cc,
+            &mut gc,
+            (0..7).map(|j| j * 13 + i).collect(),
+            pos,
+            AttentionMask::Tree {
+                parents: parents.clone(),
+            },
+            "tree",
+        );
+        cc.keep_rows(len as usize, &[0, 1, 3]).unwrap();
+        gc.keep_rows(len as usize, &[0, 1, 3]).unwrap();
+        len += 3;
+    }
+    assert!(
+        gc.step_graphs.captured() >= 3 || std::env::var("DFLASH_CUDA_GRAPHS").as_deref() == Ok("0"),
+        "AR, block and tree shapes replay from graphs ({} captured)",
+        gc.step_graphs.captured()
+    );
+}

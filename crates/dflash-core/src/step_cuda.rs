@@ -1,0 +1,396 @@
+//! Launches of the device-step kernels (`step_kernels.cu`, NVRTC, compiled once per process) and
+//! the CUDA-graph plumbing of [`crate::step_graph`].
+//!
+//! Invariants: every tensor is read at its contiguous offset (anything strided is an error); the
+//! cache buffers are written in place through their device addresses (they are never shared with
+//! a live reader in the same step); everything runs on candle's stream, in order.
+
+use crate::{CoreError, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    self, sys, CudaGraph, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Storage, Tensor};
+use std::sync::OnceLock;
+
+const SOURCE: &str = include_str!("step_kernels.cu");
+const MODULE: &str = "dflash_step_kernels";
+/// Keys per split of the attention: small for few rows (parallelism at short contexts), larger
+/// for wide trees (bounded partial-result memory).
+fn chunk_for(rows: usize) -> usize {
+    if rows <= 16 {
+        64
+    } else {
+        256
+    }
+}
+const WARPS: usize = 8;
+const VECTORS_PER_BLOCK: usize = 16;
+
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("step kernels: NVRTC failed: {e:?}"))
+    })
+    .as_deref()
+    .map_err(|e| candle_core::Error::Msg(e.clone()))
+}
+
+/// A contiguous tensor's device address (its first element) and device.
+fn address(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(CoreError::InvalidInput(format!(
+            "{what}: not a CUDA tensor"
+        )));
+    };
+    if !layout.is_contiguous() {
+        return Err(CoreError::InvalidInput(format!("{what}: strided tensor")));
+    }
+    let dev = cs.device().clone();
+    let stream = dev.cuda_stream();
+    let off = layout.start_offset() as u64;
+    let ptr = match cs.dtype() {
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0 + 4 * off,
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0 + 2 * off,
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0 + 4 * off,
+        d => {
+            return Err(CoreError::InvalidInput(format!(
+                "{what}: {d:?} is not a device-step dtype"
+            )))
+        }
+    };
+    Ok((ptr, dev))
+}
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => Err(CoreError::InvalidInput(format!(
+            "device step: {d:?} not supported"
+        ))),
+    }
+}
+
+/// Launches kernel `$name` of the step module with the given arguments, in order.
+macro_rules! launch {
+    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let f = $dev.get_or_load_custom_func($name, MODULE, ptx()?)?;
+        let mut b = f.builder();
+        $( b.arg($arg); )+
+        // SAFETY: every caller passes arguments in the kernel's order and types, with device
+        // addresses of live tensors of the sizes the kernel reads and writes.
+        unsafe { b.launch($cfg) }.w()?;
+    }};
+}
+
+pub(crate) fn kv_append_at(
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meta: &Tensor,
+) -> Result<()> {
+    let (_, kv, n, d) = k.dims4()?;
+    let (_, kvb, cap, db) = kbuf.dims4()?;
+    if kv != kvb || d != db || v.dims() != k.dims() || vbuf.dims() != kbuf.dims() {
+        return Err(CoreError::InvalidInput(format!(
+            "kv_append_at: k {:?}, v {:?} into {:?} / {:?}",
+            k.dims(),
+            v.dims(),
+            kbuf.dims(),
+            vbuf.dims()
+        )));
+    }
+    let dtype = k.dtype();
+    if [v.dtype(), kbuf.dtype(), vbuf.dtype()]
+        .iter()
+        .any(|&t| t != dtype)
+    {
+        return Err(CoreError::InvalidInput("kv_append_at: mixed dtypes".into()));
+    }
+    let (kp, dev) = address(k, "kv_append_at k")?;
+    let (vp, _) = address(v, "kv_append_at v")?;
+    let (kbp, _) = address(kbuf, "kv_append_at cache")?;
+    let (vbp, _) = address(vbuf, "kv_append_at cache")?;
+    let (mp, _) = address(meta, "kv_append_at meta")?;
+    let total = kv * n * d;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(256).min(4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (kvi, ni, capi, di) = (kv as i32, n as i32, cap as i32, d as i32);
+    launch!(
+        dev,
+        &format!("kv_append_{}", suffix(dtype)?),
+        cfg,
+        &kp,
+        &vp,
+        &kbp,
+        &vbp,
+        &mp,
+        &kvi,
+        &ni,
+        &capi,
+        &di
+    );
+    Ok(())
+}
+
+pub(crate) fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
+    if rows == 0 || rows > crate::step::MAX_STEP_ROWS || meta.elem_count() < 1 + 4 * rows {
+        return Err(CoreError::InvalidInput(format!(
+            "tree_ancestors: {rows} rows, metadata of {} words",
+            meta.elem_count()
+        )));
+    }
+    let (mp, dev) = address(meta, "tree_ancestors meta")?;
+    let words = crate::step::MAX_STEP_ROWS / 32;
+    // SAFETY: the kernel writes every word of every row.
+    let anc = unsafe { Tensor::empty((rows, words), DType::U32, meta.device())? };
+    let (ap, _) = address(&anc, "tree_ancestors output")?;
+    let ni = rows as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, "tree_ancestors", cfg, &mp, &ni, &ap);
+    Ok(anc)
+}
+
+pub(crate) fn tree_attention(
+    q: &Tensor,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+    ancestors: &Tensor,
+    scale: f32,
+) -> Result<Tensor> {
+    let (_, h, n, d) = q.dims4()?;
+    let (_, kv, cap, db) = kbuf.dims4()?;
+    if d != db
+        || !h.is_multiple_of(kv)
+        || !d.is_multiple_of(32)
+        || d > crate::step::MAX_STEP_HEAD_DIM
+        || n > crate::step::MAX_STEP_ROWS
+        || vbuf.dims() != kbuf.dims()
+        || kbuf.dtype() != q.dtype()
+        || ancestors.dims() != [n, crate::step::MAX_STEP_ROWS / 32]
+    {
+        return Err(CoreError::InvalidInput(format!(
+            "tree_attention: q {:?} over cache {:?}",
+            q.dims(),
+            kbuf.dims()
+        )));
+    }
+    let dtype = q.dtype();
+    let (qp, dev) = address(q, "tree_attention q")?;
+    let (kbp, _) = address(kbuf, "tree_attention cache")?;
+    let (vbp, _) = address(vbuf, "tree_attention cache")?;
+    let (mp, _) = address(meta, "tree_attention meta")?;
+    let (ap, _) = address(ancestors, "tree_attention ancestors")?;
+    let chunk = chunk_for(n);
+    let splits = cap.div_ceil(chunk);
+    let groups = (n * h / kv).div_ceil(VECTORS_PER_BLOCK);
+    // SAFETY: every (vector, split) record is written by exactly one block.
+    let part = unsafe { Tensor::empty((h * n, splits, d + 2), DType::F32, q.device())? };
+    let (pp, _) = address(&part, "tree_attention partials")?;
+    let (ni, hi, kvi, capi, di, chi, gi) = (
+        n as i32,
+        h as i32,
+        kv as i32,
+        cap as i32,
+        d as i32,
+        chunk as i32,
+        groups as i32,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: ((kv * groups) as u32, splits as u32, 1),
+        block_dim: ((WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let sfx = suffix(dtype)?;
+    launch!(
+        dev,
+        &format!("tree_attn_partial_{sfx}"),
+        cfg,
+        &qp,
+        &kbp,
+        &vbp,
+        &mp,
+        &ap,
+        &ni,
+        &hi,
+        &kvi,
+        &capi,
+        &di,
+        &chi,
+        &gi,
+        &scale,
+        &pp
+    );
+    // SAFETY: one block per (head, row) writes all d channels.
+    let out = unsafe { Tensor::empty((1, n, h * d), dtype, q.device())? };
+    let (op, _) = address(&out, "tree_attention output")?;
+    let si = splits as i32;
+    let cfg = LaunchConfig {
+        grid_dim: ((h * n) as u32, 1, 1),
+        block_dim: (d as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(
+        dev,
+        &format!("tree_attn_combine_{sfx}"),
+        cfg,
+        &pp,
+        &ni,
+        &hi,
+        &di,
+        &si,
+        &op
+    );
+    Ok(out)
+}
+
+/// Copies `words` into the device tensor `meta` (u32, at least as long), on candle's stream.
+pub(crate) fn upload_meta(meta: &Tensor, words: &[u32]) -> Result<()> {
+    if meta.elem_count() < words.len() {
+        return Err(CoreError::InvalidInput(format!(
+            "device step: metadata of {} words into a buffer of {}",
+            words.len(),
+            meta.elem_count()
+        )));
+    }
+    let (ptr, dev) = address(meta, "step metadata")?;
+    let stream = dev.cuda_stream();
+    // SAFETY: `ptr` is a live u32 buffer of at least `words.len()` elements on this stream;
+    // a copy from pageable memory has left `words` before the call returns.
+    unsafe { driver::result::memcpy_htod_async(ptr, words, stream.cu_stream()) }.w()?;
+    Ok(())
+}
+
+/// A captured step and the outputs its replays overwrite (dropped before the graph).
+pub(crate) struct Captured {
+    pub outputs: Vec<Tensor>,
+    graph: CudaGraph,
+}
+
+// SAFETY: the graph is only launched from the thread that owns its cache, which holds it by
+// `&mut`; CUDA graph execs may move between threads when access is serialised.
+unsafe impl Send for Captured {}
+
+impl Captured {
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().w()?;
+        Ok(())
+    }
+}
+
+/// Runs `body` under stream capture on `device`'s stream and instantiates the graph (graph
+/// allocations still live at the end are freed on each relaunch and reallocated at the same
+/// address, so `outputs` stay valid). On any failure the capture is ended and discarded.
+pub(crate) fn capture(
+    device: &candle_core::Device,
+    body: &mut dyn FnMut() -> Result<Vec<Tensor>>,
+) -> Result<Captured> {
+    let dev = device.as_cuda_device()?;
+    let stream = dev.cuda_stream();
+    let _cache = dev.enable_cuda_graph_htod_cache();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .w()?;
+    let outputs = body();
+    let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+    let graph = stream.end_capture(flags);
+    let outputs = outputs?;
+    let graph = graph
+        .w()?
+        .ok_or_else(|| CoreError::InvalidInput("device step: empty CUDA graph".into()))?;
+    Ok(Captured { outputs, graph })
+}
+
+/// Runs `body` eagerly with candle's host-to-device parameter cache on, so that a later capture
+/// of the same shapes finds every small upload already on the device.
+pub(crate) fn warm_up(
+    device: &candle_core::Device,
+    body: &mut dyn FnMut() -> Result<Vec<Tensor>>,
+) -> Result<Vec<Tensor>> {
+    let dev = device.as_cuda_device()?;
+    let _cache = dev.enable_cuda_graph_htod_cache();
+    body()
+}
+
+/// Moves rows `base + rows[i]` to `base + i` in every buffer (`[1, kv_heads, capacity, d]`,
+/// one dtype), one kernel for all of them. `rows` must be strictly increasing (a tree path).
+pub(crate) fn keep_rows_all(buffers: &[Tensor], base: usize, rows: &[u32]) -> Result<()> {
+    let Some(first) = buffers.first() else {
+        return Ok(());
+    };
+    let (_, kv, cap, d) = first.dims4()?;
+    let dtype = first.dtype();
+    if buffers
+        .iter()
+        .any(|b| b.dims() != first.dims() || b.dtype() != dtype)
+        || rows.windows(2).any(|w| w[0] >= w[1])
+    {
+        return Err(CoreError::InvalidInput(
+            "keep_rows: buffers of one shape and increasing rows expected".into(),
+        ));
+    }
+    let mut addrs = Vec::with_capacity(buffers.len());
+    let mut dev = None;
+    for b in buffers {
+        let (p, dv) = address(b, "keep_rows buffer")?;
+        addrs.push(p as i64);
+        dev = Some(dv);
+    }
+    let dev = dev.expect("at least one buffer");
+    let table = Tensor::from_slice(&addrs, addrs.len(), first.device())?;
+    let idx = Tensor::from_slice(rows, rows.len(), first.device())?;
+    let (tp, _) = address_i64(&table)?;
+    let (ip, _) = address(&idx, "keep_rows rows")?;
+    let (mi, bi, kvi, ci, di) = (
+        rows.len() as i32,
+        base as i32,
+        kv as i32,
+        cap as i32,
+        d as i32,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: ((buffers.len() * kv) as u32, 1, 1),
+        block_dim: (d.clamp(32, 256) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(
+        dev,
+        &format!("kv_keep_rows_{}", suffix(dtype)?),
+        cfg,
+        &tp,
+        &ip,
+        &mi,
+        &bi,
+        &kvi,
+        &ci,
+        &di
+    );
+    Ok(())
+}
+
+fn address_i64(t: &Tensor) -> Result<(u64, CudaDevice)> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(CoreError::InvalidInput(
+            "address table: not a CUDA tensor".into(),
+        ));
+    };
+    let dev = cs.device().clone();
+    let stream = dev.cuda_stream();
+    let ptr = cs.as_cuda_slice::<i64>()?.device_ptr(&stream).0 + 8 * layout.start_offset() as u64;
+    Ok((ptr, dev))
+}

@@ -1,0 +1,267 @@
+// Kernels of the device-side decoding step (compiled at run time by NVRTC). Every length they
+// need is read from device memory, so one captured CUDA graph serves every step of its shape.
+//
+// The step's metadata `meta` (u32) is [past, tokens[n], rope_rows[2n], parents[n]]: `past` rows
+// are committed in the cache, the step's n rows are written at past..past+n, and parents[i] < i
+// (as i32; −1 for a root) is row i's parent inside the step (a causal block is the chain
+// parents[i] = i − 1).
+//
+// - kv_append: k, v [KV, n, d] into the cache buffers [KV, cap, d] at rows past..past+n.
+// - tree_attn_partial: attention of q [H, n, d] over keys 0..past+n of kv head g = h / (H/KV):
+//   query row r sees every committed key and the step rows that are r or its ancestors. Keys are
+//   cut into fixed chunks of `chunk` keys (split s = keys s·chunk ..); each block takes one kv
+//   head, one split and up to VPB query vectors (vector v of kv head g is head g·rep + v / n, row
+//   v mod n), stages 32-key tiles of K and V in shared memory, and keeps an online softmax per
+//   vector (one warp per vector, a lane per key for the scores, a lane per channel for the
+//   values). Scores and softmax are f32 whatever the dtype. It writes, per (vector, split), the
+//   running max, the sum of exponentials and the unnormalised output (m = −inf where the split
+//   saw no visible key).
+// - tree_attn_combine: merges the splits of each vector (in split order) and writes the output
+//   in the o_proj layout [n, H, d] in the compute dtype.
+// A row's result depends only on its own visible keys, the chunk size and its q: not on how many
+// rows the step has.
+typedef unsigned short bf16_t;
+#define NEG_INF __int_as_float(0xff800000)
+#define TK 32
+#define WARPS 8
+#define VPW 2
+#define VPB (WARPS * VPW)
+#define MAX_D 128
+#define MAX_ROWS 256
+
+__device__ __forceinline__ float ldv(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ldv(const bf16_t* p, long long i) {
+  return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void stv(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void stv(bf16_t* p, long long i, float v) {
+  unsigned int u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (finite values)
+  p[i] = (bf16_t)(u >> 16);
+}
+
+template <typename T>
+__device__ void kv_append(const T* k, const T* v, T* kb, T* vb, const unsigned int* meta, int KV,
+                          int n, int cap, int d) {
+  const long long total = (long long)KV * n * d;
+  const long long past = meta[0];
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long c = i % d, rn = i / d;
+    const long long r = rn % n, g = rn / n;
+    const long long dst = (g * cap + past + r) * d + c;
+    kb[dst] = k[i];
+    vb[dst] = v[i];
+  }
+}
+
+extern "C" __global__ void kv_append_f32(const float* k, const float* v, float* kb, float* vb,
+                                         const unsigned int* meta, int KV, int n, int cap, int d) {
+  kv_append(k, v, kb, vb, meta, KV, n, cap, d);
+}
+extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16_t* kb,
+                                          bf16_t* vb, const unsigned int* meta, int KV, int n,
+                                          int cap, int d) {
+  kv_append(k, v, kb, vb, meta, KV, n, cap, d);
+}
+
+// tree_ancestors: anc[r][w] bit b set when step row 32·w + b is r or an ancestor of r (rows
+// walked once per step, not per layer or block). One thread per row; parents staged in shared
+// memory.
+extern "C" __global__ void tree_ancestors(const unsigned int* meta, int n, unsigned int* anc) {
+  __shared__ int par[MAX_ROWS];
+  const int* parents = (const int*)(meta + 1 + 3 * n);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) par[i] = parents[i];
+  __syncthreads();
+  for (int r = threadIdx.x; r < n; r += blockDim.x) {
+    unsigned int bits[MAX_ROWS / 32];
+    for (int w = 0; w < MAX_ROWS / 32; ++w) bits[w] = 0u;
+    int x = r;
+    for (int steps = 0; x >= 0 && x < n && steps < n; ++steps) {
+      bits[x >> 5] |= 1u << (x & 31);
+      x = par[x];
+    }
+    for (int w = 0; w < MAX_ROWS / 32; ++w) anc[r * (MAX_ROWS / 32) + w] = bits[w];
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// grid (KV · groups, splits), block WARPS · 32 threads; part [H·n, splits, d + 2] f32.
+template <typename T>
+__device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const unsigned int* meta,
+                                  const unsigned int* ancestors, int n, int H, int KV, int cap,
+                                  int d, int chunk, int groups, float scale, float* part) {
+  __shared__ float ks[TK][MAX_D + 1];
+  __shared__ float vs[TK][MAX_D];
+  __shared__ float qs[VPB][MAX_D];
+  __shared__ unsigned int anc[VPB][MAX_ROWS / 32];
+  const int rep = H / KV;
+  const int g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
+  const int splits = gridDim.y;
+  const int nvec = rep * n, v0 = grp * VPB;
+  const int past = (int)meta[0];
+  const int total = past + n;
+  const int k0 = s * chunk, k1 = min(total, k0 + chunk);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int dpl = d >> 5;
+  const long long qbase = (long long)g * rep * n;  // q vectors of kv head g are contiguous
+  for (int e = tid; e < VPB * d; e += blockDim.x) {
+    const int i = e / d, c = e % d;
+    qs[i][c] = (v0 + i < nvec) ? ldv(q, (qbase + v0 + i) * d + c) * scale : 0.0f;
+  }
+  for (int e = tid; e < VPB * (MAX_ROWS / 32); e += blockDim.x) {
+    const int i = e / (MAX_ROWS / 32), w = e % (MAX_ROWS / 32);
+    anc[i][w] = (v0 + i < nvec) ? ancestors[((v0 + i) % n) * (MAX_ROWS / 32) + w] : 0u;
+  }
+  float m[VPW], l[VPW], acc[VPW][MAX_D / 32];
+  for (int u = 0; u < VPW; ++u) {
+    m[u] = NEG_INF;
+    l[u] = 0.0f;
+    for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] = 0.0f;
+  }
+  for (int t0 = k0; t0 < k1; t0 += TK) {
+    const int nt = min(TK, k1 - t0);
+    __syncthreads();
+    const T* kt = kb + ((long long)g * cap + t0) * d;  // the tile's rows are contiguous
+    const T* vt = vb + ((long long)g * cap + t0) * d;
+    for (int e = tid; e < nt * d; e += blockDim.x) {
+      const int j = e / d, c = e - j * d;
+      ks[j][c] = ldv(kt, e);
+      vs[j][c] = ldv(vt, e);
+    }
+    __syncthreads();
+    // this warp's vectors share each key row: lane j scores key t0 + j for all of them
+    const int key = t0 + lane;
+    float sc[VPW], p[VPW];
+    bool any = false;
+    {
+      float dot[VPW];
+      bool vis[VPW];
+      for (int u = 0; u < VPW; ++u) {
+        const int i = warp * VPW + u;
+        dot[u] = 0.0f;
+        vis[u] = lane < nt && v0 + i < nvec &&
+                 (key < past || ((anc[i][(key - past) >> 5] >> ((key - past) & 31)) & 1u));
+        any = any || vis[u];
+      }
+      if (any) {
+        for (int c = 0; c < d; ++c) {
+          const float kk = ks[lane][c];
+          for (int u = 0; u < VPW; ++u) dot[u] += qs[warp * VPW + u][c] * kk;
+        }
+      }
+      for (int u = 0; u < VPW; ++u) sc[u] = vis[u] ? dot[u] : NEG_INF;
+    }
+    bool live = false;
+    for (int u = 0; u < VPW; ++u) {
+      p[u] = 0.0f;
+      const float tmax = warp_max(sc[u]);
+      if (tmax == NEG_INF) continue;  // warp-uniform
+      live = true;
+      const float mn = fmaxf(m[u], tmax);
+      const float alpha = (m[u] == NEG_INF) ? 0.0f : expf(m[u] - mn);
+      p[u] = (sc[u] == NEG_INF) ? 0.0f : expf(sc[u] - mn);
+      l[u] = l[u] * alpha + warp_sum(p[u]);
+      for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] *= alpha;
+      m[u] = mn;
+    }
+    if (!live) continue;  // warp-uniform; the next tile's barrier is reached by every thread
+    for (int j = 0; j < nt; ++j) {
+      float vv[MAX_D / 32];
+      for (int t = 0; t < MAX_D / 32; ++t) vv[t] = (t < dpl) ? vs[j][lane + 32 * t] : 0.0f;
+      for (int u = 0; u < VPW; ++u) {
+        const float pj = __shfl_sync(0xffffffffu, p[u], j);
+        for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] += pj * vv[t];
+      }
+    }
+  }
+  for (int u = 0; u < VPW; ++u) {
+    const int i = warp * VPW + u;
+    if (v0 + i >= nvec) break;
+    float* out = part + ((qbase + v0 + i) * splits + s) * (long long)(d + 2);
+    if (lane == 0) {
+      out[0] = m[u];
+      out[1] = l[u];
+    }
+    for (int t = 0; t < dpl; ++t) out[2 + lane + 32 * t] = acc[u][t];
+  }
+}
+
+extern "C" __global__ void tree_attn_partial_f32(const float* q, const float* kb, const float* vb,
+                                                 const unsigned int* meta,
+                                                 const unsigned int* anc, int n, int H, int KV,
+                                                 int cap, int d, int chunk, int groups,
+                                                 float scale, float* part) {
+  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part);
+}
+extern "C" __global__ void tree_attn_partial_bf16(const bf16_t* q, const bf16_t* kb,
+                                                  const bf16_t* vb, const unsigned int* meta,
+                                                  const unsigned int* anc, int n, int H, int KV,
+                                                  int cap, int d, int chunk, int groups,
+                                                  float scale, float* part) {
+  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part);
+}
+
+// grid (H · n), block d threads (d ≤ MAX_D): out [n, H, d].
+template <typename T>
+__device__ void tree_attn_combine(const float* part, int n, int H, int d, int splits, T* out) {
+  const int vec = blockIdx.x, h = vec / n, r = vec % n, c = threadIdx.x;
+  const float* p = part + (long long)vec * splits * (d + 2);
+  float mx = NEG_INF;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[(long long)s * (d + 2)]);
+  float sum = 0.0f, a = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float* ps = p + (long long)s * (d + 2);
+    if (ps[0] == NEG_INF) continue;
+    const float w = expf(ps[0] - mx);
+    sum += w * ps[1];
+    if (c < d) a += w * ps[2 + c];
+  }
+  if (c < d) stv(out, ((long long)r * H + h) * d + c, sum > 0.0f ? a / sum : 0.0f);
+}
+
+extern "C" __global__ void tree_attn_combine_f32(const float* part, int n, int H, int d,
+                                                 int splits, float* out) {
+  tree_attn_combine(part, n, H, d, splits, out);
+}
+extern "C" __global__ void tree_attn_combine_bf16(const float* part, int n, int H, int d,
+                                                  int splits, bf16_t* out) {
+  tree_attn_combine(part, n, H, d, splits, out);
+}
+
+// kv_keep_rows: compaction after a tree verify, every layer at once. bufs[b] is the address of
+// cache buffer b ([KV, cap, d] each, keys and values of every layer); rows base + rows[i] move
+// to base + i for i ascending (rows strictly increasing, rows[i] ≥ i, so a row is read before
+// anything overwrites it). One block per (buffer, kv head), a thread per channel.
+template <typename T>
+__device__ void kv_keep_rows(const unsigned long long* bufs, const unsigned int* rows, int m,
+                             int base, int KV, int cap, int d) {
+  T* b = (T*)bufs[blockIdx.x / KV];
+  const long long g = blockIdx.x % KV;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    for (int i = 0; i < m; ++i) {
+      const long long src = rows[i];
+      if (src == i) continue;
+      b[(g * cap + base + i) * d + c] = b[(g * cap + base + src) * d + c];
+    }
+  }
+}
+
+extern "C" __global__ void kv_keep_rows_f32(const unsigned long long* bufs,
+                                            const unsigned int* rows, int m, int base, int KV,
+                                            int cap, int d) {
+  kv_keep_rows<float>(bufs, rows, m, base, KV, cap, d);
+}
+extern "C" __global__ void kv_keep_rows_bf16(const unsigned long long* bufs,
+                                             const unsigned int* rows, int m, int base, int KV,
+                                             int cap, int d) {
+  kv_keep_rows<bf16_t>(bufs, rows, m, base, KV, cap, d);
+}

@@ -1,0 +1,171 @@
+//! The decoder's device step: a forward of up to 256 rows (AR token, DFlash block, DDTree tree)
+//! computed from device-side metadata only, so that it replays as a CUDA graph at any cache
+//! length (`dflash_core::step`, `dflash_core::step_graph`).
+//!
+//! Invariants:
+//! - Same weights, same fused kernels as the host path; only the attention differs (the cache is
+//!   written and read at lengths held on the device, masks built there from tree parents), so
+//!   outputs agree with the host path to f32 rounding and greedy tokens are the same (tested on
+//!   the GPU).
+//! - A tree is padded to a bucket size (root-level dummy rows no real row sees) so that few
+//!   shapes are captured; the padding's cache rows lie past the committed length and its outputs
+//!   are cut off. Causal blocks are never padded.
+//! - The host cache length advances by the real rows only after the step succeeded.
+
+use super::{Decoder, KeyLayout, Rope};
+use crate::target::{ForwardOutput, ForwardRequest, LogitRows};
+use crate::{ModelError, Result};
+use candle_core::{Module, Tensor};
+use dflash_core::step::{StepMeta, MAX_STEP_ROWS};
+use dflash_core::step_graph::StepKey;
+use dflash_core::{AttentionMask, CoreError, Grad, SequenceCache};
+
+/// Tree sizes a DDTree step is padded up to.
+const TREE_BUCKETS: [usize; 13] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256];
+
+/// The most positions the device rope table covers.
+const MAX_TABLE_POSITIONS: usize = 1 << 18;
+
+fn to_core(e: ModelError) -> CoreError {
+    match e {
+        ModelError::Core(c) => c,
+        ModelError::Candle(c) => CoreError::Candle(c),
+        other => CoreError::InvalidInput(other.to_string()),
+    }
+}
+
+fn logits_code(rows: LogitRows) -> u8 {
+    match rows {
+        LogitRows::All => 0,
+        LogitRows::Last => 1,
+        LogitRows::None => 2,
+    }
+}
+
+impl Decoder {
+    fn table_positions(&self) -> usize {
+        self.info
+            .max_position_embeddings
+            .clamp(1, MAX_TABLE_POSITIONS)
+    }
+
+    fn rope_table(&self) -> Result<&Tensor> {
+        if let Some(t) = self.rope_table.get() {
+            return Ok(t);
+        }
+        let positions: Vec<u32> = (0..self.table_positions() as u32).collect();
+        let (cos, sin) = self
+            .rotary
+            .cos_sin(&positions, &self.info.device, self.info.dtype)?;
+        let _ = self.rope_table.set(Tensor::cat(&[&cos, &sin], 0)?);
+        Ok(self.rope_table.get().expect("set above"))
+    }
+
+    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 256 rows,
+    /// a causal or tree mask, room in the cache and the rope table); `None` otherwise.
+    pub(super) fn try_device_step(
+        &self,
+        req: &ForwardRequest,
+        cache: &mut SequenceCache,
+    ) -> Result<Option<ForwardOutput>> {
+        let n = req.tokens.len();
+        if !self.device_step || n > MAX_STEP_ROWS {
+            return Ok(None);
+        }
+        let parents = match &req.mask {
+            AttentionMask::Causal => None,
+            AttentionMask::Tree { parents } => Some(parents.as_slice()),
+            _ => return Ok(None),
+        };
+        let rows = match parents {
+            Some(_) if req.logits != LogitRows::Last => {
+                TREE_BUCKETS.iter().copied().find(|&b| b >= n).unwrap_or(n)
+            }
+            _ => n,
+        };
+        let past = cache.len();
+        let table = self.table_positions();
+        if past + rows > cache.capacity() || req.positions.iter().any(|&p| p as usize >= table) {
+            return Ok(None);
+        }
+        let mut tokens = req.tokens.to_vec();
+        let mut positions = req.positions.to_vec();
+        let mut tree: Option<Vec<i64>> = parents.map(|p| p.to_vec());
+        if rows > n {
+            tokens.resize(rows, req.tokens[0]);
+            positions.resize(rows, req.positions[0]);
+            if let Some(t) = tree.as_mut() {
+                t.resize(rows, -1);
+            }
+        }
+        let meta = StepMeta::new(past, &tokens, &positions, tree.as_deref(), table)?;
+        let key = StepKey {
+            rows,
+            outputs: logits_code(req.logits),
+            taps: req.taps.to_vec(),
+        };
+        let table = self.rope_table()?.clone();
+        let device = self.info.device.clone();
+        let mut graphs = std::mem::take(&mut cache.step_graphs);
+        let outputs = graphs.run(key, &meta.words, &device, &mut |m| {
+            self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
+                .map_err(to_core)
+        });
+        cache.step_graphs = graphs;
+        let mut outputs = outputs?;
+        cache.advance(n)?;
+        let cut =
+            |t: Tensor| -> Result<Tensor> { Ok(if rows > n { t.narrow(0, 0, n)? } else { t }) };
+        let logits = match req.logits {
+            LogitRows::None => None,
+            _ => Some(cut(outputs.remove(0))?),
+        };
+        let taps = outputs.into_iter().map(cut).collect::<Result<_>>()?;
+        Ok(Some(ForwardOutput { logits, taps }))
+    }
+
+    /// The step itself, from the device metadata `meta` alone: `[logits?, taps...]`, each with
+    /// `rows` rows (logits `[rows | 1, vocab]` f32, taps `[rows, hidden]`).
+    fn device_step_body(
+        &self,
+        meta: &Tensor,
+        rows: usize,
+        table: &Tensor,
+        logits: LogitRows,
+        taps: &[usize],
+        cache: &mut SequenceCache,
+    ) -> Result<Vec<Tensor>> {
+        let packed = table.index_select(&StepMeta::rope_rows(meta, rows)?, 0)?;
+        let rope = Rope {
+            emb: &self.rotary,
+            cos: packed.clone(),
+            sin: packed.clone(),
+            packed: Some(packed),
+        };
+        let ids = StepMeta::tokens(meta, rows)?;
+        let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
+        let ancestors = dflash_core::step::tree_ancestors(meta, rows)?;
+        let keys = KeyLayout::Device {
+            meta,
+            ancestors: &ancestors,
+        };
+        let (x, tap_out) = self.layers_forward(x, &rope, &keys, cache, taps)?;
+        let mut out = Vec::with_capacity(1 + taps.len());
+        match logits {
+            LogitRows::None => {}
+            r => {
+                let x = if r == LogitRows::Last {
+                    x.narrow(1, rows - 1, 1)?
+                } else {
+                    x
+                };
+                let h = self.norm.forward(&x.squeeze(0)?, Grad::Off)?;
+                out.push(crate::target::TargetModel::lm_head(self, &h)?);
+            }
+        }
+        for t in tap_out {
+            out.push(t.squeeze(0)?);
+        }
+        Ok(out)
+    }
+}
