@@ -12,7 +12,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROUNDS=${ROUNDS:-30}
-# plain: DFLASH_FUSED_DECODE=0; fused: fused kernels, no CUDA graphs; graphs: the default path
+# plain: DFLASH_FUSED_DECODE=0; fused: fused kernels, no CUDA graphs; skinny: graphs with
+# projections of up to 16 rows on the row-invariant kernel (DFLASH_SKINNY_ROWS=16); graphs: the
+# default path
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
 J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
@@ -23,7 +25,7 @@ chmod +x /tmp/bin/*
 D=/tmp/bin/dflash
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops on cuda" | tee -a "$LOG"
-  DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_SKINNY_ROWS=16 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   for dt in f32 bf16; do
     echo "== reference fixtures on cuda $dt (fused decode path)" | tee -a "$LOG"
     DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
@@ -40,11 +42,13 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; *) fused=1 graphs=1;; esac
+    skinny=""  # DFLASH_SKINNY_ROWS: empty = the default (cuBLAS)
+    case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; skinny) fused=1 graphs=1 skinny=16;;
+      *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_SKINNY_ROWS=$skinny DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
-      && tag engine=dflash fused=$fused graphs=$graphs < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
+      && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
   done
   if [ "${PEER:-1}" = 1 ]; then
     echo "== transformers $shape $dtype context $ctx" | tee -a "$LOG"
@@ -61,8 +65,7 @@ def f(x):
 print(f"{'shape':14} {'dt':4} {'ctx':>5} {'engine':13} {'floor':>7} {'AR':>7} {'chain16':>8} {'tree64':>8} {'tree256':>8} {'draft':>7} {'tree-b':>7} {'sampled':>8}")
 for r in rows:
     v = r.get("verify_ms") or {}
-    eng = r["engine"] + ("" if r["engine"] != "dflash" else
-        ("-plain" if r.get("fused") != "1" else "+graphs" if r.get("graphs") == "1" else "+fused"))
+    eng = r["engine"] + ("" if r["engine"] != "dflash" else "+" + r.get("variant", "?"))
     print(f"{r.get('shape','?'):14} {r.get('dtype','?'):4} {r.get('context',0):>5} {eng:13} {f(r.get('floor_ms')):>7} "
           f"{f(r.get('ar_step_ms')):>7} {f(v.get('chain16')):>8} {f(v.get('tree64')):>8} {f(v.get('tree256')):>8} "
           f"{f(r.get('draft_block_ms')):>7} {f(r.get('tree_build_ms')):>7} {f(r.get('sampled_step_ms')):>8}")

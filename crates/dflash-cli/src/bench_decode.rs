@@ -272,7 +272,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let ctx = Tensor::cat(&ctx_rows, 0)?;
     drop(ctx_rows);
     let bonus = greedy_rows(last.as_ref().context("prefill logits")?)?[0];
-    let mut dcache = drafter.new_cache(context);
+    // room for the block after the context, as the decoding loop's cache has (the device draft
+    // writes the block's rows there)
+    let mut dcache = drafter.new_cache(context + drafter.block_size());
     let base = context - NEW_CTX;
     drafter.draft(&target, &mut dcache, &ctx.narrow(0, 0, base)?, bonus, base)?;
     let new_ctx = ctx.narrow(0, base, NEW_CTX)?.contiguous()?;

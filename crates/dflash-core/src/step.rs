@@ -22,6 +22,50 @@ pub const MAX_STEP_ROWS: usize = 256;
 /// The largest head dimension the step's attention kernel stages in shared memory.
 pub const MAX_STEP_HEAD_DIM: usize = 128;
 
+/// The most rows [`skinny_matmul`] takes.
+pub const SKINNY_MAX_ROWS: usize = 16;
+
+/// Up to how many rows a projection goes through [`skinny_matmul`] rather than cuBLAS:
+/// `DFLASH_SKINNY_ROWS=N` (read once; default 0, off). The kernel's numerics do not depend on the
+/// row count (the property bit-exact bf16 verification needs), but on the H200 it is still slower
+/// than cuBLAS (Qwen3-8B AR step 8.7 ms against 5.9; SmolLM2 f32 16-row verify 3.7 against 2.4,
+/// docs/benchmarks.md session 11), so it is opt-in.
+pub fn skinny_rows(dtype: DType) -> usize {
+    static OVERRIDE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let _ = dtype;
+    *OVERRIDE.get_or_init(|| {
+        std::env::var("DFLASH_SKINNY_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(0)
+            .min(SKINNY_MAX_ROWS)
+    })
+}
+
+/// `x · wᵀ` (`x` `[.., K]` with at most [`skinny_rows`] rows, `w` `[N, K]`, one dtype) with
+/// f32 accumulation, one warp per output column: a row's result is the same whatever the row
+/// count. Output in `x`'s dtype, or f32 when `f32_out`. `None` where cuBLAS must run (the CPU,
+/// too many rows, K not a multiple of 8, a misaligned or strided weight).
+pub fn skinny_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && crate::decode_ops::fused_decode(x.device()) {
+        let k = x.dim(candle_core::D::Minus1)?;
+        let lead = &x.dims()[..x.rank() - 1];
+        let rows: usize = lead.iter().product();
+        if rows == 0 || rows > skinny_rows(x.dtype()) {
+            return Ok(None);
+        }
+        let Some(y) = crate::step_cuda::skinny_matmul(&x.reshape((rows, k))?, w, f32_out)? else {
+            return Ok(None);
+        };
+        let mut shape = lead.to_vec();
+        shape.push(w.dim(0)?);
+        return Ok(Some(y.reshape(shape)?));
+    }
+    let _ = (x, w, f32_out);
+    Ok(None)
+}
+
 /// Whether the device step can run a model with these heads in `dtype` on `device`.
 pub fn device_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
     device.is_cuda()

@@ -275,6 +275,27 @@ pub(crate) fn upload_meta(meta: &Tensor, words: &[u32]) -> Result<()> {
     Ok(())
 }
 
+/// Copies `src` into `dst` (same shape and dtype; `dst` contiguous), on candle's stream.
+pub(crate) fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dims() != src.dims() || dst.dtype() != src.dtype() {
+        return Err(CoreError::InvalidInput(format!(
+            "device step: input {:?} {:?} for a shape captured with {:?} {:?}",
+            src.dims(),
+            src.dtype(),
+            dst.dims(),
+            dst.dtype()
+        )));
+    }
+    let src = src.contiguous()?;
+    let (dp, dev) = address(dst, "step input")?;
+    let (sp, _) = address(&src, "step input")?;
+    let bytes = dst.elem_count() * dst.dtype().size_in_bytes();
+    let stream = dev.cuda_stream();
+    // SAFETY: both are live contiguous buffers of `bytes` bytes on this stream.
+    unsafe { driver::result::memcpy_dtod_async(dp, sp, bytes, stream.cu_stream()) }.w()?;
+    Ok(())
+}
+
 /// A captured step and the outputs its replays overwrite (dropped before the graph).
 pub(crate) struct Captured {
     pub outputs: Vec<Tensor>,
@@ -393,4 +414,42 @@ fn address_i64(t: &Tensor) -> Result<(u64, CudaDevice)> {
     let stream = dev.cuda_stream();
     let ptr = cs.as_cuda_slice::<i64>()?.device_ptr(&stream).0 + 8 * layout.start_offset() as u64;
     Ok((ptr, dev))
+}
+
+pub(crate) fn skinny_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims2()?;
+    if k != kw
+        || m == 0
+        || m > crate::step::SKINNY_MAX_ROWS
+        || !k.is_multiple_of(8)
+        || x.dtype() != w.dtype()
+        || !matches!(x.dtype(), DType::F32 | DType::BF16)
+        || !w.is_contiguous()
+    {
+        return Ok(None);
+    }
+    let x = x.contiguous()?;
+    let (xp, dev) = address(&x, "skinny_matmul x")?;
+    let (wp, _) = address(w, "skinny_matmul w")?;
+    if wp % 16 != 0 {
+        return Ok(None);
+    }
+    let out_dtype = if f32_out { DType::F32 } else { x.dtype() };
+    // SAFETY: one warp per output column writes all m rows of it.
+    let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
+    let (yp, _) = address(&y, "skinny_matmul y")?;
+    let name = match (x.dtype(), f32_out) {
+        (DType::F32, _) => "skinny_matmul_f32",
+        (_, false) => "skinny_matmul_bf16",
+        (_, true) => "skinny_matmul_bf16_f32out",
+    };
+    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, name, cfg, &xp, &wp, &mi, &ni, &ki, &yp);
+    Ok(Some(y))
 }

@@ -29,6 +29,8 @@ pub struct StepKey {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Entry {
     meta: Tensor,
+    /// Device copies of the step's tensor inputs, at fixed addresses (refilled each run).
+    inputs: Vec<Tensor>,
     runs: u64,
     failed: bool,
     #[cfg(feature = "cuda")]
@@ -55,6 +57,9 @@ impl std::fmt::Debug for StepGraphs {
     }
 }
 
+/// A step's computation: outputs from the device metadata and the device copies of its inputs.
+pub type StepBody<'a> = dyn FnMut(&Tensor, &[Tensor]) -> Result<Vec<Tensor>> + 'a;
+
 /// Whether steps are captured into CUDA graphs (`DFLASH_CUDA_GRAPHS=0` turns it off).
 pub fn cuda_graphs_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -70,22 +75,25 @@ impl StepGraphs {
         0
     }
 
-    /// Runs the step `key` with metadata `words` on `device`: `body` computes the outputs from
-    /// the device copy of the metadata (`[words.len()]` u32).
+    /// Runs the step `key` with metadata `words` and tensor `inputs` on `device`: `body`
+    /// computes the outputs from the device copy of the metadata (`[words.len()]` u32) and
+    /// copies of the inputs (same shapes, contiguous; the key must fix their shapes).
     pub fn run(
         &mut self,
         key: StepKey,
         words: &[u32],
+        inputs: &[&Tensor],
         device: &Device,
-        body: &mut dyn FnMut(&Tensor) -> Result<Vec<Tensor>>,
+        body: &mut StepBody,
     ) -> Result<Vec<Tensor>> {
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            return self.run_cuda(key, words, device, body);
+            return self.run_cuda(key, words, inputs, device, body);
         }
         let meta = Tensor::from_slice(words, words.len(), device)?;
+        let inputs: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
         let _ = key;
-        body(&meta)
+        body(&meta, &inputs)
     }
 
     #[cfg(feature = "cuda")]
@@ -93,23 +101,41 @@ impl StepGraphs {
         &mut self,
         key: StepKey,
         words: &[u32],
+        inputs: &[&Tensor],
         device: &Device,
-        body: &mut dyn FnMut(&Tensor) -> Result<Vec<Tensor>>,
+        body: &mut StepBody,
     ) -> Result<Vec<Tensor>> {
         use crate::step_cuda;
         let entry = match self.entries.entry(key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(Entry {
                 meta: Tensor::zeros(words.len(), candle_core::DType::U32, device)?,
+                inputs: inputs
+                    .iter()
+                    .map(|t| Ok(t.contiguous()?.copy()?))
+                    .collect::<Result<_>>()?,
                 runs: 0,
                 failed: false,
                 graph: None,
             }),
         };
         step_cuda::upload_meta(&entry.meta, words)?;
+        if entry.runs > 0 {
+            if entry.inputs.len() != inputs.len() {
+                return Err(crate::CoreError::InvalidInput(format!(
+                    "device step: {} inputs for a shape captured with {}",
+                    inputs.len(),
+                    entry.inputs.len()
+                )));
+            }
+            for (dst, src) in entry.inputs.iter().zip(inputs) {
+                step_cuda::copy_into(dst, src)?;
+            }
+        }
         entry.runs += 1;
         let meta = entry.meta.clone();
-        let mut run_body = || body(&meta);
+        let statics = entry.inputs.clone();
+        let mut run_body = || body(&meta, &statics);
         if let Some(g) = &entry.graph {
             g.launch()?;
             return g

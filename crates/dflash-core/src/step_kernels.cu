@@ -265,3 +265,79 @@ extern "C" __global__ void kv_keep_rows_bf16(const unsigned long long* bufs,
                                              int cap, int d) {
   kv_keep_rows<bf16_t>(bufs, rows, m, base, KV, cap, d);
 }
+
+// skinny_matmul_{f32,bf16}{,_f32out}: y[M, N] = x[M, K] · w[N, K]ᵀ for few rows (M ≤ SK_MAXM)
+// with f32 accumulation, rounded once to the output dtype. One warp per output column n: its
+// lanes stream w[n] in 8-element vectors (k = 8·lane + 256·i within a chunk of x staged in shared
+// memory as f32), then a fixed shuffle tree sums the lanes. Each output's arithmetic is the same
+// whatever M is and whichever block computes it: a row's result does not depend on how many rows
+// are computed together. Needs K % 8 == 0.
+#define SK_MAXM 16
+#define SK_WARPS 8
+#define SK_KC 512
+
+__device__ __forceinline__ void load8(const float* p, float* o) {
+  const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+__device__ __forceinline__ void load8(const bf16_t* p, float* o) {
+  const uint4 u = *(const uint4*)p;
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = __uint_as_float(w[i] << 16);
+    o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+template <typename T, typename O>
+__device__ void skinny_matmul(const T* x, const T* w, int M, int N, int K, O* y) {
+  __shared__ __align__(16) float xs[SK_MAXM][SK_KC];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * SK_WARPS + warp;
+  float acc[SK_MAXM];
+  for (int m = 0; m < SK_MAXM; ++m) acc[m] = 0.0f;
+  const T* wr = w + (long long)(n < N ? n : 0) * K;
+  for (int k0 = 0; k0 < K; k0 += SK_KC) {
+    const int kc = min(SK_KC, K - k0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < M * kc; e += blockDim.x) {
+      const int m = e / kc, k = e - m * kc;
+      xs[m][k] = ldv(x, (long long)m * K + k0 + k);
+    }
+    __syncthreads();
+    if (n < N) {
+      for (int k = 8 * lane; k < kc; k += 256) {
+        float wv[8];
+        load8(wr + k0 + k, wv);
+        for (int m = 0; m < SK_MAXM; ++m) {
+          if (m >= M) break;
+          float xv[8];
+          load8(&xs[m][k], xv);
+          float s = acc[m];
+          for (int j = 0; j < 8; ++j) s += xv[j] * wv[j];
+          acc[m] = s;
+        }
+      }
+    }
+  }
+  if (n >= N) return;
+  for (int m = 0; m < SK_MAXM; ++m) {
+    if (m >= M) break;
+    float v = acc[m];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) stv(y, (long long)m * N + n, v);
+  }
+}
+
+extern "C" __global__ void skinny_matmul_f32(const float* x, const float* w, int M, int N, int K,
+                                             float* y) {
+  skinny_matmul(x, w, M, N, K, y);
+}
+extern "C" __global__ void skinny_matmul_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
+                                              int K, bf16_t* y) {
+  skinny_matmul(x, w, M, N, K, y);
+}
+extern "C" __global__ void skinny_matmul_bf16_f32out(const bf16_t* x, const bf16_t* w, int M,
+                                                     int N, int K, float* y) {
+  skinny_matmul(x, w, M, N, K, y);
+}

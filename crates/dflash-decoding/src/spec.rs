@@ -110,7 +110,8 @@ pub struct SpecStats {
 /// What auto mode measured and chose.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct AutoChoice {
-    /// One AR step (a one-token forward and its argmax), median of three, before the loop.
+    /// One AR step (a one-token forward and its argmax), median of three after two warm-up
+    /// steps, before the loop.
     pub ar_step_seconds: f64,
     /// Tokens per second of the speculative steps after the first (which pays the drafter's
     /// prefill), when the choice was last checked.
@@ -154,7 +155,9 @@ pub fn auto_prefers_ar(
         || (counted >= AUTO_MIN_STEPS && tau < break_even_tau)
 }
 
-/// Median seconds of three one-token AR steps at `pos` (the cache is cropped back each time).
+/// Median seconds of three one-token AR steps at `pos` (the cache is cropped back each time),
+/// after two untimed ones: on CUDA a step shape runs eagerly once and is captured as a graph on
+/// its second run, and timing those would make AR look several times slower than it decodes.
 fn time_ar_step(
     target: &dyn TargetModel,
     cache: &mut dflash_core::SequenceCache,
@@ -162,7 +165,7 @@ fn time_ar_step(
     pos: usize,
 ) -> Result<f64> {
     let mut times = vec![];
-    for _ in 0..3 {
+    for run in 0..5 {
         let t = Instant::now();
         let p = [pos as u32];
         let out = target.forward(
@@ -170,7 +173,9 @@ fn time_ar_step(
             cache,
         )?;
         greedy_rows(out.logits.as_ref().expect("asked for logits"))?;
-        times.push(t.elapsed().as_secs_f64());
+        if run >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
         cache.crop(pos);
     }
     times.sort_by(f64::total_cmp);

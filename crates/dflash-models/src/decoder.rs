@@ -22,6 +22,15 @@ use dflash_core::{
     SequenceCache,
 };
 
+/// `lin(x)`: few rows on CUDA through the weight-streaming kernel
+/// (`dflash_core::step::skinny_matmul`), anything else through candle (cuBLAS, the CPU).
+fn project(lin: &Linear, x: &Tensor) -> Result<Tensor> {
+    if let Some(y) = dflash_core::step::skinny_matmul(x, lin.weight(), false)? {
+        return Ok(y);
+    }
+    Ok(lin.forward(x)?)
+}
+
 fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
     Ok(Linear::new(
         vb.get((out_dim, in_dim), &format!("{name}.weight"))?,
@@ -112,7 +121,7 @@ impl Attention {
                 v_proj,
             } => (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?),
             QkvProj::Fused(w) => {
-                let y = w.forward(x)?;
+                let y = project(w, x)?;
                 let (nq, nk) = (
                     self.n_heads * self.head_dim,
                     self.n_kv_heads * self.head_dim,
@@ -153,7 +162,7 @@ impl Attention {
         };
         let one_kernel = match (&self.qkv, &rope.packed) {
             (QkvProj::Fused(w), Some(cs)) if self.fast_heads && b == 1 => {
-                let y = w.forward(x)?.reshape((n, ()))?;
+                let y = project(w, x)?.reshape((n, ()))?;
                 let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
                 dflash_core::decode_ops::qkv_heads(
                     &y,
@@ -195,7 +204,7 @@ impl Attention {
         let o = o
             .transpose(1, 2)?
             .reshape((b, n, self.n_heads * self.head_dim))?;
-        Ok(self.o_proj.forward(&o)?)
+        project(&self.o_proj, &o)
     }
 
     /// The device step's attention: one kernel for the q/k/v heads, one writing k and v at the
@@ -215,7 +224,7 @@ impl Attention {
             ));
         };
         let n = x.dim(1)?;
-        let y = w.forward(x)?.reshape((n, ()))?;
+        let y = project(w, x)?.reshape((n, ()))?;
         let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
         let (q, k, v) = dflash_core::decode_ops::qkv_heads(
             &y,
@@ -232,7 +241,7 @@ impl Attention {
         dflash_core::step::kv_append_at(&kb, &vb, &k, &v, meta)?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let o = dflash_core::step::tree_attention(&q, &kb, &vb, meta, ancestors, scale)?;
-        Ok(self.o_proj.forward(&o)?)
+        project(&self.o_proj, &o)
     }
 }
 
@@ -285,9 +294,9 @@ impl Mlp {
             GateUp::Separate { gate_proj, up_proj } => {
                 (candle_nn::ops::silu(&gate_proj.forward(x)?)? * up_proj.forward(x)?)?
             }
-            GateUp::Fused(w) => dflash_core::decode_ops::silu_mul(&w.forward(x)?)?,
+            GateUp::Fused(w) => dflash_core::decode_ops::silu_mul(&project(w, x)?)?,
         };
-        Ok(self.down_proj.forward(&h)?)
+        project(&self.down_proj, &h)
     }
 }
 
@@ -613,6 +622,11 @@ impl TargetModel for Decoder {
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
         let w = &self.lm_head;
+        if hidden.dtype() == w.dtype() {
+            if let Some(y) = dflash_core::step::skinny_matmul(hidden, w, true)? {
+                return Ok(y);
+            }
+        }
         if hidden.device().is_cuda() && hidden.dtype() == w.dtype() && w.dtype() != DType::F32 {
             let (lead, h) = (&hidden.dims()[..hidden.rank() - 1], hidden.dim(D::Minus1)?);
             let mut shape = lead.to_vec();

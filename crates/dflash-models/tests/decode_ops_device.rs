@@ -558,3 +558,142 @@ fn device_step_graphs_replay_the_cpu_composite() {
         gc.step_graphs.captured()
     );
 }
+
+/// The drafter's device step (context and block rows written at device-held cache rows, the block
+/// attending through the tree-attention kernel, one CUDA graph per number of new context rows)
+/// against the CPU draft on the same random weights, through a decode whose new-context count
+/// varies and repeats (each shape eager once, captured, then replayed) and whose cache is cropped
+/// between drafts. CUDA only.
+#[test]
+fn device_drafts_replay_the_cpu_draft() {
+    use dflash_models::drafter::io::config_for_decoder;
+    use dflash_models::random::{random_drafter_tensors, random_target_tensors};
+    use dflash_models::{DFlashDrafter, Decoder, DecoderConfig, TargetModel};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "vocab_size": 300, "hidden_size": 128, "head_dim": 64,
+        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let arch = cfg.architecture().unwrap();
+    let dcfg = config_for_decoder(&cfg, 2, 8, 299);
+    let tw = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 5).unwrap();
+    let dw = random_drafter_tensors(&dcfg, DType::F32, &Device::Cpu, 6).unwrap();
+    let on = |d: &Device| {
+        let mv = |w: &std::collections::HashMap<String, Tensor>| {
+            w.iter()
+                .map(|(k, t)| (k.clone(), t.to_device(d).unwrap()))
+                .collect()
+        };
+        let t = Decoder::new(
+            &cfg,
+            arch,
+            candle_nn::VarBuilder::from_tensors(mv(&tw), DType::F32, d),
+        )
+        .unwrap();
+        let dr = DFlashDrafter::new(
+            &dcfg,
+            candle_nn::VarBuilder::from_tensors(mv(&dw), DType::F32, d),
+        )
+        .unwrap();
+        (t, dr)
+    };
+    let ((ct, cd), (gt, gd)) = (on(&Device::Cpu), on(&dev));
+    let (mut cc, mut gc) = (cd.new_cache(300), gd.new_cache(300));
+    let width = dcfg.target_layer_ids().len() * cfg.hidden_size;
+    let mut start = 0usize;
+    for (i, m) in [20usize, 3, 5, 3, 5, 3, 1, 1, 1, 5].into_iter().enumerate() {
+        let ctx = Tensor::randn(0f32, 1.0, (m, width), &Device::Cpu).unwrap();
+        start += m;
+        let a = cd.draft(&ct, &mut cc, &ctx, (i * 7) as u32, start).unwrap();
+        let b = gd
+            .draft(
+                &gt,
+                &mut gc,
+                &ctx.to_device(&dev).unwrap(),
+                (i * 7) as u32,
+                start,
+            )
+            .unwrap();
+        let d = max_abs(&a, &b);
+        assert!(d < 2e-4, "draft {i} (m {m}): logits differ by {d}");
+        assert_eq!(cc.len(), gc.len(), "draft {i}: cache lengths");
+        if i == 4 {
+            // a rejected tail: both caches forget the last 2 rows
+            cc.crop(start - 2);
+            gc.crop(start - 2);
+            start -= 2;
+        }
+    }
+    let _ = (ct.info(), gt.info());
+}
+
+/// The weight-streaming projection for few rows against an f32 GEMM of the upcast operands, and
+/// bit-identical whatever the row count: each row alone gives exactly its row of the 16-row
+/// product (the property bf16 losslessness needs). CUDA only.
+#[test]
+fn skinny_matmul_matches_and_does_not_depend_on_the_row_count() {
+    use dflash_core::step::skinny_matmul;
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    for (dtype, f32_out, k, n) in [
+        (DType::F32, false, 576, 1536),
+        (DType::BF16, false, 4096, 1000),
+        (DType::BF16, true, 1096, 777),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, (16, k), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let w = Tensor::randn(0f32, 0.05, (n, k), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let Some(y) = skinny_matmul(&x, &w, f32_out).unwrap() else {
+            // opt-in: DFLASH_SKINNY_ROWS=16 runs this test (scripts/gpu-decode-bench.sh does)
+            assert!(dflash_core::step::skinny_rows(dtype) < 16);
+            return;
+        };
+        let want = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+            .unwrap();
+        let tol = if dtype == DType::F32 || f32_out {
+            1e-3
+        } else {
+            3e-2
+        };
+        let err = max_abs(&y, &want);
+        assert!(err < tol, "{dtype:?} {k}x{n}: {err}");
+        for r in [0usize, 7, 15] {
+            let one = skinny_matmul(&x.narrow(0, r, 1).unwrap(), &w, f32_out)
+                .unwrap()
+                .unwrap();
+            assert_eq!(max_abs(&one, &y.narrow(0, r, 1).unwrap()), 0.0, "row {r}");
+        }
+    }
+    let x = Tensor::randn(0f32, 1.0, (1, 1096), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let w = Tensor::randn(0f32, 0.05, (777, 1096), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let y = skinny_matmul(&x, &w, true).unwrap().expect("one bf16 row");
+    // (reached only with DFLASH_SKINNY_ROWS=16)
+    let want = x
+        .to_dtype(DType::F32)
+        .unwrap()
+        .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+        .unwrap();
+    assert!(max_abs(&y, &want) < 1e-3);
+}

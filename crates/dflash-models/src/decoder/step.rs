@@ -107,7 +107,7 @@ impl Decoder {
         let table = self.rope_table()?.clone();
         let device = self.info.device.clone();
         let mut graphs = std::mem::take(&mut cache.step_graphs);
-        let outputs = graphs.run(key, &meta.words, &device, &mut |m| {
+        let outputs = graphs.run(key, &meta.words, &[], &device, &mut |m, _| {
             self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
                 .map_err(to_core)
         });

@@ -2,6 +2,7 @@
 //! checkpoint I/O.
 
 pub mod config;
+mod device;
 pub mod io;
 pub mod model;
 

@@ -28,7 +28,7 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<
     ))
 }
 
-struct DraftLayer {
+pub(super) struct DraftLayer {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -44,26 +44,54 @@ struct DraftLayer {
 }
 
 /// Context (or block) rows projected to one layer's keys and values, normed and rotated.
-struct Kv {
-    k: Tensor,
-    v: Tensor,
+pub(super) struct Kv {
+    pub(super) k: Tensor,
+    pub(super) v: Tensor,
+}
+
+/// The query side of [`DFlashDrafter::blocks_forward`]: `b` sequences of blocks, embedded
+/// (`[b, n·B, H]` in the compute dtype), with their rotary tables (`[b, n·B, d/2]`).
+pub(super) struct BlockRows<'a> {
+    pub(super) b: usize,
+    pub(super) x: Tensor,
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+    /// Block starts (host paths: context masks and the fused kernel's visibility).
+    pub(super) anchors: &'a [u32],
+}
+
+/// Where the blocks' context keys come from.
+pub(super) enum BlockKeys<'a> {
+    /// Per-layer context K/V (training; the host inference path), rows `0..ctx_len`.
+    Host {
+        ctx_kv: &'a mut dyn FnMut(usize) -> Result<Kv>,
+        ctx_len: usize,
+    },
+    /// The device step (`device.rs`).
+    Device(super::device::DeviceKeys<'a>),
 }
 
 pub struct DFlashDrafter {
-    cfg: DFlashConfig,
+    pub(super) cfg: DFlashConfig,
     fc: Linear,
     hidden_norm: RmsNorm,
-    layers: Vec<DraftLayer>,
+    pub(super) layers: Vec<DraftLayer>,
     norm: RmsNorm,
-    rotary: RotaryEmbedding,
+    pub(super) rotary: RotaryEmbedding,
     taps: Vec<usize>,
-    device: Device,
-    dtype: DType,
+    pub(super) device: Device,
+    pub(super) dtype: DType,
+    /// cos then sin for every position `[2·P, d/2]`, made on the first device draft.
+    pub(super) rope_table: std::sync::OnceLock<Tensor>,
 }
 
 /// Committed-context K/V for inference, one cache per drafter layer.
 pub struct DraftCache {
-    layers: Vec<KvCache>,
+    pub(super) layers: Vec<KvCache>,
+    /// CUDA graphs of this cache's device drafts (they bake in its buffers).
+    pub(super) graphs: dflash_core::step_graph::StepGraphs,
+    /// Every block row sees every block row: the tree-attention bits of a full block.
+    pub(super) full_block: Option<Tensor>,
 }
 
 impl DraftCache {
@@ -129,6 +157,7 @@ impl DFlashDrafter {
             device: vb.device().clone(),
             dtype: vb.dtype(),
             cfg: cfg.clone(),
+            rope_table: std::sync::OnceLock::new(),
         })
     }
 
@@ -188,11 +217,13 @@ impl DFlashDrafter {
     pub fn new_cache(&self, capacity: usize) -> DraftCache {
         DraftCache {
             layers: self.layers.iter().map(|_| KvCache::new(capacity)).collect(),
+            graphs: Default::default(),
+            full_block: None,
         }
     }
 
     /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`, or `[b, n, T·H] -> [b, n, H]`.
-    fn project_context(&self, feats: &Tensor, grad: Grad) -> Result<Tensor> {
+    pub(super) fn project_context(&self, feats: &Tensor, grad: Grad) -> Result<Tensor> {
         let x = self.fc.forward(&feats.to_dtype(self.dtype)?)?;
         let x = self.hidden_norm.forward(&x, grad)?;
         Ok(if x.rank() == 2 { x.unsqueeze(0)? } else { x })
@@ -205,7 +236,7 @@ impl DFlashDrafter {
     }
 
     /// Keys and values of rows `x` rotated by `cos`/`sin` (`[m, d/2]` or `[b, m, d/2]`).
-    fn kv_at(
+    pub(super) fn kv_at(
         &self,
         layer: &DraftLayer,
         x: &Tensor,
@@ -289,37 +320,56 @@ impl DFlashDrafter {
         Ok(Some(Tensor::from_vec(m, (bs, bs), &self.device)?))
     }
 
-    /// The shared core: `(b, tokens, anchors)` are `b` sequences of `n` blocks each (`tokens` `[b·n·B]`, `anchors` `[b·n]`,
-    /// row-major) against per-layer context K/V `[b, kv_heads, S, d]` whose row `j` sits at
-    /// position `j`. Returns the final hidden states `[b·n·B, H]` (after `norm`).
-    fn blocks_forward(
+    /// Token ids and rotary tables of `b` sequences of blocks (`tokens` `[b·n·B]`, `anchors`
+    /// `[b·n]`, row-major), made on the host.
+    fn host_block_rows<'a>(
         &self,
         target: &dyn TargetModel,
-        (b, tokens, anchors): (usize, &[u32], &[u32]),
-        ctx_kv: &mut dyn FnMut(usize) -> Result<Kv>,
-        ctx_len: usize,
-        grad: Grad,
-    ) -> Result<Tensor> {
+        b: usize,
+        tokens: &[u32],
+        anchors: &'a [u32],
+    ) -> Result<BlockRows<'a>> {
         let bs = self.cfg.block_size;
-        let (nh, hd) = (self.cfg.num_attention_heads, self.cfg.head_dim);
         let rows = tokens.len() / b;
         let q_pos: Vec<u32> = (0..tokens.len())
             .map(|i| anchors[i / bs] + (i % bs) as u32)
             .collect();
         let ids = Tensor::from_slice(tokens, (b, rows), &self.device)?;
-        let mut x = target.embed(&ids)?.to_dtype(self.dtype)?;
+        let x = target.embed(&ids)?.to_dtype(self.dtype)?;
         let (cos, sin) = self.rotary.cos_sin(&q_pos, &self.device, self.dtype)?;
         let half = cos.dim(1)?;
-        let (cos, sin) = (cos.reshape((b, rows, half))?, sin.reshape((b, rows, half))?);
+        Ok(BlockRows {
+            b,
+            x,
+            cos: cos.reshape((b, rows, half))?,
+            sin: sin.reshape((b, rows, half))?,
+            anchors,
+        })
+    }
+
+    /// The shared core: `rows.b` sequences of blocks (embedded block tokens `[b, n·B, H]` and
+    /// their rotary tables) against context keys from `keys`: per-layer context K/V `[b,
+    /// kv_heads, S, d]` whose row `j` sits at position `j` (training, the host inference path),
+    /// or the drafter cache read at device-held lengths (the device step). Returns the final
+    /// hidden states `[b·n·B, H]` (after `norm`).
+    fn blocks_forward(&self, rows: BlockRows, mut keys: BlockKeys, grad: Grad) -> Result<Tensor> {
+        let bs = self.cfg.block_size;
+        let (nh, hd) = (self.cfg.num_attention_heads, self.cfg.head_dim);
+        let BlockRows {
+            b,
+            mut x,
+            cos,
+            sin,
+            anchors,
+        } = rows;
+        let n_rows = x.dim(1)?;
         let scale = 1.0 / (hd as f64).sqrt();
         // masks per distinct layer visibility (layers usually share them)
         type Masks = (Option<Tensor>, Option<Tensor>);
-        // context rows each block sees, for the fused kernel (the same in every layer)
-        let visible: Vec<u32> = anchors.iter().map(|&a| a.min(ctx_len as u32)).collect();
         let mut masks: Vec<(LayerAttention, Masks)> = vec![];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x, grad)?;
-            let q = layer.q_proj.forward(&h)?.reshape((b, rows, nh, hd))?;
+            let q = layer.q_proj.forward(&h)?.reshape((b, n_rows, nh, hd))?;
             let q = layer
                 .q_norm
                 .forward(&q, grad)?
@@ -327,42 +377,53 @@ impl DFlashDrafter {
                 .contiguous()?;
             let q = self.rotary.apply(&q, &cos, &sin, grad)?;
             let blk = self.kv_at(layer, &h, &cos, &sin, grad)?;
-            let ctx = ctx_kv(li)?;
-            // the fused kernels take the standard DFlash layer: context before the anchor,
-            // the whole own block
-            let fused = if flash_block::use_fused(&self.device, b * rows * (ctx_len + bs))
-                && layer.attn.window.is_none()
-                && !layer.attn.causal
-            {
-                flash_block_attention(&q, &ctx.k, &ctx.v, &blk.k, &blk.v, &visible, bs, scale)?
-            } else {
-                None
-            };
-            let o = match fused {
-                Some(o) => o,
-                None => {
-                    let (cm, bm) = match masks.iter().find(|(a, _)| *a == layer.attn) {
-                        Some((_, m)) => m.clone(),
-                        None => {
-                            let m = (
-                                self.context_mask(layer.attn, b, anchors, ctx_len)?,
-                                self.block_mask(layer.attn)?,
-                            );
-                            masks.push((layer.attn, m.clone()));
-                            m
-                        }
+            let o = match &mut keys {
+                BlockKeys::Device(dk) => self.device_block_attention(li, &q, &blk, dk, scale)?,
+                BlockKeys::Host { ctx_kv, ctx_len } => {
+                    let ctx_len = *ctx_len;
+                    let ctx = ctx_kv(li)?;
+                    // context rows each block sees, for the fused kernel
+                    let visible: Vec<u32> =
+                        anchors.iter().map(|&a| a.min(ctx_len as u32)).collect();
+                    // the fused kernels take the standard DFlash layer: context before the
+                    // anchor, the whole own block
+                    let fused = if flash_block::use_fused(&self.device, b * n_rows * (ctx_len + bs))
+                        && layer.attn.window.is_none()
+                        && !layer.attn.causal
+                    {
+                        flash_block_attention(
+                            &q, &ctx.k, &ctx.v, &blk.k, &blk.v, &visible, bs, scale,
+                        )?
+                    } else {
+                        None
                     };
-                    block_attention(
-                        &q,
-                        &ctx.k,
-                        &ctx.v,
-                        &blk.k,
-                        &blk.v,
-                        cm.as_ref(),
-                        bm.as_ref(),
-                        bs,
-                        scale,
-                    )?
+                    match fused {
+                        Some(o) => o,
+                        None => {
+                            let (cm, bm) = match masks.iter().find(|(a, _)| *a == layer.attn) {
+                                Some((_, m)) => m.clone(),
+                                None => {
+                                    let m = (
+                                        self.context_mask(layer.attn, b, anchors, ctx_len)?,
+                                        self.block_mask(layer.attn)?,
+                                    );
+                                    masks.push((layer.attn, m.clone()));
+                                    m
+                                }
+                            };
+                            block_attention(
+                                &q,
+                                &ctx.k,
+                                &ctx.v,
+                                &blk.k,
+                                &blk.v,
+                                cm.as_ref(),
+                                bm.as_ref(),
+                                bs,
+                                scale,
+                            )?
+                        }
+                    }
                 }
             };
             x = (x + layer.o_proj.forward(&o)?)?;
@@ -373,8 +434,13 @@ impl DFlashDrafter {
                     .down_proj
                     .forward(&(g * layer.up_proj.forward(&h)?)?)?)?;
         }
-        let hidden = x.reshape((b * rows, ()))?;
+        let hidden = x.reshape((b * n_rows, ()))?;
         Ok(self.norm.forward(&hidden, grad)?)
+    }
+
+    /// The final norm over the blocks' hidden states (see [`DFlashDrafter::blocks_forward`]).
+    pub(super) fn blocks_hidden(&self, rows: BlockRows, keys: BlockKeys) -> Result<Tensor> {
+        self.blocks_forward(rows, keys, Grad::Off)
     }
 
     /// Inference: commit `new_ctx` (`[m, T·H]` taps of the tokens at positions `start−m .. start`)
@@ -394,6 +460,9 @@ impl DFlashDrafter {
                 "drafter cache holds {} rows + {m} new, but the block starts at {start}",
                 cache.len()
             )));
+        }
+        if let Some(logits) = self.try_draft_on_device(target, cache, new_ctx, bonus, start)? {
+            return Ok(logits);
         }
         let new_pos: Vec<u32> = (cache.len() as u32..start as u32).collect();
         let projected = if m > 0 {
@@ -416,13 +485,13 @@ impl DFlashDrafter {
         };
         let mut tokens = vec![self.mask_token_id(); self.cfg.block_size];
         tokens[0] = bonus;
-        let hidden = self.blocks_forward(
-            target,
-            (1, &tokens, &[start as u32]),
-            &mut fill,
-            start,
-            Grad::Off,
-        )?;
+        let anchors = [start as u32];
+        let rows = self.host_block_rows(target, 1, &tokens, &anchors)?;
+        let keys = BlockKeys::Host {
+            ctx_kv: &mut fill,
+            ctx_len: start,
+        };
+        let hidden = self.blocks_forward(rows, keys, Grad::Off)?;
         target.lm_head(&hidden.narrow(0, 1, self.cfg.block_size - 1)?)
     }
 
@@ -484,6 +553,11 @@ impl DFlashDrafter {
         // one rotary table for the context rows, shared by every layer
         let (cos, sin) = self.rotary.cos_sin(&ctx_pos, &self.device, self.dtype)?;
         let mut ctx_kv = |li: usize| self.kv_at(&self.layers[li], &projected, &cos, &sin, grad);
-        self.blocks_forward(target, (b, &block_tokens, anchors), &mut ctx_kv, s, grad)
+        let rows = self.host_block_rows(target, b, &block_tokens, anchors)?;
+        let keys = BlockKeys::Host {
+            ctx_kv: &mut ctx_kv,
+            ctx_len: s,
+        };
+        self.blocks_forward(rows, keys, grad)
     }
 }
