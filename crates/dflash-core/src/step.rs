@@ -17,8 +17,9 @@
 use crate::{CoreError, Result};
 use candle_core::{DType, Tensor};
 
-/// The most rows one device step takes (a DDTree of 256 nodes).
-pub const MAX_STEP_ROWS: usize = 256;
+/// The most rows one device step takes (a DDTree of budget 256 has 257 nodes with its root;
+/// a multiple of 32, the ancestor bitmask's word size, and `MAX_ROWS` of `step_kernels.cu`).
+pub const MAX_STEP_ROWS: usize = 288;
 /// The largest head dimension the step's attention kernel stages in shared memory.
 pub const MAX_STEP_HEAD_DIM: usize = 128;
 
@@ -39,6 +40,21 @@ pub fn skinny_rows(dtype: DType) -> usize {
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0)
             .min(SKINNY_MAX_ROWS)
+    })
+}
+
+/// Rows per cuBLAS call in a CUDA forward's projections: `DFLASH_ROW_CHUNK=N` (read once;
+/// default 0, one call for all rows). An experiment for bit-exact bf16 verification: cuBLAS
+/// picks kernels by row count, and a 64-row tree verify may round differently from the one-row
+/// AR step where chunks of 16 do not (measured in docs/benchmarks.md session 11). Costs one weight
+/// read per chunk.
+pub fn row_chunk() -> usize {
+    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| {
+        std::env::var("DFLASH_ROW_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
     })
 }
 

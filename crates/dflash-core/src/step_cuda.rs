@@ -16,10 +16,14 @@ use std::sync::OnceLock;
 
 const SOURCE: &str = include_str!("step_kernels.cu");
 const MODULE: &str = "dflash_step_kernels";
-/// Keys per split of the attention: small for few rows (parallelism at short contexts), larger
-/// for wide trees (bounded partial-result memory).
+/// Keys per split of the attention. A row's softmax is merged over splits in order, so its
+/// result depends on the split boundaries: one chunk size for every step of up to 129 rows (an
+/// AR token, a DFlash block, DDTree trees of budget ≤ 128) keeps a verified row bit-identical to
+/// the AR step at that position (with 65-row trees on 128-key chunks, 9 of 10 bf16 GSM8K
+/// generations diverged from AR, docs/benchmarks.md session 11). Wider trees take larger chunks
+/// (bounded partial-result memory).
 fn chunk_for(rows: usize) -> usize {
-    if rows <= 16 {
+    if rows <= 129 {
         64
     } else {
         256

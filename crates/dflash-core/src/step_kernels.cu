@@ -27,7 +27,7 @@ typedef unsigned short bf16_t;
 #define VPW 2
 #define VPB (WARPS * VPW)
 #define MAX_D 128
-#define MAX_ROWS 256
+#define MAX_ROWS 288  // = step::MAX_STEP_ROWS: a DDTree of budget 256 plus its root
 
 __device__ __forceinline__ float ldv(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float ldv(const bf16_t* p, long long i) {

@@ -28,6 +28,15 @@ fn project(lin: &Linear, x: &Tensor) -> Result<Tensor> {
     if let Some(y) = dflash_core::step::skinny_matmul(x, lin.weight(), false)? {
         return Ok(y);
     }
+    let chunk = dflash_core::step::row_chunk();
+    if chunk > 0 && x.device().is_cuda() && x.rank() == 3 && x.dim(1)? > chunk {
+        let n = x.dim(1)?;
+        let parts = (0..n)
+            .step_by(chunk)
+            .map(|r| Ok(lin.forward(&x.narrow(1, r, chunk.min(n - r))?)?))
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(Tensor::cat(&parts, 1)?);
+    }
     Ok(lin.forward(x)?)
 }
 
@@ -326,7 +335,7 @@ pub struct Decoder {
     lm_head_f32: std::sync::OnceLock<Tensor>,
     /// Decode-step fusions on (CUDA; fixed at load, see `dflash_core::decode_ops::fused_decode`).
     fused: bool,
-    /// Forwards of up to 256 rows run as device steps (CUDA graphs; see `step.rs`).
+    /// Forwards of up to 288 rows run as device steps (CUDA graphs; see `step.rs`).
     device_step: bool,
     /// cos then sin for every position `[2·P, rot/2]`, made on the first device step.
     rope_table: std::sync::OnceLock<Tensor>,
@@ -622,6 +631,15 @@ impl TargetModel for Decoder {
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
         let w = &self.lm_head;
+        let chunk = dflash_core::step::row_chunk();
+        if chunk > 0 && hidden.device().is_cuda() && hidden.rank() == 2 && hidden.dim(0)? > chunk {
+            let n = hidden.dim(0)?;
+            let parts = (0..n)
+                .step_by(chunk)
+                .map(|r| self.lm_head(&hidden.narrow(0, r, chunk.min(n - r))?))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Tensor::cat(&parts, 0)?);
+        }
         if hidden.dtype() == w.dtype() {
             if let Some(y) = dflash_core::step::skinny_matmul(hidden, w, true)? {
                 return Ok(y);

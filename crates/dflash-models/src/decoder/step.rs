@@ -1,4 +1,4 @@
-//! The decoder's device step: a forward of up to 256 rows (AR token, DFlash block, DDTree tree)
+//! The decoder's device step: a forward of up to 288 rows (AR token, DFlash block, DDTree tree)
 //! computed from device-side metadata only, so that it replays as a CUDA graph at any cache
 //! length (`dflash_core::step`, `dflash_core::step_graph`).
 //!
@@ -20,8 +20,9 @@ use dflash_core::step::{StepMeta, MAX_STEP_ROWS};
 use dflash_core::step_graph::StepKey;
 use dflash_core::{AttentionMask, CoreError, Grad, SequenceCache};
 
-/// Tree sizes a DDTree step is padded up to.
-const TREE_BUCKETS: [usize; 13] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256];
+/// Tree sizes a DDTree step is padded up to: a budget of 2^k nodes plus the root, and steps
+/// between them.
+const TREE_BUCKETS: [usize; 14] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129, 193, 257, 288];
 
 /// The most positions the device rope table covers.
 const MAX_TABLE_POSITIONS: usize = 1 << 18;
@@ -61,7 +62,7 @@ impl Decoder {
         Ok(self.rope_table.get().expect("set above"))
     }
 
-    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 256 rows,
+    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 288 rows,
     /// a causal or tree mask, room in the cache and the rope table); `None` otherwise.
     pub(super) fn try_device_step(
         &self,
