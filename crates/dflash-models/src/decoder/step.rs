@@ -1,4 +1,4 @@
-//! The decoder's device step: a forward of up to 288 rows (AR token, DFlash block, DDTree tree)
+//! The decoder's device step: a forward of up to 129 rows (AR token, DFlash block, DDTree tree)
 //! computed from device-side metadata only, so that it replays as a CUDA graph at any cache
 //! length (`dflash_core::step`, `dflash_core::step_graph`).
 //!
@@ -22,7 +22,13 @@ use dflash_core::{AttentionMask, CoreError, Grad, SequenceCache};
 
 /// Tree sizes a DDTree step is padded up to: a budget of 2^k nodes plus the root, and steps
 /// between them.
-const TREE_BUCKETS: [usize; 14] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129, 193, 257, 288];
+const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
+
+/// The widest step taken on the device. Wider trees run the host path (cuBLAS attention over a
+/// device-built mask, no graph), which beats the SIMT tree-attention kernel there: Qwen3-8B shape,
+/// 257-node tree at context 2048, 37.6 ms on the device path against 22.4 ms (docs/benchmarks.md
+/// session 11).
+const MAX_DEVICE_ROWS: usize = 129;
 
 /// The most positions the device rope table covers.
 const MAX_TABLE_POSITIONS: usize = 1 << 18;
@@ -62,7 +68,7 @@ impl Decoder {
         Ok(self.rope_table.get().expect("set above"))
     }
 
-    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 288 rows,
+    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 129 rows,
     /// a causal or tree mask, room in the cache and the rope table); `None` otherwise.
     pub(super) fn try_device_step(
         &self,
@@ -70,7 +76,7 @@ impl Decoder {
         cache: &mut SequenceCache,
     ) -> Result<Option<ForwardOutput>> {
         let n = req.tokens.len();
-        if !self.device_step || n > MAX_STEP_ROWS {
+        if !self.device_step || n > MAX_DEVICE_ROWS.min(MAX_STEP_ROWS) {
             return Ok(None);
         }
         let parents = match &req.mask {
