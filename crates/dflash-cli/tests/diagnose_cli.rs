@@ -84,7 +84,13 @@ fn shipped_pair_passes_and_recorded_statistics_catch_a_shift() {
         .collect();
     assert_eq!(
         names,
-        ["declared", "taps -1", "taps +1", "final norm on last tap"]
+        [
+            "declared",
+            "taps -1",
+            "taps +1",
+            "final norm on last tap",
+            "last tap on last layer"
+        ]
     );
     assert_eq!(
         variants[0]["target_layer_ids"],
@@ -159,6 +165,36 @@ fn a_planted_tap_shift_fails_and_names_the_layers() {
         "{fix}"
     );
     assert!(err.contains("FAIL") && err.contains("shifted by"), "{err}");
+}
+
+/// The story's "fc fed the target's last layer": a config whose last tap is the target's last
+/// layer (29) for a drafter trained on layer 27 is a FAIL naming the default taps.
+#[test]
+fn a_planted_last_layer_tap_fails_and_names_the_layer() {
+    let Some(g) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("drafter");
+    copy_drafter(&draft);
+    let cfg_path = draft.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["dflash_config"]["target_layer_ids"] = serde_json::json!([1, 8, 14, 20, 29]);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let (code, out, err) = diagnose(&g, &draft, &["--bench", "gsm8k,humaneval", "--limit", "2"]);
+    assert_eq!(code, 1, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = check(&v, "conventions");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let cause = c["cause"].as_str().unwrap();
+    assert!(
+        cause.contains("last layer (29)") && cause.contains("layer 27"),
+        "{cause}"
+    );
+    let fix = c["fix"].as_str().unwrap();
+    assert!(
+        fix.contains("[1, 8, 14, 20, 29] \u{2192} [1, 8, 14, 20, 27]"),
+        "{fix}"
+    );
 }
 
 #[test]

@@ -7,9 +7,11 @@
 //!   acceptance `eval --replay` walks plus each block's log-likelihood of the true text): DDTree
 //!   at the scan's budget and single-path DFlash.
 //! - Variants differ from the declared setting only in the taps tensor: the same rows of other
-//!   layers (every tap shifted by −1 or +1; a shift leaving the target's layers is skipped), or the
-//!   declared taps with the target's final RMSNorm applied to the last one. The target runs once
-//!   per sample for the union of the layers.
+//!   layers (every tap shifted by −1 or +1, a shift leaving the target's layers skipped; the last
+//!   tap moved to the target's last layer — the fc fed the last layer; the z-lab default taps for
+//!   the target's depth), or the declared taps with the target's final RMSNorm applied to the last
+//!   one; a list equal to an earlier variant's is not measured twice. The target runs once per
+//!   sample for the union of the layers.
 //! - [`judge`]: an alternative is a FAIL when (τ rule) its replayed DDTree τ beats the declared
 //!   τ's 95 % bootstrap upper bound *and* the declared τ by at least [`FAIL_MARGIN`], or
 //!   (likelihood rule) the drafter gives the true continuation a higher mean log-likelihood under
@@ -79,6 +81,24 @@ pub struct Variant {
     pub final_norm_on_last_tap: bool,
     /// Every tap shifted by this many layers from the declared ones.
     pub shift: i64,
+    /// What the variant changes.
+    pub alteration: Alteration,
+}
+
+/// What a [`Variant`] changes from the declared setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Alteration {
+    Declared,
+    /// Every tap moved by [`Variant::shift`] layers.
+    Shift,
+    /// The target's final RMSNorm on the last tap.
+    FinalNorm,
+    /// The last tap moved to the target's last layer (the fc fed the target's last layer).
+    LastLayer,
+    /// The z-lab default taps for the target's depth and the declared tap count (a config saved
+    /// with other layers than the drafter was trained on).
+    DefaultLayout,
 }
 
 /// The declared setting (first) and each applicable alternative.
@@ -88,6 +108,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
         target_layer_ids: declared.to_vec(),
         final_norm_on_last_tap: false,
         shift: 0,
+        alteration: Alteration::Declared,
     }];
     for shift in [-1i64, 1] {
         let moved: Option<Vec<usize>> = declared
@@ -103,6 +124,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
                 target_layer_ids: layers,
                 final_norm_on_last_tap: false,
                 shift,
+                alteration: Alteration::Shift,
             });
         }
     }
@@ -112,7 +134,35 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
             target_layer_ids: declared.to_vec(),
             final_norm_on_last_tap: true,
             shift: 0,
+            alteration: Alteration::FinalNorm,
         });
+    }
+    // taps-only alternatives not already in the list
+    let mut push_new = |name: &str, layers: Vec<usize>, alteration: Alteration| {
+        if !out
+            .iter()
+            .any(|v| v.target_layer_ids == layers && !v.final_norm_on_last_tap)
+        {
+            out.push(Variant {
+                name: name.into(),
+                target_layer_ids: layers,
+                final_norm_on_last_tap: false,
+                shift: 0,
+                alteration,
+            });
+        }
+    };
+    if let Some((&l, rest)) = declared.split_last() {
+        let last = num_layers.saturating_sub(1);
+        if l != last && num_layers > 0 {
+            let mut layers = rest.to_vec();
+            layers.push(last);
+            push_new("last tap on last layer", layers, Alteration::LastLayer);
+        }
+        let default = dflash_models::drafter::default_target_layers(num_layers, declared.len());
+        if default.iter().all(|&x| x < num_layers) {
+            push_new("default taps", default, Alteration::DefaultLayout);
+        }
     }
     out
 }
@@ -393,7 +443,38 @@ fn explain(scan: &Scan, a: &VariantResult) -> (String, String) {
         );
         return (cause, fix);
     }
+    let moved = |what: &str| {
+        format!(
+            "{what}: target_layer_ids {} \u{2192} {} (dflash_config.target_layer_ids in the drafter's config.json)",
+            fmt_layers(declared),
+            fmt_layers(&v.target_layer_ids)
+        )
+    };
     let l = declared.last().copied().unwrap_or(0);
+    match v.alteration {
+        Alteration::LastLayer => {
+            return (
+                format!(
+                    "the drafter was trained with its fc fed the target's last layer ({last}), but its config declares layer {l} as the last tap"
+                ),
+                moved("feed the last layer"),
+            );
+        }
+        Alteration::DefaultLayout => {
+            let only_last = declared.len() == v.target_layer_ids.len()
+                && declared[..declared.len() - 1] == v.target_layer_ids[..declared.len() - 1];
+            let cause = if only_last && l == last {
+                format!(
+                    "the config feeds the fc the target's last layer ({last}), but the drafter was trained on layer {} (the z-lab default taps)",
+                    v.target_layer_ids.last().copied().unwrap_or(0)
+                )
+            } else {
+                "the drafter was trained on the z-lab default taps for this target, but its config declares other layers (a config saved from another run or edited)".into()
+            };
+            return (cause, moved("use the default taps"));
+        }
+        _ => {}
+    }
     if l == last {
         (
             format!(
@@ -423,14 +504,36 @@ mod tests {
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             names,
-            ["declared", "taps -1", "taps +1", "final norm on last tap"]
+            [
+                "declared",
+                "taps -1",
+                "taps +1",
+                "final norm on last tap",
+                "last tap on last layer"
+            ]
         );
         assert_eq!(v[1].target_layer_ids, [0, 7, 13, 19, 26]);
         assert_eq!(v[2].target_layer_ids, [2, 9, 15, 21, 28]);
-        // layer 0 has no −1; layer 29 of 30 has no +1; no final norm, no norm variant
+        assert_eq!(v[4].target_layer_ids, [1, 8, 14, 20, 29]);
+        // a config whose fc is fed the last layer: the default taps are the alternative
+        let v = variants(&[1, 8, 14, 20, 29], 30, true);
+        let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "declared",
+                "taps -1",
+                "final norm on last tap",
+                "default taps"
+            ]
+        );
+        assert_eq!(v[3].target_layer_ids, [1, 8, 14, 20, 27]);
+        // layer 0 has no −1; layer 29 of 30 has no +1; no final norm, no norm variant; the last
+        // tap is the last layer already; the default taps for two taps of 30 layers are [1, 27]
         let v = variants(&[0, 29], 30, false);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
-        assert_eq!(names, ["declared"]);
+        assert_eq!(names, ["declared", "default taps"]);
+        assert_eq!(v[1].target_layer_ids, [1, 27]);
     }
 
     #[test]
@@ -450,6 +553,7 @@ mod tests {
             target_layer_ids: vec![5, 3],
             final_norm_on_last_tap: true,
             shift: 0,
+            alteration: Alteration::FinalNorm,
         };
         let norm = RmsNorm::new(Tensor::new(&[2f32, 2.0], &dev).unwrap(), 0.0);
         let got: Vec<Vec<f32>> = variant_taps(&all, &[3, 4, 5], &v, 2, Some(&norm))
