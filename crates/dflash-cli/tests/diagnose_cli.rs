@@ -89,7 +89,10 @@ fn shipped_pair_passes_and_recorded_statistics_catch_a_shift() {
             "taps -1",
             "taps +1",
             "final norm on last tap",
-            "last tap on last layer"
+            "last tap on last layer",
+            "positions -1",
+            "positions +1",
+            "slot 0 masked"
         ]
     );
     assert_eq!(

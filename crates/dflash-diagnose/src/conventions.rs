@@ -11,7 +11,9 @@
 //!   tap moved to the target's last layer — the fc fed the last layer; the z-lab default taps for
 //!   the target's depth), or the declared taps with the target's final RMSNorm applied to the last
 //!   one; a list equal to an earlier variant's is not measured twice. The target runs once per
-//!   sample for the union of the layers.
+//!   sample for the union of the layers. Three more variants keep the declared taps and change
+//!   the block's layout instead (`BlockConvention`): positions −1 / +1 (slot `j` at `anchor + j
+//!   ± 1`) and slot 0 holding the mask token.
 //! - [`judge`]: an alternative is a FAIL when (τ rule) its replayed DDTree τ beats the declared
 //!   τ's 95 % bootstrap upper bound *and* the declared τ by at least [`FAIL_MARGIN`], or
 //!   (likelihood rule) the drafter gives the true continuation a higher mean log-likelihood under
@@ -27,9 +29,10 @@ use crate::stats::{TapStatsAccumulator, TapStatsFile};
 use crate::{Check, Options, Result, Sample, Verdict};
 use candle_core::Tensor;
 use dflash_core::{Grad, RmsNorm};
+use dflash_models::drafter::BlockConvention;
 use dflash_models::{DFlashDrafter, TargetModel};
 use dflash_train::{
-    anchor_likelihood, bootstrap_ci95, bootstrap_interval, replay_steps, sequence_taps,
+    anchor_likelihood_with, bootstrap_ci95, bootstrap_interval, replay_steps, sequence_taps,
 };
 use serde::Serialize;
 
@@ -81,8 +84,21 @@ pub struct Variant {
     pub final_norm_on_last_tap: bool,
     /// Every tap shifted by this many layers from the declared ones.
     pub shift: i64,
+    /// Added to every block slot's position (the declared layout: slot `j` at `anchor + j`).
+    pub position_offset: i64,
+    /// Slot 0 holds the mask token instead of the anchor's token.
+    pub anchor_slot_masked: bool,
     /// What the variant changes.
     pub alteration: Alteration,
+}
+
+impl Variant {
+    fn convention(&self) -> BlockConvention {
+        BlockConvention {
+            position_offset: self.position_offset,
+            anchor_slot_masked: self.anchor_slot_masked,
+        }
+    }
 }
 
 /// What a [`Variant`] changes from the declared setting.
@@ -99,6 +115,10 @@ pub enum Alteration {
     /// The z-lab default taps for the target's depth and the declared tap count (a config saved
     /// with other layers than the drafter was trained on).
     DefaultLayout,
+    /// Block positions moved by [`Variant::position_offset`].
+    Positions,
+    /// The mask token in slot 0.
+    AnchorSlot,
 }
 
 /// The declared setting (first) and each applicable alternative.
@@ -108,6 +128,8 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
         target_layer_ids: declared.to_vec(),
         final_norm_on_last_tap: false,
         shift: 0,
+        position_offset: 0,
+        anchor_slot_masked: false,
         alteration: Alteration::Declared,
     }];
     for shift in [-1i64, 1] {
@@ -124,6 +146,8 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
                 target_layer_ids: layers,
                 final_norm_on_last_tap: false,
                 shift,
+                position_offset: 0,
+                anchor_slot_masked: false,
                 alteration: Alteration::Shift,
             });
         }
@@ -134,6 +158,8 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
             target_layer_ids: declared.to_vec(),
             final_norm_on_last_tap: true,
             shift: 0,
+            position_offset: 0,
+            anchor_slot_masked: false,
             alteration: Alteration::FinalNorm,
         });
     }
@@ -148,6 +174,8 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
                 target_layer_ids: layers,
                 final_norm_on_last_tap: false,
                 shift: 0,
+                position_offset: 0,
+                anchor_slot_masked: false,
                 alteration,
             });
         }
@@ -164,6 +192,27 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
             push_new("default taps", default, Alteration::DefaultLayout);
         }
     }
+    // the block's layout: positions off by one, slot 0 masked
+    for offset in [-1i64, 1] {
+        out.push(Variant {
+            name: format!("positions {offset:+}"),
+            target_layer_ids: declared.to_vec(),
+            final_norm_on_last_tap: false,
+            shift: 0,
+            position_offset: offset,
+            anchor_slot_masked: false,
+            alteration: Alteration::Positions,
+        });
+    }
+    out.push(Variant {
+        name: "slot 0 masked".into(),
+        target_layer_ids: declared.to_vec(),
+        final_norm_on_last_tap: false,
+        shift: 0,
+        position_offset: 0,
+        anchor_slot_masked: true,
+        alteration: Alteration::AnchorSlot,
+    });
     out
 }
 
@@ -267,8 +316,16 @@ pub fn scan(
                 }
             }
             let anchors: Vec<u32> = (start as u32..end.saturating_sub(1) as u32).collect();
-            let (acc, lls) =
-                anchor_likelihood(target, drafter, &feats, &s.tokens, &anchors, &[budget], 32)?;
+            let (acc, lls) = anchor_likelihood_with(
+                target,
+                drafter,
+                &feats,
+                &s.tokens,
+                &anchors,
+                &[budget],
+                32,
+                &v.convention(),
+            )?;
             all_tau[vi].0 += acc.ddtree[0].iter().map(|x| x + 1).sum::<usize>();
             all_tau[vi].1 += acc.ddtree[0].len();
             ll[vi].push((lls.iter().sum(), lls.len()));
@@ -473,6 +530,23 @@ fn explain(scan: &Scan, a: &VariantResult) -> (String, String) {
             };
             return (cause, moved("use the default taps"));
         }
+        Alteration::Positions => {
+            let o = v.position_offset;
+            return (
+                format!(
+                    "the drafter was trained with its block's position ids shifted by {o:+} (slot j at anchor + j {o:+}; an off-by-one between training and inference positions)"
+                ),
+                format!(
+                    "lay blocks out at anchor + j {o:+} when drafting, or retrain with slot j at anchor + j (the z-lab layout)"
+                ),
+            );
+        }
+        Alteration::AnchorSlot => {
+            return (
+                "the drafter was trained with the mask token in slot 0, not the anchor (bonus) token".into(),
+                "retrain with the anchor token in slot 0 (the z-lab layout), or feed the mask token there when drafting".into(),
+            );
+        }
         _ => {}
     }
     if l == last {
@@ -509,7 +583,10 @@ mod tests {
                 "taps -1",
                 "taps +1",
                 "final norm on last tap",
-                "last tap on last layer"
+                "last tap on last layer",
+                "positions -1",
+                "positions +1",
+                "slot 0 masked"
             ]
         );
         assert_eq!(v[1].target_layer_ids, [0, 7, 13, 19, 26]);
@@ -519,7 +596,7 @@ mod tests {
         let v = variants(&[1, 8, 14, 20, 29], 30, true);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
-            names,
+            &names[..4],
             [
                 "declared",
                 "taps -1",
@@ -532,7 +609,9 @@ mod tests {
         // tap is the last layer already; the default taps for two taps of 30 layers are [1, 27]
         let v = variants(&[0, 29], 30, false);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
-        assert_eq!(names, ["declared", "default taps"]);
+        assert_eq!(&names[..2], ["declared", "default taps"]);
+        assert_eq!(v[2].position_offset, -1);
+        assert!(v[4].anchor_slot_masked && v[4].target_layer_ids == [0, 29]);
         assert_eq!(v[1].target_layer_ids, [1, 27]);
     }
 
@@ -553,6 +632,8 @@ mod tests {
             target_layer_ids: vec![5, 3],
             final_norm_on_last_tap: true,
             shift: 0,
+            position_offset: 0,
+            anchor_slot_masked: false,
             alteration: Alteration::FinalNorm,
         };
         let norm = RmsNorm::new(Tensor::new(&[2f32, 2.0], &dev).unwrap(), 0.0);

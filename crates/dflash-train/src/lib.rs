@@ -24,8 +24,8 @@ pub use loss::{block_labels, block_loss, BlockLabels, LossReport};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use profile::PhaseTimer;
 pub use replay::{
-    anchor_acceptance, anchor_likelihood, bootstrap_ci95, bootstrap_interval, replay_steps,
-    AnchorAcceptance,
+    anchor_acceptance, anchor_likelihood, anchor_likelihood_with, bootstrap_ci95,
+    bootstrap_interval, replay_steps, AnchorAcceptance,
 };
 pub use step::{
     batch_probs, compute_drafter, sequence_taps, soft_label_positions, Sequence, StepReport,

@@ -19,6 +19,7 @@ use candle_core::{DType, Tensor, D};
 use dflash_core::Grad;
 use dflash_decoding::sampling::greedy_rows;
 use dflash_decoding::tree::build_tree;
+use dflash_models::drafter::BlockConvention;
 use dflash_models::{DFlashDrafter, TargetModel};
 
 /// Drafted tokens a verifier following the true continuation accepts at each anchor.
@@ -59,8 +60,9 @@ pub fn anchor_acceptance(
     budgets: &[usize],
     chunk: usize,
 ) -> Result<AnchorAcceptance> {
+    let conv = BlockConvention::default();
     let (acc, _) = acceptance(
-        target, drafter, taps, tokens, anchors, budgets, chunk, false,
+        target, drafter, taps, tokens, anchors, budgets, chunk, false, &conv,
     )?;
     Ok(acc)
 }
@@ -78,7 +80,27 @@ pub fn anchor_likelihood(
     budgets: &[usize],
     chunk: usize,
 ) -> Result<(AnchorAcceptance, Vec<f64>)> {
-    acceptance(target, drafter, taps, tokens, anchors, budgets, chunk, true)
+    let conv = BlockConvention::default();
+    acceptance(
+        target, drafter, taps, tokens, anchors, budgets, chunk, true, &conv,
+    )
+}
+
+/// [`anchor_likelihood`] with the blocks laid out by `conv` (diagnose's alternatives).
+#[allow(clippy::too_many_arguments)]
+pub fn anchor_likelihood_with(
+    target: &dyn TargetModel,
+    drafter: &DFlashDrafter,
+    taps: &Tensor,
+    tokens: &[u32],
+    anchors: &[u32],
+    budgets: &[usize],
+    chunk: usize,
+    conv: &BlockConvention,
+) -> Result<(AnchorAcceptance, Vec<f64>)> {
+    acceptance(
+        target, drafter, taps, tokens, anchors, budgets, chunk, true, conv,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -91,6 +113,7 @@ fn acceptance(
     budgets: &[usize],
     chunk: usize,
     likelihood: bool,
+    conv: &BlockConvention,
 ) -> Result<(AnchorAcceptance, Vec<f64>)> {
     let mut ll = vec![];
     let mut out = AnchorAcceptance {
@@ -102,7 +125,7 @@ fn acceptance(
         return Ok((out, ll));
     }
     for group in anchors.chunks(chunk.max(1)) {
-        let logits = drafter.forward_train(target, taps, tokens, group, Grad::Off)?;
+        let logits = drafter.forward_train_with(target, taps, tokens, group, Grad::Off, conv)?;
         let (n, b, v) = logits.dims3()?;
         // row 0 is the anchor's slot; rows 1.. draft the tokens after it
         let drafts = logits.narrow(1, 1, b - 1)?.to_dtype(DType::F32)?;

@@ -11,4 +11,4 @@ pub use io::{
     config_for_target, init_from_target_layers, init_weights_for_target, load_drafter,
     parameter_shapes, random_weights, save_drafter, warm_start_weights,
 };
-pub use model::{DFlashDrafter, DraftCache};
+pub use model::{BlockConvention, DFlashDrafter, DraftCache};

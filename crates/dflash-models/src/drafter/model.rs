@@ -49,6 +49,17 @@ pub(super) struct Kv {
     pub(super) v: Tensor,
 }
 
+/// How a block's slots are laid out for the drafter. Decoding and training use the default (slot
+/// `j` at position `anchor + j`, slot 0 the anchor's token); `dflash diagnose` measures the
+/// alternatives a drafter trained elsewhere may have used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockConvention {
+    /// Added to every block slot's position (clamped at 0).
+    pub position_offset: i64,
+    /// Slot 0 holds the mask token instead of the anchor's token.
+    pub anchor_slot_masked: bool,
+}
+
 /// The query side of [`DFlashDrafter::blocks_forward`]: `b` sequences of blocks, embedded
 /// (`[b, n·B, H]` in the compute dtype), with their rotary tables (`[b, n·B, d/2]`).
 pub(super) struct BlockRows<'a> {
@@ -328,11 +339,15 @@ impl DFlashDrafter {
         b: usize,
         tokens: &[u32],
         anchors: &'a [u32],
+        position_offset: i64,
     ) -> Result<BlockRows<'a>> {
         let bs = self.cfg.block_size;
         let rows = tokens.len() / b;
         let q_pos: Vec<u32> = (0..tokens.len())
-            .map(|i| anchors[i / bs] + (i % bs) as u32)
+            .map(|i| {
+                let p = anchors[i / bs] as i64 + (i % bs) as i64 + position_offset;
+                p.max(0) as u32
+            })
             .collect();
         let ids = Tensor::from_slice(tokens, (b, rows), &self.device)?;
         let x = target.embed(&ids)?.to_dtype(self.dtype)?;
@@ -486,7 +501,7 @@ impl DFlashDrafter {
         let mut tokens = vec![self.mask_token_id(); self.cfg.block_size];
         tokens[0] = bonus;
         let anchors = [start as u32];
-        let rows = self.host_block_rows(target, 1, &tokens, &anchors)?;
+        let rows = self.host_block_rows(target, 1, &tokens, &anchors, 0)?;
         let keys = BlockKeys::Host {
             ctx_kv: &mut fill,
             ctx_len: start,
@@ -506,7 +521,22 @@ impl DFlashDrafter {
         anchors: &[u32],
         grad: Grad,
     ) -> Result<Tensor> {
-        let hidden = self.forward_train_batch(target, &ctx.unsqueeze(0)?, tokens, anchors, grad)?;
+        let conv = BlockConvention::default();
+        self.forward_train_with(target, ctx, tokens, anchors, grad, &conv)
+    }
+
+    /// [`DFlashDrafter::forward_train`] with the blocks laid out by `conv`.
+    pub fn forward_train_with(
+        &self,
+        target: &dyn TargetModel,
+        ctx: &Tensor,
+        tokens: &[u32],
+        anchors: &[u32],
+        grad: Grad,
+        conv: &BlockConvention,
+    ) -> Result<Tensor> {
+        let ctx = ctx.unsqueeze(0)?;
+        let hidden = self.forward_train_batch_with(target, &ctx, tokens, anchors, grad, conv)?;
         Ok(target
             .lm_head(&hidden)?
             .reshape((anchors.len(), self.cfg.block_size, ()))?)
@@ -527,6 +557,20 @@ impl DFlashDrafter {
         anchors: &[u32],
         grad: Grad,
     ) -> Result<Tensor> {
+        let conv = BlockConvention::default();
+        self.forward_train_batch_with(target, ctx, tokens, anchors, grad, &conv)
+    }
+
+    /// [`DFlashDrafter::forward_train_batch`] with the blocks laid out by `conv`.
+    pub fn forward_train_batch_with(
+        &self,
+        target: &dyn TargetModel,
+        ctx: &Tensor,
+        tokens: &[u32],
+        anchors: &[u32],
+        grad: Grad,
+        conv: &BlockConvention,
+    ) -> Result<Tensor> {
         let (b, s, _) = ctx.dims3()?;
         if tokens.len() != b * s || b == 0 || anchors.is_empty() || !anchors.len().is_multiple_of(b)
         {
@@ -546,14 +590,16 @@ impl DFlashDrafter {
                     "anchor {a} outside the sequence of {s}"
                 )));
             }
-            block_tokens[k * bs] = tokens[(k / n) * s + a];
+            if !conv.anchor_slot_masked {
+                block_tokens[k * bs] = tokens[(k / n) * s + a];
+            }
         }
         let ctx_pos: Vec<u32> = (0..s as u32).collect();
         let projected = self.project_context(ctx, grad)?;
         // one rotary table for the context rows, shared by every layer
         let (cos, sin) = self.rotary.cos_sin(&ctx_pos, &self.device, self.dtype)?;
         let mut ctx_kv = |li: usize| self.kv_at(&self.layers[li], &projected, &cos, &sin, grad);
-        let rows = self.host_block_rows(target, b, &block_tokens, anchors)?;
+        let rows = self.host_block_rows(target, b, &block_tokens, anchors, conv.position_offset)?;
         let keys = BlockKeys::Host {
             ctx_kv: &mut ctx_kv,
             ctx_len: s,
