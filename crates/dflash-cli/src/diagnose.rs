@@ -138,6 +138,7 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
             tree_budget: a.tree_budget,
             integrity_positions: 32,
             recorded_stats: recorded,
+            target_rope: target.config.rope().ok().map(|r| (r.theta, r.scaling)),
         },
     )?;
     if a.record_stats {

@@ -200,6 +200,29 @@ fn a_planted_last_layer_tap_fails_and_names_the_layer() {
     );
 }
 
+/// A drafter config declaring another RoPE base than the target's (and than it was trained with)
+/// is a FAIL naming the target's θ.
+#[test]
+fn a_planted_rope_theta_fails_and_names_the_target_theta() {
+    let Some(g) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("drafter");
+    copy_drafter(&draft);
+    let cfg_path = draft.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    assert_eq!(cfg["rope_theta"], serde_json::json!(100000.0));
+    cfg["rope_theta"] = serde_json::json!(10000.0);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let (code, out, err) = diagnose(&g, &draft, &["--bench", "gsm8k,humaneval", "--limit", "2"]);
+    assert_eq!(code, 1, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = check(&v, "conventions");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let fix = c["fix"].as_str().unwrap();
+    assert!(fix.contains("rope_theta to 100000"), "{fix}");
+}
+
 #[test]
 fn bad_input_exits_2_naming_it() {
     let Some(g) = smollm2() else { return };

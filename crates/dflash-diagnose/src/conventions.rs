@@ -88,6 +88,8 @@ pub struct Variant {
     pub position_offset: i64,
     /// Slot 0 holds the mask token instead of the anchor's token.
     pub anchor_slot_masked: bool,
+    /// The drafter's RoPE replaced by the target's (base θ here; scaling too).
+    pub target_rope_theta: Option<f64>,
     /// What the variant changes.
     pub alteration: Alteration,
 }
@@ -119,10 +121,19 @@ pub enum Alteration {
     Positions,
     /// The mask token in slot 0.
     AnchorSlot,
+    /// The target's RoPE (θ and scaling) instead of the drafter's declared one.
+    TargetRope,
 }
 
 /// The declared setting (first) and each applicable alternative.
-pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> Vec<Variant> {
+/// `target_rope`: the target's RoPE θ when it differs from the drafter's declared RoPE (θ or
+/// scaling), which adds the target-RoPE variant.
+pub fn variants(
+    declared: &[usize],
+    num_layers: usize,
+    has_final_norm: bool,
+    target_rope: Option<f64>,
+) -> Vec<Variant> {
     let mut out = vec![Variant {
         name: "declared".into(),
         target_layer_ids: declared.to_vec(),
@@ -130,6 +141,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
         shift: 0,
         position_offset: 0,
         anchor_slot_masked: false,
+        target_rope_theta: None,
         alteration: Alteration::Declared,
     }];
     for shift in [-1i64, 1] {
@@ -148,6 +160,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
                 shift,
                 position_offset: 0,
                 anchor_slot_masked: false,
+                target_rope_theta: None,
                 alteration: Alteration::Shift,
             });
         }
@@ -160,6 +173,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
             shift: 0,
             position_offset: 0,
             anchor_slot_masked: false,
+            target_rope_theta: None,
             alteration: Alteration::FinalNorm,
         });
     }
@@ -176,6 +190,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
                 shift: 0,
                 position_offset: 0,
                 anchor_slot_masked: false,
+                target_rope_theta: None,
                 alteration,
             });
         }
@@ -201,6 +216,7 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
             shift: 0,
             position_offset: offset,
             anchor_slot_masked: false,
+            target_rope_theta: None,
             alteration: Alteration::Positions,
         });
     }
@@ -211,8 +227,21 @@ pub fn variants(declared: &[usize], num_layers: usize, has_final_norm: bool) -> 
         shift: 0,
         position_offset: 0,
         anchor_slot_masked: true,
+        target_rope_theta: None,
         alteration: Alteration::AnchorSlot,
     });
+    if let Some(theta) = target_rope {
+        out.push(Variant {
+            name: format!("target's RoPE (theta {theta})"),
+            target_layer_ids: declared.to_vec(),
+            final_norm_on_last_tap: false,
+            shift: 0,
+            position_offset: 0,
+            anchor_slot_masked: false,
+            target_rope_theta: Some(theta),
+            alteration: Alteration::TargetRope,
+        });
+    }
     out
 }
 
@@ -283,7 +312,23 @@ pub fn scan(
     let norm = target
         .final_norm_weight()
         .map(|w| RmsNorm::new(w, opts.final_norm_eps));
-    let vars = variants(&declared, info.num_layers, norm.is_some());
+    // the target's RoPE, when the drafter declares another, and the drafter fed it
+    let declared_rope = drafter.config().rope().ok();
+    let target_rope = opts.target_rope.clone().filter(|(theta, scaling)| {
+        declared_rope
+            .as_ref()
+            .is_some_and(|d| (d.theta - theta).abs() > 1e-9 * theta.abs() || d.scaling != *scaling)
+    });
+    let rope_drafter = match &target_rope {
+        Some((theta, scaling)) => Some(drafter.with_rope(*theta, scaling.clone())?),
+        None => None,
+    };
+    let vars = variants(
+        &declared,
+        info.num_layers,
+        norm.is_some(),
+        target_rope.as_ref().map(|r| r.0),
+    );
     let mut union: Vec<usize> = vars
         .iter()
         .flat_map(|v| v.target_layer_ids.clone())
@@ -316,9 +361,13 @@ pub fn scan(
                 }
             }
             let anchors: Vec<u32> = (start as u32..end.saturating_sub(1) as u32).collect();
+            let fed = match (&rope_drafter, v.target_rope_theta) {
+                (Some(d), Some(_)) => d,
+                _ => drafter,
+            };
             let (acc, lls) = anchor_likelihood_with(
                 target,
-                drafter,
+                fed,
                 &feats,
                 &s.tokens,
                 &anchors,
@@ -541,6 +590,17 @@ fn explain(scan: &Scan, a: &VariantResult) -> (String, String) {
                 ),
             );
         }
+        Alteration::TargetRope => {
+            let theta = v.target_rope_theta.unwrap_or(0.0);
+            return (
+                format!(
+                    "the drafter was trained with the target's RoPE (theta {theta}), but its config declares another (rope_theta / rope_scaling)"
+                ),
+                format!(
+                    "set the drafter's rope_theta to {theta} (and its rope_scaling to the target's) in its config.json"
+                ),
+            );
+        }
         Alteration::AnchorSlot => {
             return (
                 "the drafter was trained with the mask token in slot 0, not the anchor (bonus) token".into(),
@@ -574,7 +634,7 @@ mod tests {
 
     #[test]
     fn variants_skip_shifts_that_leave_the_target() {
-        let v = variants(&[1, 8, 14, 20, 27], 30, true);
+        let v = variants(&[1, 8, 14, 20, 27], 30, true, None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             names,
@@ -593,7 +653,7 @@ mod tests {
         assert_eq!(v[2].target_layer_ids, [2, 9, 15, 21, 28]);
         assert_eq!(v[4].target_layer_ids, [1, 8, 14, 20, 29]);
         // a config whose fc is fed the last layer: the default taps are the alternative
-        let v = variants(&[1, 8, 14, 20, 29], 30, true);
+        let v = variants(&[1, 8, 14, 20, 29], 30, true, Some(10000.0));
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             &names[..4],
@@ -605,9 +665,13 @@ mod tests {
             ]
         );
         assert_eq!(v[3].target_layer_ids, [1, 8, 14, 20, 27]);
+        let rope = v.last().unwrap();
+        assert_eq!(rope.alteration, Alteration::TargetRope);
+        assert_eq!(rope.target_rope_theta, Some(10000.0));
+        assert_eq!(rope.target_layer_ids, [1, 8, 14, 20, 29]);
         // layer 0 has no −1; layer 29 of 30 has no +1; no final norm, no norm variant; the last
         // tap is the last layer already; the default taps for two taps of 30 layers are [1, 27]
-        let v = variants(&[0, 29], 30, false);
+        let v = variants(&[0, 29], 30, false, None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(&names[..2], ["declared", "default taps"]);
         assert_eq!(v[2].position_offset, -1);
@@ -634,6 +698,7 @@ mod tests {
             shift: 0,
             position_offset: 0,
             anchor_slot_masked: false,
+            target_rope_theta: None,
             alteration: Alteration::FinalNorm,
         };
         let norm = RmsNorm::new(Tensor::new(&[2f32, 2.0], &dev).unwrap(), 0.0);
@@ -660,7 +725,7 @@ mod tests {
     }
 
     fn scan_of(taus: &[(f64, [f64; 2])]) -> Scan {
-        let v = variants(&[2, 9, 15, 21, 28], 30, true);
+        let v = variants(&[2, 9, 15, 21, 28], 30, true, None);
         Scan {
             declared_target_layer_ids: vec![2, 9, 15, 21, 28],
             num_target_layers: 30,

@@ -93,6 +93,9 @@ pub struct Options {
     pub integrity_positions: usize,
     /// Training-time tap statistics, if recorded (`tap_stats.json` of the drafter).
     pub recorded_stats: Option<stats::TapStatsFile>,
+    /// The target's RoPE base and scaling (its config), for the drafter-fed-the-target's-RoPE
+    /// variant.
+    pub target_rope: Option<(f64, Option<dflash_core::RopeScaling>)>,
 }
 
 /// Everything a diagnosis measured, and the verdicts.

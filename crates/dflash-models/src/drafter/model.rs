@@ -28,6 +28,7 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<
     ))
 }
 
+#[derive(Clone)]
 pub(super) struct DraftLayer {
     q_proj: Linear,
     k_proj: Linear,
@@ -82,6 +83,7 @@ pub(super) enum BlockKeys<'a> {
     Device(super::device::DeviceKeys<'a>),
 }
 
+#[derive(Clone)]
 pub struct DFlashDrafter {
     pub(super) cfg: DFlashConfig,
     fc: Linear,
@@ -174,6 +176,19 @@ impl DFlashDrafter {
 
     pub fn config(&self) -> &DFlashConfig {
         &self.cfg
+    }
+
+    /// The same weights with another RoPE base and scaling (`dflash diagnose` feeds a drafter the
+    /// target's RoPE when its config declares another).
+    pub fn with_rope(&self, theta: f64, scaling: Option<dflash_core::RopeScaling>) -> Result<Self> {
+        let mut rope = self.cfg.rope().map_err(ModelError::InvalidInput)?;
+        rope.theta = theta;
+        rope.scaling = scaling;
+        let mut d = self.clone();
+        d.cfg.rope_theta = theta;
+        d.rotary = RotaryEmbedding::new(&rope)?;
+        d.rope_table = std::sync::OnceLock::new();
+        Ok(d)
     }
     pub fn block_size(&self) -> usize {
         self.cfg.block_size
