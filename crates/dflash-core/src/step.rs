@@ -148,6 +148,25 @@ impl StepMeta {
         Ok(Self { words, rows: n })
     }
 
+    /// The table `rope_rows` index: cos for positions `0..positions`, then sin, `[2·positions,
+    /// rot/2]` in `dtype`, made once per model (`positions` from [`StepMeta::table_positions`]).
+    pub fn rope_table(
+        rotary: &crate::RotaryEmbedding,
+        positions: usize,
+        device: &candle_core::Device,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let all: Vec<u32> = (0..positions as u32).collect();
+        let (cos, sin) = rotary.cos_sin(&all, device, dtype)?;
+        Ok(Tensor::cat(&[&cos, &sin], 0)?)
+    }
+
+    /// How many positions a model's rope table covers: its `max_position_embeddings`, at most
+    /// 2^18.
+    pub fn table_positions(max_position_embeddings: usize) -> usize {
+        max_position_embeddings.clamp(1, 1 << 18)
+    }
+
     /// The step's token ids inside the device copy of the metadata.
     pub fn tokens(meta: &Tensor, rows: usize) -> Result<Tensor> {
         Ok(meta.narrow(0, 1, rows)?)

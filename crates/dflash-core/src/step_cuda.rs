@@ -61,6 +61,7 @@ fn address(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
         DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0 + 4 * off,
         DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0 + 2 * off,
         DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0 + 4 * off,
+        DType::I64 => cs.as_cuda_slice::<i64>()?.device_ptr(&stream).0 + 8 * off,
         d => {
             return Err(CoreError::InvalidInput(format!(
                 "{what}: {d:?} is not a device-step dtype"
@@ -378,7 +379,7 @@ pub(crate) fn keep_rows_all(buffers: &[Tensor], base: usize, rows: &[u32]) -> Re
     let dev = dev.expect("at least one buffer");
     let table = Tensor::from_slice(&addrs, addrs.len(), first.device())?;
     let idx = Tensor::from_slice(rows, rows.len(), first.device())?;
-    let (tp, _) = address_i64(&table)?;
+    let (tp, _) = address(&table, "keep_rows address table")?;
     let (ip, _) = address(&idx, "keep_rows rows")?;
     let (mi, bi, kvi, ci, di) = (
         rows.len() as i32,
@@ -405,19 +406,6 @@ pub(crate) fn keep_rows_all(buffers: &[Tensor], base: usize, rows: &[u32]) -> Re
         &di
     );
     Ok(())
-}
-
-fn address_i64(t: &Tensor) -> Result<(u64, CudaDevice)> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*storage else {
-        return Err(CoreError::InvalidInput(
-            "address table: not a CUDA tensor".into(),
-        ));
-    };
-    let dev = cs.device().clone();
-    let stream = dev.cuda_stream();
-    let ptr = cs.as_cuda_slice::<i64>()?.device_ptr(&stream).0 + 8 * layout.start_offset() as u64;
-    Ok((ptr, dev))
 }
 
 pub(crate) fn skinny_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {

@@ -53,4 +53,16 @@ impl ModelError {
     }
 }
 
+impl ModelError {
+    /// As a core error (a device step's body runs under `dflash_core::step_graph`, whose errors
+    /// are core errors): core and candle errors as they are, anything else as invalid input.
+    pub fn into_core(self) -> dflash_core::CoreError {
+        match self {
+            ModelError::Core(c) => c,
+            ModelError::Candle(c) => dflash_core::CoreError::Candle(c),
+            other => dflash_core::CoreError::InvalidInput(other.to_string()),
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, ModelError>;

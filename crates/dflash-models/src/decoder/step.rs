@@ -18,7 +18,7 @@ use crate::{ModelError, Result};
 use candle_core::{Module, Tensor};
 use dflash_core::step::{StepMeta, MAX_STEP_ROWS};
 use dflash_core::step_graph::StepKey;
-use dflash_core::{AttentionMask, CoreError, Grad, SequenceCache};
+use dflash_core::{AttentionMask, Grad, SequenceCache};
 
 /// Tree sizes a DDTree step is padded up to: a budget of 2^k nodes plus the root, and steps
 /// between them.
@@ -30,17 +30,6 @@ const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
 /// session 11).
 const MAX_DEVICE_ROWS: usize = 129;
 
-/// The most positions the device rope table covers.
-const MAX_TABLE_POSITIONS: usize = 1 << 18;
-
-fn to_core(e: ModelError) -> CoreError {
-    match e {
-        ModelError::Core(c) => c,
-        ModelError::Candle(c) => CoreError::Candle(c),
-        other => CoreError::InvalidInput(other.to_string()),
-    }
-}
-
 fn logits_code(rows: LogitRows) -> u8 {
     match rows {
         LogitRows::All => 0,
@@ -51,20 +40,19 @@ fn logits_code(rows: LogitRows) -> u8 {
 
 impl Decoder {
     fn table_positions(&self) -> usize {
-        self.info
-            .max_position_embeddings
-            .clamp(1, MAX_TABLE_POSITIONS)
+        StepMeta::table_positions(self.info.max_position_embeddings)
     }
 
     fn rope_table(&self) -> Result<&Tensor> {
-        if let Some(t) = self.rope_table.get() {
-            return Ok(t);
+        if self.rope_table.get().is_none() {
+            let t = StepMeta::rope_table(
+                &self.rotary,
+                self.table_positions(),
+                &self.info.device,
+                self.info.dtype,
+            )?;
+            let _ = self.rope_table.set(t);
         }
-        let positions: Vec<u32> = (0..self.table_positions() as u32).collect();
-        let (cos, sin) = self
-            .rotary
-            .cos_sin(&positions, &self.info.device, self.info.dtype)?;
-        let _ = self.rope_table.set(Tensor::cat(&[&cos, &sin], 0)?);
         Ok(self.rope_table.get().expect("set above"))
     }
 
@@ -116,7 +104,7 @@ impl Decoder {
         let mut graphs = std::mem::take(&mut cache.step_graphs);
         let outputs = graphs.run(key, &meta.words, &[], &device, &mut |m, _| {
             self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
-                .map_err(to_core)
+                .map_err(ModelError::into_core)
         });
         cache.step_graphs = graphs;
         let mut outputs = outputs?;

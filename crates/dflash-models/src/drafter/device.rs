@@ -16,12 +16,11 @@ use super::model::{BlockKeys, BlockRows, DFlashDrafter, DraftCache, Kv};
 use crate::target::TargetModel;
 use crate::{ModelError, Result};
 use candle_core::Tensor;
-use dflash_core::step::{device_step_supported, kv_append_at, tree_attention, MAX_STEP_ROWS};
+use dflash_core::step::{
+    device_step_supported, kv_append_at, tree_attention, StepMeta, MAX_STEP_ROWS,
+};
 use dflash_core::step_graph::StepKey;
-use dflash_core::{CoreError, Grad};
-
-/// The most positions the drafter's device rope table covers.
-const MAX_TABLE_POSITIONS: usize = 1 << 18;
+use dflash_core::Grad;
 
 /// The device step's context keys (see the module invariants).
 pub(crate) struct DeviceKeys<'a> {
@@ -38,28 +37,21 @@ pub(crate) struct DeviceKeys<'a> {
     cache: &'a mut DraftCache,
 }
 
-fn to_core(e: ModelError) -> CoreError {
-    match e {
-        ModelError::Core(c) => c,
-        ModelError::Candle(c) => CoreError::Candle(c),
-        other => CoreError::InvalidInput(other.to_string()),
-    }
-}
-
 impl DFlashDrafter {
     fn table_positions(&self) -> usize {
-        self.cfg
-            .max_position_embeddings
-            .clamp(1, MAX_TABLE_POSITIONS)
+        StepMeta::table_positions(self.cfg.max_position_embeddings)
     }
 
     fn rope_table(&self) -> Result<&Tensor> {
-        if let Some(t) = self.rope_table.get() {
-            return Ok(t);
+        if self.rope_table.get().is_none() {
+            let t = StepMeta::rope_table(
+                &self.rotary,
+                self.table_positions(),
+                &self.device,
+                self.dtype,
+            )?;
+            let _ = self.rope_table.set(t);
         }
-        let positions: Vec<u32> = (0..self.table_positions() as u32).collect();
-        let (cos, sin) = self.rotary.cos_sin(&positions, &self.device, self.dtype)?;
-        let _ = self.rope_table.set(Tensor::cat(&[&cos, &sin], 0)?);
         Ok(self.rope_table.get().expect("set above"))
     }
 
@@ -162,7 +154,7 @@ impl DFlashDrafter {
         let mut graphs = std::mem::take(&mut cache.graphs);
         let out = graphs.run(key, &words, &[new_ctx], &device, &mut |meta, inputs| {
             self.device_draft_body(target, meta, &inputs[0], &table_t, &full_block, cache)
-                .map_err(to_core)
+                .map_err(ModelError::into_core)
         });
         cache.graphs = graphs;
         let mut out = out?;
