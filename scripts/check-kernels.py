@@ -15,11 +15,12 @@ for builtins in sorted(glob.glob(os.path.join(os.path.dirname(nvrtc), "libnvrtc-
 lib = ctypes.CDLL(nvrtc)
 
 
-def compile_source(src, name):
+def compile_source(src, name, opts=()):
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None):
         sys.exit(f"{name}: nvrtcCreateProgram failed")
-    result = lib.nvrtcCompileProgram(prog, 0, None)
+    argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    result = lib.nvrtcCompileProgram(prog, len(opts), argv)
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
@@ -41,6 +42,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
     if "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")
+    elif "mma.sync" in src:  # tensor-core kernels: compiled for compute_80 at run time
+        ok &= compile_source(src, base, ["--gpu-architecture=compute_80"])
     else:
         ok &= compile_source(src, base)
 sys.exit(0 if ok else 1)

@@ -12,9 +12,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROUNDS=${ROUNDS:-30}
-# plain: DFLASH_FUSED_DECODE=0; fused: fused kernels, no CUDA graphs; skinny: graphs with
-# projections of up to 16 rows on the row-invariant kernel (DFLASH_SKINNY_ROWS=16); graphs: the
-# default path
+# plain: DFLASH_FUSED_DECODE=0; fused: fused kernels, no CUDA graphs; cublas: graphs with every
+# projection on cuBLAS (DFLASH_STREAM_GEMM=0); graphs: the default path (graphs, and projections
+# of up to 16 bf16 rows on the streaming GEMM)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
 J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
@@ -25,7 +25,7 @@ chmod +x /tmp/bin/*
 D=/tmp/bin/dflash
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops on cuda" | tee -a "$LOG"
-  DFLASH_SKINNY_ROWS=16 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   for dt in f32 bf16; do
     echo "== reference fixtures on cuda $dt (fused decode path)" | tee -a "$LOG"
     DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
@@ -42,11 +42,11 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    skinny=""  # DFLASH_SKINNY_ROWS: empty = the default (cuBLAS)
-    case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; skinny) fused=1 graphs=1 skinny=16;;
+    stream=""  # DFLASH_STREAM_GEMM: empty = the default (on)
+    case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_SKINNY_ROWS=$skinny DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
   done

@@ -386,9 +386,12 @@ extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int t
 // x·rsqrt(mean x² + eps)·w rounded once, as candle's fused rms_norm), then rotate-half RoPE of the
 // first `rot` channels of q and k with cos/sin [n, rot/2] (rounded once), v copied. One block per
 // (row, head), one thread per channel (blockDim.x = hd ≤ 1024).
+// With kb (the device step): out holds q only [H, n, hd], and k and v go straight into the cache
+// buffers kb / vb [KV, cap, hd] at rows meta[0] + r (meta: the step's metadata, step_kernels.cu).
 template <typename T>
 __device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const T* qw, const T* kw,
-                          int n, int H, int KV, int hd, int rot, int has_norm, float eps, T* out) {
+                          int n, int H, int KV, int hd, int rot, int has_norm, float eps, T* out,
+                          T* kb, T* vb, const unsigned int* meta, int cap) {
   extern __shared__ float sh[];  // hd values + 32 partial sums
   const int r = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
   const int heads = H + 2 * KV;
@@ -423,19 +426,43 @@ __device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const T* q
       v = c < half ? v * cs - sh[c + half] * sn : v * cs + sh[c - half] * sn;
     }
   }
-  stv(out, ((long long)h * n + r) * hd + c, v);
+  if (kb != nullptr && h >= H) {
+    const long long g = (h - H) % KV;
+    stv(h < H + KV ? kb : vb, (g * cap + meta[0] + r) * hd + c, v);
+  } else {
+    stv(out, ((long long)h * n + r) * hd + c, v);
+  }
 }
 
 extern "C" __global__ void qkv_heads_f32(const float* y, const float* cs, const float* sn,
                                          const float* qw, const float* kw, int n, int H, int KV,
                                          int hd, int rot, int has_norm, float eps, float* out) {
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (float*)nullptr,
+            (float*)nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, const bf16_t* sn,
                                           const bf16_t* qw, const bf16_t* kw, int n, int H, int KV,
                                           int hd, int rot, int has_norm, float eps, bf16_t* out) {
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (bf16_t*)nullptr,
+            (bf16_t*)nullptr, nullptr, 0);
+}
+
+extern "C" __global__ void qkv_heads_cache_f32(const float* y, const float* cs, const float* sn,
+                                               const float* qw, const float* kw, int n, int H,
+                                               int KV, int hd, int rot, int has_norm, float eps,
+                                               float* q, float* kb, float* vb,
+                                               const unsigned int* meta, int cap) {
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap);
+}
+
+extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* cs,
+                                                const bf16_t* sn, const bf16_t* qw,
+                                                const bf16_t* kw, int n, int H, int KV, int hd,
+                                                int rot, int has_norm, float eps, bf16_t* q,
+                                                bf16_t* kb, bf16_t* vb, const unsigned int* meta,
+                                                int cap) {
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap);
 }
 
 // add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w

@@ -15,10 +15,10 @@ use candle_core::{Result, Tensor};
 use std::sync::OnceLock;
 
 const SOURCE: &str = include_str!("decode_kernels.cu");
-const MODULE: &str = "dflash_decode_kernels";
+pub(crate) const MODULE: &str = "dflash_decode_kernels";
 const TPB: u32 = 1024;
 
-fn ptx() -> Result<&'static str> {
+pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
         candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE)

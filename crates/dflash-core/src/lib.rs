@@ -23,6 +23,7 @@ pub mod step;
 #[cfg(feature = "cuda")]
 mod step_cuda;
 pub mod step_graph;
+pub mod stream_gemm;
 #[cfg(test)]
 mod test_util;
 

@@ -23,65 +23,6 @@ pub const MAX_STEP_ROWS: usize = 288;
 /// The largest head dimension the step's attention kernel stages in shared memory.
 pub const MAX_STEP_HEAD_DIM: usize = 128;
 
-/// The most rows [`skinny_matmul`] takes.
-pub const SKINNY_MAX_ROWS: usize = 16;
-
-/// Up to how many rows a projection goes through [`skinny_matmul`] rather than cuBLAS:
-/// `DFLASH_SKINNY_ROWS=N` (read once; default 0, off). The kernel's numerics do not depend on the
-/// row count (the property bit-exact bf16 verification needs), but on the H200 it is still slower
-/// than cuBLAS (Qwen3-8B AR step 8.7 ms against 5.9; SmolLM2 f32 16-row verify 3.7 against 2.4,
-/// docs/benchmarks.md session 11), so it is opt-in.
-pub fn skinny_rows(dtype: DType) -> usize {
-    static OVERRIDE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let _ = dtype;
-    *OVERRIDE.get_or_init(|| {
-        std::env::var("DFLASH_SKINNY_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(0)
-            .min(SKINNY_MAX_ROWS)
-    })
-}
-
-/// Rows per cuBLAS call in a CUDA forward's projections: `DFLASH_ROW_CHUNK=N` (read once;
-/// default 0, one call for all rows). An experiment for bit-exact bf16 verification: cuBLAS
-/// picks kernels by row count, and a 64-row tree verify may round differently from the one-row
-/// AR step where chunks of 16 do not (measured in docs/benchmarks.md session 11). Costs one weight
-/// read per chunk.
-pub fn row_chunk() -> usize {
-    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CHUNK.get_or_init(|| {
-        std::env::var("DFLASH_ROW_CHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
-}
-
-/// `x · wᵀ` (`x` `[.., K]` with at most [`skinny_rows`] rows, `w` `[N, K]`, one dtype) with
-/// f32 accumulation, one warp per output column: a row's result is the same whatever the row
-/// count. Output in `x`'s dtype, or f32 when `f32_out`. `None` where cuBLAS must run (the CPU,
-/// too many rows, K not a multiple of 8, a misaligned or strided weight).
-pub fn skinny_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && crate::decode_ops::fused_decode(x.device()) {
-        let k = x.dim(candle_core::D::Minus1)?;
-        let lead = &x.dims()[..x.rank() - 1];
-        let rows: usize = lead.iter().product();
-        if rows == 0 || rows > skinny_rows(x.dtype()) {
-            return Ok(None);
-        }
-        let Some(y) = crate::step_cuda::skinny_matmul(&x.reshape((rows, k))?, w, f32_out)? else {
-            return Ok(None);
-        };
-        let mut shape = lead.to_vec();
-        shape.push(w.dim(0)?);
-        return Ok(Some(y.reshape(shape)?));
-    }
-    let _ = (x, w, f32_out);
-    Ok(None)
-}
-
 /// Whether the device step can run a model with these heads in `dtype` on `device`.
 pub fn device_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
     device.is_cuda()
@@ -194,6 +135,34 @@ pub fn kv_append_at(
     let _ = (kbuf, vbuf, k, v, meta);
     Err(CoreError::InvalidInput(
         "device step: kv_append_at needs a CUDA device".into(),
+    ))
+}
+
+/// A device step's q/k/v heads as one kernel (the math of [`crate::decode_ops::qkv_heads`]: q/k
+/// RMSNorm when `norms` is given, then RoPE from `cos_sin` `[2·n, rot/2]`): returns q
+/// `[1, h, n, head_dim]` and writes k and v straight into the cache buffers `kbuf`, `vbuf`
+/// (`[1, kv, capacity, head_dim]`) at rows `past..past+n`, `past` read from `meta`.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_heads_into_cache(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: Option<&Tensor>,
+    heads: (usize, usize, usize),
+    rot: usize,
+    eps: f64,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() {
+        return crate::step_cuda::qkv_heads_into_cache(
+            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta,
+        );
+    }
+    let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta);
+    Err(CoreError::InvalidInput(
+        "device step: qkv_heads_into_cache needs a CUDA device".into(),
     ))
 }
 

@@ -44,7 +44,7 @@ fn ptx() -> candle_core::Result<&'static str> {
 }
 
 /// A contiguous tensor's device address (its first element) and device.
-fn address(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
+pub(crate) fn address(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*storage else {
         return Err(CoreError::InvalidInput(format!(
@@ -169,6 +169,38 @@ pub(crate) fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
     Ok(anc)
 }
 
+/// Counters the attention's fused merge needs (one per block column, zero between launches; each
+/// launch leaves them zero), or `None` to take the separate combine kernel: more columns than the
+/// buffer holds, `DFLASH_FUSED_MERGE=0`, or no buffer yet while the stream is being captured (a
+/// buffer allocated inside a capture would belong to the graph). One buffer per process, made on
+/// the first eager call, on the first device that asks.
+fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
+    const COUNTERS: usize = 8192;
+    static BUFFER: std::sync::Mutex<Option<Tensor>> = std::sync::Mutex::new(None);
+    static ON: OnceLock<bool> = OnceLock::new();
+    if columns > COUNTERS
+        || !*ON.get_or_init(|| std::env::var("DFLASH_FUSED_MERGE").as_deref() != Ok("0"))
+    {
+        return Ok(None);
+    }
+    let mut buffer = BUFFER
+        .lock()
+        .map_err(|_| CoreError::InvalidInput("merge counters: poisoned".into()))?;
+    if buffer.is_none() {
+        let capturing = dev.cuda_stream().capture_status().w()?
+            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if capturing {
+            return Ok(None);
+        }
+        let device = candle_core::Device::Cuda(dev.clone());
+        *buffer = Some(Tensor::zeros(COUNTERS, DType::U32, &device)?);
+    }
+    let t = buffer.as_ref().expect("set above");
+    let (ptr, owner) = address(t, "merge counters")?;
+    use candle_core::backend::BackendDevice;
+    Ok(owner.same_device(dev).then_some(ptr))
+}
+
 pub(crate) fn tree_attention(
     q: &Tensor,
     kbuf: &Tensor,
@@ -221,6 +253,18 @@ pub(crate) fn tree_attention(
         shared_mem_bytes: 0,
     };
     let sfx = suffix(dtype)?;
+    // SAFETY: every output element is written, by the fused merge or by the combine kernel.
+    let out = unsafe { Tensor::empty((1, n, h * d), dtype, q.device())? };
+    let (op, _) = address(&out, "tree_attention output")?;
+    // the fused merge runs one block per (kv head, vector group) over every split: a win for the
+    // one-row AR step, a loss for wider steps (a 16-row verify at Qwen3-8B shape took 9.6 ms
+    // against 7.8 with the combine kernel, docs/benchmarks.md session 12)
+    let counters = if n == 1 {
+        merge_counters(&dev, kv * groups)?
+    } else {
+        None
+    };
+    let cp = counters.unwrap_or(0);
     launch!(
         dev,
         &format!("tree_attn_partial_{sfx}"),
@@ -238,28 +282,29 @@ pub(crate) fn tree_attention(
         &chi,
         &gi,
         &scale,
-        &pp
-    );
-    // SAFETY: one block per (head, row) writes all d channels.
-    let out = unsafe { Tensor::empty((1, n, h * d), dtype, q.device())? };
-    let (op, _) = address(&out, "tree_attention output")?;
-    let si = splits as i32;
-    let cfg = LaunchConfig {
-        grid_dim: ((h * n) as u32, 1, 1),
-        block_dim: (d as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch!(
-        dev,
-        &format!("tree_attn_combine_{sfx}"),
-        cfg,
         &pp,
-        &ni,
-        &hi,
-        &di,
-        &si,
+        &cp,
         &op
     );
+    if counters.is_none() {
+        let si = splits as i32;
+        let cfg = LaunchConfig {
+            grid_dim: ((h * n) as u32, 1, 1),
+            block_dim: (d as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            dev,
+            &format!("tree_attn_combine_{sfx}"),
+            cfg,
+            &pp,
+            &ni,
+            &hi,
+            &di,
+            &si,
+            &op
+        );
+    }
     Ok(out)
 }
 
@@ -408,40 +453,80 @@ pub(crate) fn keep_rows_all(buffers: &[Tensor], base: usize, rows: &[u32]) -> Re
     Ok(())
 }
 
-pub(crate) fn skinny_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
-    let (m, k) = x.dims2()?;
-    let (n, kw) = w.dims2()?;
-    if k != kw
-        || m == 0
-        || m > crate::step::SKINNY_MAX_ROWS
-        || !k.is_multiple_of(8)
-        || x.dtype() != w.dtype()
-        || !matches!(x.dtype(), DType::F32 | DType::BF16)
-        || !w.is_contiguous()
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_heads_into_cache(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: Option<&Tensor>,
+    (h, kv, hd): (usize, usize, usize),
+    rot: usize,
+    eps: f32,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+) -> Result<Tensor> {
+    let (n, width) = y.dims2()?;
+    let (_, kvb, cap, db) = kbuf.dims4()?;
+    let dtype = y.dtype();
+    if width != (h + 2 * kv) * hd
+        || kvb != kv
+        || db != hd
+        || vbuf.dims() != kbuf.dims()
+        || cos_sin.dims2()? != (2 * n, rot / 2)
+        || !hd.is_multiple_of(32)
+        || hd > 1024
+        || !rot.is_multiple_of(2)
+        || rot > hd
+        || [cos_sin.dtype(), kbuf.dtype(), vbuf.dtype()]
+            .iter()
+            .any(|&t| t != dtype)
     {
-        return Ok(None);
+        return Err(CoreError::InvalidInput(format!(
+            "qkv_heads_into_cache: y {:?}, cos/sin {:?}, cache {:?} for {h}/{kv} heads of {hd}",
+            y.dims(),
+            cos_sin.dims(),
+            kbuf.dims()
+        )));
     }
-    let x = x.contiguous()?;
-    let (xp, dev) = address(&x, "skinny_matmul x")?;
-    let (wp, _) = address(w, "skinny_matmul w")?;
-    if wp % 16 != 0 {
-        return Ok(None);
-    }
-    let out_dtype = if f32_out { DType::F32 } else { x.dtype() };
-    // SAFETY: one warp per output column writes all m rows of it.
-    let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
-    let (yp, _) = address(&y, "skinny_matmul y")?;
-    let name = match (x.dtype(), f32_out) {
-        (DType::F32, _) => "skinny_matmul_f32",
-        (_, false) => "skinny_matmul_bf16",
-        (_, true) => "skinny_matmul_bf16_f32out",
+    let half = rot / 2;
+    let (yp, dev) = address(y, "qkv_heads_into_cache y")?;
+    let (cp, _) = address(cos_sin, "qkv_heads_into_cache cos/sin")?;
+    let sp = cp + (n * half * dtype.size_in_bytes()) as u64;
+    // without norms the kernel never reads the weights: any live address fills the slot
+    let (qw, kw) = match norms {
+        Some(w) => {
+            let (wp, _) = address(w, "qkv_heads_into_cache norms")?;
+            (wp, wp + (hd * dtype.size_in_bytes()) as u64)
+        }
+        None => (yp, yp),
     };
-    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    let (kbp, _) = address(kbuf, "qkv_heads_into_cache cache")?;
+    let (vbp, _) = address(vbuf, "qkv_heads_into_cache cache")?;
+    let (mp, _) = address(meta, "qkv_heads_into_cache meta")?;
+    // SAFETY: one thread per (row, q head, channel) writes every element of q.
+    let q = unsafe { Tensor::empty((1, h, n, hd), dtype, y.device())? };
+    let (qp, _) = address(&q, "qkv_heads_into_cache q")?;
+    let ints = [n, h, kv, hd, rot, norms.is_some() as usize].map(|x| x as i32);
+    let capi = cap as i32;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: (n as u32, (h + 2 * kv) as u32, 1),
+        block_dim: (hd as u32, 1, 1),
+        shared_mem_bytes: ((hd + 33) * 4) as u32,
     };
-    launch!(dev, name, cfg, &xp, &wp, &mi, &ni, &ki, &yp);
-    Ok(Some(y))
+    let name = format!("qkv_heads_cache_{}", suffix(dtype)?);
+    let f = dev.get_or_load_custom_func(
+        &name,
+        crate::decode_ops_cuda::MODULE,
+        crate::decode_ops_cuda::ptx()?,
+    )?;
+    let mut b = f.builder();
+    b.arg(&yp).arg(&cp).arg(&sp).arg(&qw).arg(&kw);
+    for x in &ints {
+        b.arg(x);
+    }
+    b.arg(&eps).arg(&qp).arg(&kbp).arg(&vbp).arg(&mp).arg(&capi);
+    // SAFETY: arguments in the kernel's order and types; every pointer is a live contiguous
+    // tensor of the size the kernel reads or writes (checked above).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(q)
 }

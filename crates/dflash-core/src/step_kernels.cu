@@ -17,7 +17,9 @@
 //   running max, the sum of exponentials and the unnormalised output (m = −inf where the split
 //   saw no visible key).
 // - tree_attn_combine: merges the splits of each vector (in split order) and writes the output
-//   in the o_proj layout [n, H, d] in the compute dtype.
+//   in the o_proj layout [n, H, d] in the compute dtype. Given a counters buffer, the partial
+//   kernel does this itself: the last block of each (kv head, vector group) to finish merges it
+//   (same arithmetic, one launch fewer).
 // A row's result depends only on its own visible keys, the chunk size and its q: not on how many
 // rows the step has.
 typedef unsigned short bf16_t;
@@ -95,10 +97,35 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // grid (KV · groups, splits), block WARPS · 32 threads; part [H·n, splits, d + 2] f32.
+// Channel c of vector vec = h·n + r from its split records, merged in split order (the only
+// place the splits meet: one arithmetic for the fused and the two-kernel paths).
+template <typename T>
+__device__ __forceinline__ void combine_channel(const float* part, int vec, int c, int n, int H,
+                                                int d, int splits, T* out) {
+  const int h = vec / n, r = vec % n;
+  const float* p = part + (long long)vec * splits * (d + 2);
+  float mx = NEG_INF;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(p + (long long)s * (d + 2)));
+  float sum = 0.0f, a = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float* ps = p + (long long)s * (d + 2);
+    const float ms = __ldcg(ps);
+    if (ms == NEG_INF) continue;
+    const float w = expf(ms - mx);
+    sum += w * __ldcg(ps + 1);
+    a += w * __ldcg(ps + 2 + c);
+  }
+  stv(out, ((long long)r * H + h) * d + c, sum > 0.0f ? a / sum : 0.0f);
+}
+
+// With `counters` (one per block column, zero between launches): the last split of each
+// (kv head, vector group) to finish merges the group's records into `out` (the combine, fused)
+// and resets its counter.
 template <typename T>
 __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const unsigned int* meta,
                                   const unsigned int* ancestors, int n, int H, int KV, int cap,
-                                  int d, int chunk, int groups, float scale, float* part) {
+                                  int d, int chunk, int groups, float scale, float* part,
+                                  unsigned int* counters, T* out) {
   __shared__ float ks[TK][MAX_D + 1];
   __shared__ float vs[TK][MAX_D];
   __shared__ float qs[VPB][MAX_D];
@@ -113,13 +140,15 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int dpl = d >> 5;
   const long long qbase = (long long)g * rep * n;  // q vectors of kv head g are contiguous
-  for (int e = tid; e < VPB * d; e += blockDim.x) {
-    const int i = e / d, c = e % d;
-    qs[i][c] = (v0 + i < nvec) ? ldv(q, (qbase + v0 + i) * d + c) * scale : 0.0f;
-  }
-  for (int e = tid; e < VPB * (MAX_ROWS / 32); e += blockDim.x) {
-    const int i = e / (MAX_ROWS / 32), w = e % (MAX_ROWS / 32);
-    anc[i][w] = (v0 + i < nvec) ? ancestors[((v0 + i) % n) * (MAX_ROWS / 32) + w] : 0u;
+  if (k0 < total) {  // a split past the keys only writes its empty record
+    for (int e = tid; e < VPB * d; e += blockDim.x) {
+      const int i = e / d, c = e % d;
+      qs[i][c] = (v0 + i < nvec) ? ldv(q, (qbase + v0 + i) * d + c) * scale : 0.0f;
+    }
+    for (int e = tid; e < VPB * (MAX_ROWS / 32); e += blockDim.x) {
+      const int i = e / (MAX_ROWS / 32), w = e % (MAX_ROWS / 32);
+      anc[i][w] = (v0 + i < nvec) ? ancestors[((v0 + i) % n) * (MAX_ROWS / 32) + w] : 0u;
+    }
   }
   float m[VPW], l[VPW], acc[VPW][MAX_D / 32];
   for (int u = 0; u < VPW; ++u) {
@@ -186,46 +215,51 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   for (int u = 0; u < VPW; ++u) {
     const int i = warp * VPW + u;
     if (v0 + i >= nvec) break;
-    float* out = part + ((qbase + v0 + i) * splits + s) * (long long)(d + 2);
+    float* rec = part + ((qbase + v0 + i) * splits + s) * (long long)(d + 2);
     if (lane == 0) {
-      out[0] = m[u];
-      out[1] = l[u];
+      rec[0] = m[u];
+      rec[1] = l[u];
     }
-    for (int t = 0; t < dpl; ++t) out[2 + lane + 32 * t] = acc[u][t];
+    for (int t = 0; t < dpl; ++t) rec[2 + lane + 32 * t] = acc[u][t];
   }
+  if (counters == nullptr) return;
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned int)(splits - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = tid; e < VPB * d; e += blockDim.x) {
+    const int i = e / d, c = e - (e / d) * d;
+    if (v0 + i < nvec) combine_channel(part, (int)(qbase + v0 + i), c, n, H, d, splits, out);
+  }
+  if (tid == 0) counters[blockIdx.x] = 0u;
 }
 
 extern "C" __global__ void tree_attn_partial_f32(const float* q, const float* kb, const float* vb,
                                                  const unsigned int* meta,
                                                  const unsigned int* anc, int n, int H, int KV,
                                                  int cap, int d, int chunk, int groups,
-                                                 float scale, float* part) {
-  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part);
+                                                 float scale, float* part, unsigned int* counters,
+                                                 float* out) {
+  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part, counters,
+                    out);
 }
 extern "C" __global__ void tree_attn_partial_bf16(const bf16_t* q, const bf16_t* kb,
                                                   const bf16_t* vb, const unsigned int* meta,
                                                   const unsigned int* anc, int n, int H, int KV,
                                                   int cap, int d, int chunk, int groups,
-                                                  float scale, float* part) {
-  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part);
+                                                  float scale, float* part,
+                                                  unsigned int* counters, bf16_t* out) {
+  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part, counters,
+                    out);
 }
 
 // grid (H · n), block d threads (d ≤ MAX_D): out [n, H, d].
 template <typename T>
 __device__ void tree_attn_combine(const float* part, int n, int H, int d, int splits, T* out) {
-  const int vec = blockIdx.x, h = vec / n, r = vec % n, c = threadIdx.x;
-  const float* p = part + (long long)vec * splits * (d + 2);
-  float mx = NEG_INF;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[(long long)s * (d + 2)]);
-  float sum = 0.0f, a = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float* ps = p + (long long)s * (d + 2);
-    if (ps[0] == NEG_INF) continue;
-    const float w = expf(ps[0] - mx);
-    sum += w * ps[1];
-    if (c < d) a += w * ps[2 + c];
-  }
-  if (c < d) stv(out, ((long long)r * H + h) * d + c, sum > 0.0f ? a / sum : 0.0f);
+  if ((int)threadIdx.x < d) combine_channel(part, blockIdx.x, threadIdx.x, n, H, d, splits, out);
 }
 
 extern "C" __global__ void tree_attn_combine_f32(const float* part, int n, int H, int d,
@@ -264,80 +298,4 @@ extern "C" __global__ void kv_keep_rows_bf16(const unsigned long long* bufs,
                                              const unsigned int* rows, int m, int base, int KV,
                                              int cap, int d) {
   kv_keep_rows<bf16_t>(bufs, rows, m, base, KV, cap, d);
-}
-
-// skinny_matmul_{f32,bf16}{,_f32out}: y[M, N] = x[M, K] · w[N, K]ᵀ for few rows (M ≤ SK_MAXM)
-// with f32 accumulation, rounded once to the output dtype. One warp per output column n: its
-// lanes stream w[n] in 8-element vectors (k = 8·lane + 256·i within a chunk of x staged in shared
-// memory as f32), then a fixed shuffle tree sums the lanes. Each output's arithmetic is the same
-// whatever M is and whichever block computes it: a row's result does not depend on how many rows
-// are computed together. Needs K % 8 == 0.
-#define SK_MAXM 16
-#define SK_WARPS 8
-#define SK_KC 512
-
-__device__ __forceinline__ void load8(const float* p, float* o) {
-  const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-__device__ __forceinline__ void load8(const bf16_t* p, float* o) {
-  const uint4 u = *(const uint4*)p;
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-  for (int i = 0; i < 4; ++i) {
-    o[2 * i] = __uint_as_float(w[i] << 16);
-    o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
-template <typename T, typename O>
-__device__ void skinny_matmul(const T* x, const T* w, int M, int N, int K, O* y) {
-  __shared__ __align__(16) float xs[SK_MAXM][SK_KC];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = blockIdx.x * SK_WARPS + warp;
-  float acc[SK_MAXM];
-  for (int m = 0; m < SK_MAXM; ++m) acc[m] = 0.0f;
-  const T* wr = w + (long long)(n < N ? n : 0) * K;
-  for (int k0 = 0; k0 < K; k0 += SK_KC) {
-    const int kc = min(SK_KC, K - k0);
-    __syncthreads();
-    for (int e = threadIdx.x; e < M * kc; e += blockDim.x) {
-      const int m = e / kc, k = e - m * kc;
-      xs[m][k] = ldv(x, (long long)m * K + k0 + k);
-    }
-    __syncthreads();
-    if (n < N) {
-      for (int k = 8 * lane; k < kc; k += 256) {
-        float wv[8];
-        load8(wr + k0 + k, wv);
-        for (int m = 0; m < SK_MAXM; ++m) {
-          if (m >= M) break;
-          float xv[8];
-          load8(&xs[m][k], xv);
-          float s = acc[m];
-          for (int j = 0; j < 8; ++j) s += xv[j] * wv[j];
-          acc[m] = s;
-        }
-      }
-    }
-  }
-  if (n >= N) return;
-  for (int m = 0; m < SK_MAXM; ++m) {
-    if (m >= M) break;
-    float v = acc[m];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) stv(y, (long long)m * N + n, v);
-  }
-}
-
-extern "C" __global__ void skinny_matmul_f32(const float* x, const float* w, int M, int N, int K,
-                                             float* y) {
-  skinny_matmul(x, w, M, N, K, y);
-}
-extern "C" __global__ void skinny_matmul_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
-                                              int K, bf16_t* y) {
-  skinny_matmul(x, w, M, N, K, y);
-}
-extern "C" __global__ void skinny_matmul_bf16_f32out(const bf16_t* x, const bf16_t* w, int M,
-                                                     int N, int K, float* y) {
-  skinny_matmul(x, w, M, N, K, y);
 }

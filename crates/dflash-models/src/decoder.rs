@@ -9,6 +9,7 @@
 //! f32 input against a low-precision head, training's input gradient).
 
 use crate::config::{Architecture, DecoderConfig};
+use crate::projection::project;
 use crate::target::{
     BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
 };
@@ -21,24 +22,6 @@ use dflash_core::{
     attention, flash_block, AttentionMask, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding,
     SequenceCache,
 };
-
-/// `lin(x)`: few rows on CUDA through the weight-streaming kernel
-/// (`dflash_core::step::skinny_matmul`), anything else through candle (cuBLAS, the CPU).
-fn project(lin: &Linear, x: &Tensor) -> Result<Tensor> {
-    if let Some(y) = dflash_core::step::skinny_matmul(x, lin.weight(), false)? {
-        return Ok(y);
-    }
-    let chunk = dflash_core::step::row_chunk();
-    if chunk > 0 && x.device().is_cuda() && x.rank() == 3 && x.dim(1)? > chunk {
-        let n = x.dim(1)?;
-        let parts = (0..n)
-            .step_by(chunk)
-            .map(|r| Ok(lin.forward(&x.narrow(1, r, chunk.min(n - r))?)?))
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(Tensor::cat(&parts, 1)?);
-    }
-    Ok(lin.forward(x)?)
-}
 
 fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
     Ok(Linear::new(
@@ -216,8 +199,8 @@ impl Attention {
         project(&self.o_proj, &o)
     }
 
-    /// The device step's attention: one kernel for the q/k/v heads, one writing k and v at the
-    /// cache rows the metadata names, the tree attention over the cache buffers (lengths and
+    /// The device step's attention: one kernel for the q/k/v heads that also writes k and v at
+    /// the cache rows the metadata names, the tree attention over the cache buffers (lengths and
     /// masks read on the device), then o_proj.
     fn forward_device(
         &self,
@@ -235,19 +218,18 @@ impl Attention {
         let n = x.dim(1)?;
         let y = project(w, x)?.reshape((n, ()))?;
         let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
-        let (q, k, v) = dflash_core::decode_ops::qkv_heads(
+        let (kb, vb) = cache.buffers_for(self.n_kv_heads, self.head_dim, y.dtype(), y.device())?;
+        let q = dflash_core::step::qkv_heads_into_cache(
             &y,
             cs,
             self.qk_norms.as_ref(),
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
+            (self.n_heads, self.n_kv_heads, self.head_dim),
             rope.emb.rotary_dim(),
             eps,
-        )?
-        .ok_or_else(|| ModelError::InvalidInput("device step: heads kernel unavailable".into()))?;
-        let (kb, vb) = cache.buffers_for(self.n_kv_heads, self.head_dim, q.dtype(), q.device())?;
-        dflash_core::step::kv_append_at(&kb, &vb, &k, &v, meta)?;
+            &kb,
+            &vb,
+            meta,
+        )?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let o = dflash_core::step::tree_attention(&q, &kb, &vb, meta, ancestors, scale)?;
         project(&self.o_proj, &o)
@@ -269,7 +251,8 @@ pub(crate) enum KeyLayout<'a> {
 }
 
 /// The MLP: gate and up as two GEMMs (the checkpoint's layout), or on CUDA one GEMM over their
-/// rows stacked `[gate; up]` followed by one silu·mul kernel.
+/// rows stacked `[gate; up]` followed by one silu·mul kernel (for bf16 rows on the streaming GEMM, folded into
+/// the down projection's streaming GEMM).
 enum GateUp {
     Separate { gate_proj: Linear, up_proj: Linear },
     Fused(Linear),
@@ -303,7 +286,14 @@ impl Mlp {
             GateUp::Separate { gate_proj, up_proj } => {
                 (candle_nn::ops::silu(&gate_proj.forward(x)?)? * up_proj.forward(x)?)?
             }
-            GateUp::Fused(w) => dflash_core::decode_ops::silu_mul(&project(w, x)?)?,
+            GateUp::Fused(w) => {
+                let gate_up = project(w, x)?;
+                let down = self.down_proj.weight();
+                if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down)? {
+                    return Ok(y);
+                }
+                dflash_core::decode_ops::silu_mul(&gate_up)?
+            }
         };
         project(&self.down_proj, &h)
     }
@@ -631,19 +621,8 @@ impl TargetModel for Decoder {
 
     fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
         let w = &self.lm_head;
-        let chunk = dflash_core::step::row_chunk();
-        if chunk > 0 && hidden.device().is_cuda() && hidden.rank() == 2 && hidden.dim(0)? > chunk {
-            let n = hidden.dim(0)?;
-            let parts = (0..n)
-                .step_by(chunk)
-                .map(|r| self.lm_head(&hidden.narrow(0, r, chunk.min(n - r))?))
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(Tensor::cat(&parts, 0)?);
-        }
-        if hidden.dtype() == w.dtype() {
-            if let Some(y) = dflash_core::step::skinny_matmul(hidden, w, true)? {
-                return Ok(y);
-            }
+        if let Some(y) = dflash_core::stream_gemm::stream_matmul(hidden, w, true)? {
+            return Ok(y);
         }
         if hidden.device().is_cuda() && hidden.dtype() == w.dtype() && w.dtype() != DType::F32 {
             let (lead, h) = (&hidden.dims()[..hidden.rank() - 1], hidden.dim(D::Minus1)?);

@@ -10,6 +10,7 @@ pub mod drafter;
 pub mod error;
 pub mod gguf;
 pub mod loader;
+mod projection;
 pub mod random;
 pub mod target;
 pub mod weights;

@@ -633,34 +633,36 @@ fn device_drafts_replay_the_cpu_draft() {
     let _ = (ct.info(), gt.info());
 }
 
-/// The weight-streaming projection for few rows against an f32 GEMM of the upcast operands, and
-/// bit-identical whatever the row count: each row alone gives exactly its row of the 16-row
-/// product (the property bf16 losslessness needs). CUDA only.
+/// The weight-streaming tensor-core GEMM against an f32 GEMM of the upcast operands, and
+/// bit-identical whatever the row count: each row alone, or in any smaller call, gives exactly its
+/// row of the 40-row product (three 16-row groups; the property bf16 losslessness needs). CUDA
+/// only.
 #[test]
-fn skinny_matmul_matches_and_does_not_depend_on_the_row_count() {
-    use dflash_core::step::skinny_matmul;
+fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
+    use dflash_core::stream_gemm::stream_matmul_always as stream_matmul;
     let dev = device();
     if !dev.is_cuda() {
         return;
     }
-    for (dtype, f32_out, k, n) in [
-        (DType::F32, false, 576, 1536),
-        (DType::BF16, false, 4096, 1000),
-        (DType::BF16, true, 1096, 777),
+    // (k, n): SmolLM2's q/k/v and down shapes, a wide K, an n that is not a multiple of 16
+    for (f32_out, k, n) in [
+        (false, 576, 960),
+        (false, 1536, 576),
+        (false, 4096, 1000),
+        (true, 1088, 777),
     ] {
-        let x = Tensor::randn(0f32, 1.0, (16, k), &dev)
+        let x = Tensor::randn(0f32, 1.0, (40, k), &dev)
             .unwrap()
-            .to_dtype(dtype)
+            .to_dtype(DType::BF16)
             .unwrap();
         let w = Tensor::randn(0f32, 0.05, (n, k), &dev)
             .unwrap()
-            .to_dtype(dtype)
+            .to_dtype(DType::BF16)
             .unwrap();
-        let Some(y) = skinny_matmul(&x, &w, f32_out).unwrap() else {
-            // opt-in: DFLASH_SKINNY_ROWS=16 runs this test (scripts/gpu-decode-bench.sh does)
-            assert!(dflash_core::step::skinny_rows(dtype) < 16);
-            return;
-        };
+        let y = stream_matmul(&x, &w, f32_out)
+            .unwrap()
+            .expect("40 bf16 rows stream");
+        assert_eq!(y.dims(), &[40, n]);
         let want = x
             .to_dtype(DType::F32)
             .unwrap()
@@ -669,34 +671,65 @@ fn skinny_matmul_matches_and_does_not_depend_on_the_row_count() {
         // f32 outputs: f32 rounding; bf16 outputs: half a bf16 step (2^-9 relative) of the
         // largest output, doubled
         let top = max_abs(&want, &want.zeros_like().unwrap());
-        let tol = if dtype == DType::F32 || f32_out {
-            1e-3
-        } else {
-            4e-3 * top
-        };
+        let tol = if f32_out { 1e-3 } else { 4e-3 * top };
         let err = max_abs(&y, &want);
-        assert!(err < tol, "{dtype:?} {k}x{n}: {err}");
-        for r in [0usize, 7, 15] {
-            let one = skinny_matmul(&x.narrow(0, r, 1).unwrap(), &w, f32_out)
+        assert!(err < tol, "{k}x{n}: {err}");
+        for (start, rows) in [
+            (0usize, 1usize),
+            (7, 1),
+            (39, 1),
+            (3, 5),
+            (8, 8),
+            (1, 9),
+            (5, 33),
+        ] {
+            let part = stream_matmul(&x.narrow(0, start, rows).unwrap(), &w, f32_out)
                 .unwrap()
                 .unwrap();
-            assert_eq!(max_abs(&one, &y.narrow(0, r, 1).unwrap()), 0.0, "row {r}");
+            let same = y.narrow(0, start, rows).unwrap();
+            assert_eq!(max_abs(&part, &same), 0.0, "{k}x{n}: rows {start}..+{rows}");
         }
     }
-    let x = Tensor::randn(0f32, 1.0, (1, 1096), &dev)
+    // not its call: f32, too many rows, K not a multiple of 64
+    let w = Tensor::zeros((64, 128), DType::BF16, &dev).unwrap();
+    let x32 = Tensor::zeros((1, 128), DType::F32, &dev).unwrap();
+    assert!(stream_matmul(&x32, &w.to_dtype(DType::F32).unwrap(), false)
+        .unwrap()
+        .is_none());
+    let x289 = Tensor::zeros((289, 128), DType::BF16, &dev).unwrap();
+    assert!(stream_matmul(&x289, &w, false).unwrap().is_none());
+    let w96 = Tensor::zeros((64, 96), DType::BF16, &dev).unwrap();
+    let x96 = Tensor::zeros((1, 96), DType::BF16, &dev).unwrap();
+    assert!(stream_matmul(&x96, &w96, false).unwrap().is_none());
+}
+
+/// The MLP's activation folded into the streaming down projection gives exactly the two-kernel
+/// path's numbers (silu·mul rounded to bf16, then the GEMM), whatever the row count. CUDA only.
+#[test]
+fn stream_silu_matmul_equals_silu_mul_then_the_gemm() {
+    use dflash_core::stream_gemm::stream_matmul_always as stream_matmul;
+    use dflash_core::stream_gemm::stream_silu_matmul_always as stream_silu_matmul;
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let (inter, n) = (1536, 576);
+    let gate_up = Tensor::randn(0f32, 2.0, (20, 2 * inter), &dev)
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
-    let w = Tensor::randn(0f32, 0.05, (777, 1096), &dev)
+    let w = Tensor::randn(0f32, 0.05, (n, inter), &dev)
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
-    let y = skinny_matmul(&x, &w, true).unwrap().expect("one bf16 row");
-    // (reached only with DFLASH_SKINNY_ROWS=16)
-    let want = x
-        .to_dtype(DType::F32)
-        .unwrap()
-        .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
-        .unwrap();
-    assert!(max_abs(&y, &want) < 1e-3);
+    let act = dflash_core::decode_ops::silu_mul(&gate_up).unwrap();
+    let want = stream_matmul(&act, &w, false).unwrap().unwrap();
+    let got = stream_silu_matmul(&gate_up, &w).unwrap().unwrap();
+    assert_eq!(max_abs(&got, &want), 0.0);
+    for (start, rows) in [(0usize, 1usize), (11, 1), (4, 7), (2, 18)] {
+        let part = stream_silu_matmul(&gate_up.narrow(0, start, rows).unwrap(), &w)
+            .unwrap()
+            .unwrap();
+        assert_eq!(max_abs(&part, &want.narrow(0, start, rows).unwrap()), 0.0);
+    }
 }

@@ -13,9 +13,10 @@
 //! are the target's (borrowed per call, never copied); positions are absolute token positions.
 
 use super::config::{DFlashConfig, LayerAttention};
+use crate::projection::project_with;
 use crate::target::TargetModel;
 use crate::{ModelError, Result};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use dflash_core::block_attention::{block_attention, HIDDEN};
 use dflash_core::flash_block::{self, flash_block_attention};
@@ -250,7 +251,7 @@ impl DFlashDrafter {
 
     /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`, or `[b, n, T·H] -> [b, n, H]`.
     pub(super) fn project_context(&self, feats: &Tensor, grad: Grad) -> Result<Tensor> {
-        let x = self.fc.forward(&feats.to_dtype(self.dtype)?)?;
+        let x = project_with(&self.fc, &feats.to_dtype(self.dtype)?, grad)?;
         let x = self.hidden_norm.forward(&x, grad)?;
         Ok(if x.rank() == 2 { x.unsqueeze(0)? } else { x })
     }
@@ -272,15 +273,13 @@ impl DFlashDrafter {
     ) -> Result<Kv> {
         let (b, n, _) = x.dims3()?;
         let (nkv, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let k = layer.k_proj.forward(x)?.reshape((b, n, nkv, hd))?;
+        let k = project_with(&layer.k_proj, x, grad)?.reshape((b, n, nkv, hd))?;
         let k = layer
             .k_norm
             .forward(&k, grad)?
             .transpose(1, 2)?
             .contiguous()?;
-        let v = layer
-            .v_proj
-            .forward(x)?
+        let v = project_with(&layer.v_proj, x, grad)?
             .reshape((b, n, nkv, hd))?
             .transpose(1, 2)?
             .contiguous()?;
@@ -399,7 +398,7 @@ impl DFlashDrafter {
         let mut masks: Vec<(LayerAttention, Masks)> = vec![];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x, grad)?;
-            let q = layer.q_proj.forward(&h)?.reshape((b, n_rows, nh, hd))?;
+            let q = project_with(&layer.q_proj, &h, grad)?.reshape((b, n_rows, nh, hd))?;
             let q = layer
                 .q_norm
                 .forward(&q, grad)?
@@ -456,13 +455,11 @@ impl DFlashDrafter {
                     }
                 }
             };
-            x = (x + layer.o_proj.forward(&o)?)?;
+            x = (x + project_with(&layer.o_proj, &o, grad)?)?;
             let h = layer.post_attention_layernorm.forward(&x, grad)?;
-            let g = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
-            x = (&x
-                + layer
-                    .down_proj
-                    .forward(&(g * layer.up_proj.forward(&h)?)?)?)?;
+            let g = candle_nn::ops::silu(&project_with(&layer.gate_proj, &h, grad)?)?;
+            let u = project_with(&layer.up_proj, &h, grad)?;
+            x = (&x + project_with(&layer.down_proj, &(g * u)?, grad)?)?;
         }
         let hidden = x.reshape((b * n_rows, ()))?;
         Ok(self.norm.forward(&hidden, grad)?)

@@ -1,0 +1,185 @@
+// The weight-streaming GEMM of decode steps (compiled at run time by NVRTC for compute_80+):
+// y[M, N] = x[M, K] · w[N, K]ᵀ for few rows, bf16 inputs, f32 accumulation on the tensor cores
+// (mma.sync m16n8k16), output rounded once to bf16 or kept in f32 (logits).
+//
+// Layout: a block owns 16 output columns n (a 16-row tile of w) and up to 16 rows of x (grid.y
+// counts the 16-row groups: a wider call reads each w tile once per group, from L2 after the
+// first); its KW warps
+// split K into 64-wide chunks (warp j takes chunks j, j + KW, ...), each lane loading 16 bytes of
+// two w rows and of its x row per half chunk, straight into mma fragments (A = the w tile, B = xᵀ;
+// the k order inside an mma is permuted the same way for A and B, which leaves every dot product
+// unchanged). The warps' partial sums meet in shared memory and are added in warp order.
+// The _silu kernels take x = [gate | up] rows of width 2·K (the fused gate-up projection) and feed
+// the product bf16(silu(gate) · up) — f32 math rounded once, as decode_kernels.cu's silu_mul — so
+// the MLP's down projection needs no separate activation kernel.
+//
+// Invariant (what issue 18 needs): the arithmetic of an output element y[m, n] depends only on
+// x[m, :], w[n, :], K and KW — never on M or on which mma column the row occupies (tensor-core dot
+// products are per element), so a row's result is bit-identical whether it is computed alone or
+// among any number of rows. KW is chosen from N and K alone. Needs K % 64 == 0.
+typedef unsigned short bf16_t;
+#define SG_MAX_KW 8
+#ifndef SG_STAGES
+#define SG_STAGES 2  // 1, 2, 4, 8 measured: 2 is best or within 3 % at every decode shape
+#endif
+
+__device__ __forceinline__ void sg_store(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void sg_store(bf16_t* p, long long i, float v) {
+  unsigned int u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (finite values)
+  p[i] = (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ void sg_mma(float* d, unsigned int a0, unsigned int a1, unsigned int a2,
+                                       unsigned int a3, unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 sg_load(const bf16_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// One 64-wide chunk's operands for a lane: w rows g and g + 8 (two 16-byte halves each) and x row
+// 8·t + g of each of the MT row tiles.
+template <int MT>
+struct SgChunk {
+  uint4 w0[2], w1[2];
+  uint4 x[MT][2];
+};
+
+__device__ __forceinline__ float sg_lo(unsigned int u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float sg_hi(unsigned int u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ unsigned int sg_round(float v) {
+  unsigned int u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+__device__ __forceinline__ unsigned int sg_silu2(unsigned int g, unsigned int u) {
+  const float g0 = sg_lo(g), g1 = sg_hi(g);
+  const float a = g0 / (1.0f + expf(-g0)) * sg_lo(u);
+  const float b = g1 / (1.0f + expf(-g1)) * sg_hi(u);
+  return sg_round(a) | (sg_round(b) << 16);
+}
+// 8 activations bf16(silu(g) · u) from 8 gates at p and 8 ups at p + K
+__device__ __forceinline__ uint4 sg_silu8(const bf16_t* p, int K) {
+  const uint4 g = *(const uint4*)p, u = *(const uint4*)(p + K);
+  return make_uint4(sg_silu2(g.x, u.x), sg_silu2(g.y, u.y), sg_silu2(g.z, u.z),
+                    sg_silu2(g.w, u.w));
+}
+
+template <int MT, bool ACT>
+__device__ __forceinline__ void sg_fetch(SgChunk<MT>& c, const bf16_t* w0, const bf16_t* w1,
+                                         const bf16_t* const* xr, const bool* xok, int k, int K) {
+  c.w0[0] = sg_load(w0 + k);
+  c.w0[1] = sg_load(w0 + k + 32);
+  c.w1[0] = sg_load(w1 + k);
+  c.w1[1] = sg_load(w1 + k + 32);
+  for (int t = 0; t < MT; ++t) {
+    if (!xok[t]) {
+      c.x[t][0] = make_uint4(0, 0, 0, 0);
+      c.x[t][1] = make_uint4(0, 0, 0, 0);
+    } else if (ACT) {
+      c.x[t][0] = sg_silu8(xr[t] + k, K);
+      c.x[t][1] = sg_silu8(xr[t] + k + 32, K);
+    } else {
+      c.x[t][0] = *(const uint4*)(xr[t] + k);
+      c.x[t][1] = *(const uint4*)(xr[t] + k + 32);
+    }
+  }
+}
+
+template <int MT>
+__device__ __forceinline__ void sg_compute(float (*acc)[4], const SgChunk<MT>& c) {
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < MT; ++t) {
+      sg_mma(acc[t], c.w0[h].x, c.w1[h].x, c.w0[h].y, c.w1[h].y, c.x[t][h].x, c.x[t][h].y);
+      sg_mma(acc[t], c.w0[h].z, c.w1[h].z, c.w0[h].w, c.w1[h].w, c.x[t][h].z, c.x[t][h].w);
+    }
+  }
+}
+
+template <int MT, bool ACT, typename O>
+__device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int K, O* y) {
+  // this block's row group
+  x += (long long)blockIdx.y * 16 * (ACT ? 2 * K : K);
+  y += (long long)blockIdx.y * 16 * N;
+  M = min(16, M - 16 * (int)blockIdx.y);
+  __shared__ float part[SG_MAX_KW][16][16];  // [warp][n][m]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = blockDim.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  // rows past N read row N - 1 (their outputs are dropped)
+  const bf16_t* w0 = w + (long long)min(n0 + g, N - 1) * K + 8 * t4;
+  const bf16_t* w1 = w + (long long)min(n0 + g + 8, N - 1) * K + 8 * t4;
+  const bf16_t* xr[MT];
+  bool xok[MT];
+  for (int t = 0; t < MT; ++t) {
+    const int m = 8 * t + g;
+    xok[t] = m < M;
+    xr[t] = x + (long long)(xok[t] ? m : 0) * (ACT ? 2 * K : K) + 8 * t4;
+  }
+  float acc[MT][4];
+  for (int t = 0; t < MT; ++t)
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+  // SG_STAGES chunks are loaded before any is multiplied (that many 2 KiB loads of a warp in
+  // flight); chunks still meet the accumulators in increasing order
+  const int chunks = K >> 6;
+  for (int c = warp; c < chunks; c += SG_STAGES * kw) {
+    SgChunk<MT> buf[SG_STAGES];
+#pragma unroll
+    for (int st = 0; st < SG_STAGES; ++st)
+      if (c + st * kw < chunks) sg_fetch<MT, ACT>(buf[st], w0, w1, xr, xok, (c + st * kw) << 6, K);
+#pragma unroll
+    for (int st = 0; st < SG_STAGES; ++st)
+      if (c + st * kw < chunks) sg_compute<MT>(acc, buf[st]);
+  }
+  // d0, d1: column n0 + g, rows 2·t4, 2·t4 + 1 of the tile; d2, d3: column n0 + g + 8
+  for (int t = 0; t < MT; ++t) {
+    const int m = 8 * t + 2 * t4;
+    part[warp][g][m] = acc[t][0];
+    part[warp][g][m + 1] = acc[t][1];
+    part[warp][g + 8][m] = acc[t][2];
+    part[warp][g + 8][m + 1] = acc[t][3];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < 16 * M; e += blockDim.x) {
+    const int m = e >> 4, n = e & 15;
+    if (n0 + n >= N) continue;
+    float s = part[0][n][m];
+    for (int j = 1; j < kw; ++j) s += part[j][n][m];
+    sg_store(y, (long long)m * N + n0 + n, s);
+  }
+}
+
+extern "C" __global__ void stream_gemm_m8_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
+                                               int K, bf16_t* y) {
+  stream_gemm<1, false>(x, w, M, N, K, y);
+}
+extern "C" __global__ void stream_gemm_m16_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
+                                                int K, bf16_t* y) {
+  stream_gemm<2, false>(x, w, M, N, K, y);
+}
+extern "C" __global__ void stream_gemm_m8_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
+                                                 int K, float* y) {
+  stream_gemm<1, false>(x, w, M, N, K, y);
+}
+extern "C" __global__ void stream_gemm_m16_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
+                                                  int K, float* y) {
+  stream_gemm<2, false>(x, w, M, N, K, y);
+}
+extern "C" __global__ void stream_gemm_silu_m8_bf16(const bf16_t* x, const bf16_t* w, int M,
+                                                    int N, int K, bf16_t* y) {
+  stream_gemm<1, true>(x, w, M, N, K, y);
+}
+extern "C" __global__ void stream_gemm_silu_m16_bf16(const bf16_t* x, const bf16_t* w, int M,
+                                                     int N, int K, bf16_t* y) {
+  stream_gemm<2, true>(x, w, M, N, K, y);
+}

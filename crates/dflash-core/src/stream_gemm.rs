@@ -1,0 +1,242 @@
+//! The weight-streaming GEMM of decode steps: `x · wᵀ` for up to [`STREAM_MAX_ROWS`] bf16 rows on
+//! the tensor cores (`stream_gemm.cu`), used for every projection and the LM head of an AR step, a
+//! DFlash verify and a drafter block on CUDA.
+//!
+//! Invariants:
+//! - A row's result does not depend on how many rows share the call (each output element is one
+//!   fixed-order sum over K: fixed 64-wide chunks, a fixed warp split chosen from the weight's
+//!   shape alone, partials added in warp order), so a verified row is bit-identical to the same
+//!   row computed alone by the AR step (tested on the GPU).
+//! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
+//! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
+//!   misaligned weight, a device older than compute 8.0, a weight the [`StreamPolicy`] leaves to
+//!   cuBLAS): the caller runs candle's matmul (cuBLAS) instead. The policy depends on the weight
+//!   alone, never on the row count, so a weight's rows are always computed by one kernel.
+
+use crate::Result;
+use candle_core::{DType, Tensor};
+
+/// The most rows one call takes (a DDTree verify of budget 256 with its root; blocks take 16 rows
+/// each, two 8-column tiles of the m16n8k16 tensor-core product).
+pub const STREAM_MAX_ROWS: usize = 288;
+
+/// Which bf16 calls stream, from `DFLASH_STREAM_GEMM` (read once): `0` none (cuBLAS, the A/B);
+/// `head` only the LM head's; `all` every call of up to [`STREAM_MAX_ROWS`] rows (a row's numbers
+/// never depend on the row count or the step kind: bit-exact verification, at a cost measured in
+/// docs/benchmarks.md); unset ([`StreamPolicy::Fast`]) the calls where it measured faster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamPolicy {
+    Off,
+    Head,
+    Fast,
+    All,
+}
+
+/// Rows up to which the fast policy streams: wider calls (trees) are faster on cuBLAS (SmolLM2,
+/// bf16: a 65-node tree verify 1.56 ms on cuBLAS, 2.08 streamed).
+pub const FAST_MAX_ROWS: usize = 16;
+
+/// The largest layer weight the fast policy streams. Measured on the H200 inside the decode step
+/// (docs/benchmarks.md session 12): SmolLM2-135M's weights (≤ 3.5 MB) stream as fast as cuBLAS or
+/// faster; Qwen3-8B's (33–100 MB) lose (AR step 5.90 → 6.63 ms: the kernel's weight reads reach
+/// DRAM at a lower rate than cuBLAS's on large weights).
+pub const STREAM_MAX_BYTES: usize = 16 << 20;
+
+/// The largest LM head the fast policy streams: cuBLAS's bf16 × bf16 → f32 product of a few rows
+/// took ~0.17 ms longer on SmolLM2's 56 MB head (AR step 1.31 → 1.13 ms streamed, drafter block
+/// 0.61 → 0.54), but the stream lost 0.18 ms on Qwen3-8B's 1.2 GB head (AR 5.84 → 6.02).
+pub const STREAM_MAX_HEAD_BYTES: usize = 128 << 20;
+
+/// The policy in force (see [`StreamPolicy`]).
+pub fn stream_policy() -> StreamPolicy {
+    static POLICY: std::sync::OnceLock<StreamPolicy> = std::sync::OnceLock::new();
+    *POLICY.get_or_init(|| match std::env::var("DFLASH_STREAM_GEMM").as_deref() {
+        Ok("0") | Ok("off") => StreamPolicy::Off,
+        Ok("head") => StreamPolicy::Head,
+        Ok("all") => StreamPolicy::All,
+        _ => StreamPolicy::Fast,
+    })
+}
+
+/// Whether a call of `rows` rows on `w` streams (`logits`: the LM head's f32-out call). Depends on
+/// the weight and the row count only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
+    let bytes = w.elem_count() * w.dtype().size_in_bytes();
+    match stream_policy() {
+        StreamPolicy::Off => false,
+        StreamPolicy::Head => logits && rows <= FAST_MAX_ROWS,
+        StreamPolicy::Fast => {
+            let limit = if logits {
+                STREAM_MAX_HEAD_BYTES
+            } else {
+                STREAM_MAX_BYTES
+            };
+            rows <= FAST_MAX_ROWS && bytes <= limit
+        }
+        StreamPolicy::All => rows <= STREAM_MAX_ROWS,
+    }
+}
+
+/// The number of warps a block splits K over for a weight `[n, k]`: enough warps in flight to
+/// fill an H200-sized GPU (~2112), at least one 64-wide chunk each, at most 8. A function of the
+/// weight's shape only, so it never changes a row's arithmetic.
+pub fn k_warps(n: usize, k: usize) -> usize {
+    let tiles = n.div_ceil(16);
+    let mut kw = 1;
+    while kw < 8 && tiles * kw < 132 * 16 && 64 * 2 * kw <= k {
+        kw *= 2;
+    }
+    kw
+}
+
+/// What the kernel feeds the tensor cores and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Epilogue {
+    /// `x · wᵀ`, bf16 out.
+    Bf16,
+    /// `x · wᵀ`, f32 out (logits).
+    F32,
+    /// `bf16(silu(gate) · up) · wᵀ` for `x = [gate | up]`, bf16 out (the MLP's down projection).
+    Silu,
+}
+
+/// `x · wᵀ` (`x` `[.., K]` bf16, `w` `[N, K]` bf16): `[.., N]` in bf16, or f32 when `f32_out`
+/// (the LM head); `None` when the policy or the kernel leaves the call to cuBLAS.
+pub fn stream_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
+    run(x, w, out_epilogue(f32_out), true)
+}
+
+/// The MLP's activation and down projection as one kernel: `bf16(silu(gate) · up) · wᵀ` for
+/// `gate_up = [gate | up]` (`[.., 2·K]` bf16, the fused gate-up projection's output) and `w`
+/// `[N, K]` — the same numbers as `decode_ops::silu_mul` followed by [`stream_matmul`]. `None`
+/// when the policy or the kernel leaves the call to the two-kernel path.
+pub fn stream_silu_matmul(gate_up: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    run(gate_up, w, Epilogue::Silu, true)
+}
+
+/// [`stream_matmul`] whatever the policy (`None` only where the kernel cannot run): for tests and
+/// callers that need the row-invariant numbers.
+pub fn stream_matmul_always(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
+    run(x, w, out_epilogue(f32_out), false)
+}
+
+/// [`stream_silu_matmul`] whatever the policy.
+pub fn stream_silu_matmul_always(gate_up: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    run(gate_up, w, Epilogue::Silu, false)
+}
+
+fn out_epilogue(f32_out: bool) -> Epilogue {
+    if f32_out {
+        Epilogue::F32
+    } else {
+        Epilogue::Bf16
+    }
+}
+
+fn run(x: &Tensor, w: &Tensor, epilogue: Epilogue, by_policy: bool) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::BF16 && w.dtype() == DType::BF16 {
+        let width = x.dim(candle_core::D::Minus1)?;
+        let lead = &x.dims()[..x.rank() - 1];
+        let rows: usize = lead.iter().product();
+        if rows == 0 || rows > STREAM_MAX_ROWS || w.rank() != 2 {
+            return Ok(None);
+        }
+        if by_policy && !streams(rows, w, epilogue == Epilogue::F32) {
+            return Ok(None);
+        }
+        let Some(y) = cuda::stream_matmul(&x.reshape((rows, width))?, w, epilogue)? else {
+            return Ok(None);
+        };
+        let mut shape = lead.to_vec();
+        shape.push(w.dim(0)?);
+        return Ok(Some(y.reshape(shape)?));
+    }
+    let _ = (x, w, epilogue, by_policy, DType::BF16);
+    Ok(None)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::Epilogue;
+    use crate::step_cuda::address;
+    use crate::Result;
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{DType, Tensor};
+    use std::sync::OnceLock;
+
+    const SOURCE: &str = include_str!("stream_gemm.cu");
+    const MODULE: &str = "dflash_stream_gemm";
+
+    /// The module's PTX (compute 8.0: `mma.sync` on bf16), or why there is none.
+    fn ptx() -> Option<&'static str> {
+        static PTX: OnceLock<Option<String>> = OnceLock::new();
+        PTX.get_or_init(|| {
+            let opts = CompileOptions {
+                arch: Some("compute_80"),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(SOURCE, opts).map(|p| p.to_src()).ok()
+        })
+        .as_deref()
+    }
+
+    pub(super) fn stream_matmul(
+        x: &Tensor,
+        w: &Tensor,
+        epilogue: Epilogue,
+    ) -> Result<Option<Tensor>> {
+        let (m, width) = x.dims2()?;
+        let (n, k) = w.dims2()?;
+        let want = if epilogue == Epilogue::Silu { 2 * k } else { k };
+        if width != want || !k.is_multiple_of(64) || !w.is_contiguous() || n >= i32::MAX as usize {
+            return Ok(None);
+        }
+        let Some(ptx) = ptx() else { return Ok(None) };
+        let x = x.contiguous()?;
+        let (xp, dev) = address(&x, "stream_matmul x")?;
+        let (wp, _) = address(w, "stream_matmul w")?;
+        if wp % 16 != 0 || xp % 16 != 0 {
+            return Ok(None);
+        }
+        static TENSOR_CORES: OnceLock<bool> = OnceLock::new();
+        let capable = *TENSOR_CORES.get_or_init(|| {
+            let cc = dev.cuda_stream().context().compute_capability();
+            matches!(cc, Ok((major, _)) if major >= 8)
+        });
+        if !capable {
+            return Ok(None);
+        }
+        let out_dtype = if epilogue == Epilogue::F32 {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        // SAFETY: the kernel writes every one of the m·n outputs.
+        let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
+        let (yp, _) = address(&y, "stream_matmul y")?;
+        let tiles = if m <= 8 { 8 } else { 16 };
+        let name = match epilogue {
+            Epilogue::Bf16 => format!("stream_gemm_m{tiles}_bf16"),
+            Epilogue::F32 => format!("stream_gemm_m{tiles}_f32out"),
+            Epilogue::Silu => format!("stream_gemm_silu_m{tiles}_bf16"),
+        };
+        let warps = super::k_warps(n, k);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let mut b = f.builder();
+        b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
+        // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
+        // tensors of the sizes the kernel reads and writes.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(Some(y))
+    }
+}

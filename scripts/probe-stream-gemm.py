@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Probes crates/dflash-core/src/stream_gemm.cu on the GPU machine, outside the Rust binary (CuPy
+NVRTC, the same source): correctness against an f32 product, row invariance (each row of an M-row
+call bit-identical to a 1-row call), and time per call against torch.mm (cuBLAS) at the decode
+shapes of Qwen3-8B and SmolLM2-135M, both as CUDA-graph replays of 50 calls (the same weight each
+time, so weights under ~50 MB partly stay in L2: inside a decode step they come from DRAM), beside
+the bandwidth floor (weight bytes / device-to-device copy bandwidth measured here), then the
+kernel's pipeline depth (SG_STAGES) against warps per block. Prints a table and writes
+JSON to $OUT/stream-gemm-probe.json. Usage: python3 scripts/probe-stream-gemm.py"""
+import json
+import os
+import sys
+
+import cupy as cp
+import torch
+
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+src = open(os.path.join(root, "crates/dflash-core/src/stream_gemm.cu")).read()
+STAGES = [int(x) for x in os.environ.get("STAGES", "1 2 4 8").split()]
+mods = {st: cp.RawModule(code=src, options=("--std=c++17", f"-DSG_STAGES={st}")) for st in STAGES}
+mod = mods[4 if 4 in mods else STAGES[0]]
+REPS = 50
+
+
+def kw_for(n, k):
+    """Warps a block splits K over: enough warps in flight, at most one per 64-wide chunk."""
+    tiles = (n + 15) // 16
+    kw = 1
+    while kw < 8 and tiles * kw < 132 * 16 and 64 * 2 * kw <= k:
+        kw *= 2
+    return kw
+
+
+def stream_gemm(x, w, f32_out=False, kw=None, module=None):
+    m, k = x.shape
+    n = w.shape[0]
+    assert m <= 16 and k % 64 == 0
+    kw = kw or kw_for(n, k)
+    module = module or mod
+    y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device=x.device)
+    name = f"stream_gemm_m{8 if m <= 8 else 16}_{'f32out' if f32_out else 'bf16'}"
+    f = module.get_function(name)
+    args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+            cp.uint64(y.data_ptr()))
+    return f, ((n + 15) // 16,), (32 * kw,), args, y
+
+
+def launch(spec):
+    f, grid, block, args, y = spec
+    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        f(grid, block, args)
+    return y
+
+
+def graph_time(fn):
+    """Median over 5 replays of a CUDA graph of REPS calls, per call, in microseconds."""
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(REPS):
+            fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1000 / REPS)
+    return sorted(out)[2]
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    b.copy_(a)
+    ev[0].record()
+    for _ in range(10):
+        b.copy_(a)
+    ev[1].record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3)
+
+
+def main():
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    shapes = {
+        "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
+        "qwen3-8b down": (4096, 12288), "qwen3-8b lm_head": (151936, 4096),
+        "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
+        "smollm2 down": (576, 1536), "smollm2 lm_head": (49152, 576),
+    }
+    rows = []
+    ok = True
+    for name, (n, k) in shapes.items():
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        f32_out = "lm_head" in name
+        floor_us = n * k * 2 / bw * 1e6
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = x.float() @ w.float().t()
+            spec = stream_gemm(x, w, f32_out)
+            y = launch(spec).float()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            inv = True
+            if m > 1:
+                for r in range(m):
+                    y1 = launch(stream_gemm(x[r:r + 1].contiguous(), w, f32_out)).float()
+                    inv &= torch.equal(y1[0], y[r])
+            t_ours = graph_time(lambda: launch(spec))
+            if f32_out:
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                t_torch = graph_time(lambda: torch.mm(x, w.t(), out=out))  # bf16 out: a lower bound
+            else:
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                t_torch = graph_time(lambda: torch.mm(x, w.t(), out=out))
+            good = err < 2e-2 and inv
+            ok &= good
+            rows.append(dict(shape=name, n=n, k=k, m=m, kw=kw_for(n, k), floor_us=floor_us, ours_us=t_ours,
+                             cublas_us=t_torch, rel_err=err, row_invariant=inv))
+            print(f"{name:18} m={m:2} kw={kw_for(n, k)} floor {floor_us:8.2f} us  ours {t_ours:8.2f} "
+                  f"({floor_us / t_ours * 100:5.1f}% of floor)  cublas {t_torch:8.2f}  err {err:.1e} "
+                  f"invariant {inv} {'ok' if good else 'BAD'}")
+    # variants: stages x warps per block, 8B shapes, m = 1 and 16
+    for name, (n, k) in shapes.items():
+        if not name.startswith("qwen3-8b") and "qkv" not in name:
+            continue
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            base = kw_for(n, k)
+            line = []
+            for st, module in mods.items():
+                for kw in sorted({max(1, base // 2), base, min(8, base * 2), 8}):
+                    if 64 * kw > k:
+                        continue
+                    spec = stream_gemm(x, w, "lm_head" in name, kw=kw, module=module)
+                    t = graph_time(lambda: launch(spec))
+                    line.append((t, st, kw))
+                    rows.append(dict(shape=name, m=m, stages=st, kw=kw, ours_us=t, variant=True))
+            line.sort()
+            floor_us = n * k * 2 / bw * 1e6
+            print(f"{name:18} m={m:2} floor {floor_us:7.2f}  best: " +
+                  "  ".join(f"st{st}/kw{kw} {t:.2f}" for t, st, kw in line[:4]) +
+                  f"   worst st{line[-1][1]}/kw{line[-1][2]} {line[-1][0]:.2f}")
+    # the whole 8B layer stack at m = 1, as a sum
+    for m in (1, 16):
+        tot = [r for r in rows if r["m"] == m and r["shape"].startswith("qwen3-8b") and not r.get("variant")]
+        ours = sum(r["ours_us"] * (36 if "lm_head" not in r["shape"] else 1) for r in tot)
+        cub = sum(r["cublas_us"] * (36 if "lm_head" not in r["shape"] else 1) for r in tot)
+        fl = sum(r["floor_us"] * (36 if "lm_head" not in r["shape"] else 1) for r in tot)
+        print(f"qwen3-8b all projections m={m}: floor {fl / 1000:.2f} ms ours {ours / 1000:.2f} ms cublas {cub / 1000:.2f} ms")
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "stream-gemm-probe.json"), "w") as f:
+        json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
