@@ -6,7 +6,7 @@
 # call and copy it to /tmp/keep: the GGUF and the drafter do not fit one call's 64 MiB together).
 # Knobs: LIMIT (prompts per benchmark, default 10), DTYPES (default "f32 bf16"), STREAM="0 all" (also
 # bf16 with each DFLASH_STREAM_GEMM value: 0 every projection on cuBLAS, all every call on the
-# row-invariant streaming GEMM), GENERATE=0 to skip the generate lines.
+# row-invariant streaming GEMM — what `--bit-exact` sets), GENERATE=0 to skip the generate lines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 K=/tmp/keep; G=$K/SmolLM2-135M-Instruct.Q4_1.gguf  # the name `generate`/`eval` find the shipped drafter by

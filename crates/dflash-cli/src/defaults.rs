@@ -94,3 +94,13 @@ pub fn drafter_path(flag: Option<&Path>, target: &Path) -> Result<PathBuf, Usage
         target.display()
     )))
 }
+
+/// `--bit-exact`: fixes the streaming-GEMM policy at every call of up to 288 rows (CUDA bf16), so
+/// a step's rows never depend on how many rows it computes; without the flag the environment's
+/// policy (`DFLASH_STREAM_GEMM`) or the fast default holds.
+pub fn apply_bit_exact(on: bool) -> anyhow::Result<()> {
+    if on {
+        dflash_core::stream_gemm::set_policy(dflash_core::stream_gemm::StreamPolicy::All)?;
+    }
+    Ok(())
+}

@@ -10,7 +10,9 @@
 //!   buffers and never touches other rows; the host's cache length is advanced by the caller.
 //! - [`tree_attention`] gives query row `r` every committed key and the step rows that are `r`
 //!   or its ancestors (a causal block is the chain), softmax in f32; a row's result depends on
-//!   its own keys only, not on how many rows the step has.
+//!   its own keys only, not on how many rows the step has; with paths, keys are reduced in
+//!   position order (the ancestor at depth t counts as key `past + t`), so a tree row's result is
+//!   bit-identical to a one-row step at its position over the same keys.
 //! - CUDA only (f32, bf16; head_dim a multiple of 32 up to 128); [`device_step_supported`] says
 //!   when, and callers take the host path otherwise.
 
@@ -20,8 +22,19 @@ use candle_core::{DType, Tensor};
 /// The most rows one device step takes (a DDTree of budget 256 has 257 nodes with its root;
 /// a multiple of 32, the ancestor bitmask's word size, and `MAX_ROWS` of `step_kernels.cu`).
 pub const MAX_STEP_ROWS: usize = 288;
+/// Words per row of [`tree_ancestors`]'s output: the ancestor bits (`MAX_STEP_ROWS / 32`), the
+/// depth, then the path (`MAX_STEP_ROWS`: the row's ancestors-or-self by depth, root first).
+pub const ANCESTOR_WORDS: usize = MAX_STEP_ROWS / 32 + 1 + MAX_STEP_ROWS;
 /// The largest head dimension the step's attention kernel stages in shared memory.
 pub const MAX_STEP_HEAD_DIM: usize = 128;
+
+/// Whether [`tree_attention`] takes a tree's keys by position (the default; bit-identical to
+/// the one-row step at each row's position) or by cache row (`DFLASH_TREE_KEYS=row`, read once:
+/// session 11's order, kept for A/B measurements).
+pub fn keys_by_position() -> bool {
+    static BY_POSITION: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *BY_POSITION.get_or_init(|| std::env::var("DFLASH_TREE_KEYS").as_deref() != Ok("row"))
+}
 
 /// Whether the device step can run a model with these heads in `dtype` on `device`.
 pub fn device_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
@@ -166,7 +179,7 @@ pub fn qkv_heads_into_cache(
     ))
 }
 
-/// Each step row's ancestors-or-self as bits (`[rows, MAX_STEP_ROWS / 32]` u32), computed once
+/// Each step row's ancestors-or-self (`[rows, ANCESTOR_WORDS]` u32: bits, depth, path), computed once
 /// per step from the parents in `meta` and shared by every layer's [`tree_attention`].
 pub fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
@@ -180,8 +193,12 @@ pub fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
 }
 
 /// Attention of `q` (`[1, heads, n, d]`, contiguous) over the cache buffers (`[1, kv_heads,
-/// capacity, d]`) under the step's tree (see the module invariants; `ancestors` from
-/// [`tree_ancestors`]). Returns `[1, n, heads·d]` in `q`'s dtype, the o_proj input layout.
+/// capacity, d]`) under the step's tree (see the module invariants). `ancestors` is either
+/// [`tree_ancestors`]'s output (`[n, ANCESTOR_WORDS]`: a tree, its keys taken by position — a
+/// row's ancestor at depth t is key `past + t` — so every row computes exactly what a one-row
+/// step at its position computes over the same keys), or bits alone (`[n, MAX_STEP_ROWS / 32]`,
+/// any visibility, keys by cache row: the drafter's block). Returns `[1, n, heads·d]` in `q`'s
+/// dtype, the o_proj input layout.
 pub fn tree_attention(
     q: &Tensor,
     kbuf: &Tensor,

@@ -155,8 +155,9 @@ pub(crate) fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
         )));
     }
     let (mp, dev) = address(meta, "tree_ancestors meta")?;
-    let words = crate::step::MAX_STEP_ROWS / 32;
-    // SAFETY: the kernel writes every word of every row.
+    let words = crate::step::ANCESTOR_WORDS;
+    // SAFETY: the kernel writes the bits and the depth of every row, and its path up to its depth
+    // (the only words read).
     let anc = unsafe { Tensor::empty((rows, words), DType::U32, meta.device())? };
     let (ap, _) = address(&anc, "tree_ancestors output")?;
     let ni = rows as i32;
@@ -218,7 +219,9 @@ pub(crate) fn tree_attention(
         || n > crate::step::MAX_STEP_ROWS
         || vbuf.dims() != kbuf.dims()
         || kbuf.dtype() != q.dtype()
-        || ancestors.dims() != [n, crate::step::MAX_STEP_ROWS / 32]
+        || ancestors.dim(0)? != n
+        || ![crate::step::MAX_STEP_ROWS / 32, crate::step::ANCESTOR_WORDS]
+            .contains(&ancestors.dim(1)?)
     {
         return Err(CoreError::InvalidInput(format!(
             "tree_attention: q {:?} over cache {:?}",
@@ -232,6 +235,9 @@ pub(crate) fn tree_attention(
     let (vbp, _) = address(vbuf, "tree_attention cache")?;
     let (mp, _) = address(meta, "tree_attention meta")?;
     let (ap, _) = address(ancestors, "tree_attention ancestors")?;
+    let stride = ancestors.dim(1)? as i32;
+    let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
+        && crate::step::keys_by_position()) as i32;
     let chunk = chunk_for(n);
     let splits = cap.div_ceil(chunk);
     let groups = (n * h / kv).div_ceil(VECTORS_PER_BLOCK);
@@ -274,6 +280,8 @@ pub(crate) fn tree_attention(
         &vbp,
         &mp,
         &ap,
+        &stride,
+        &logical,
         &ni,
         &hi,
         &kvi,

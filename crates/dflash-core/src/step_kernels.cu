@@ -30,6 +30,8 @@ typedef unsigned short bf16_t;
 #define VPB (WARPS * VPW)
 #define MAX_D 128
 #define MAX_ROWS 288  // = step::MAX_STEP_ROWS: a DDTree of budget 256 plus its root
+#define ANC_BITS (MAX_ROWS / 32)
+#define ANC_WORDS (ANC_BITS + 1 + MAX_ROWS)  // = step::ANCESTOR_WORDS: bits, depth, path
 
 __device__ __forceinline__ float ldv(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float ldv(const bf16_t* p, long long i) {
@@ -67,23 +69,33 @@ extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16
   kv_append(k, v, kb, vb, meta, KV, n, cap, d);
 }
 
-// tree_ancestors: anc[r][w] bit b set when step row 32·w + b is r or an ancestor of r (rows
-// walked once per step, not per layer or block). One thread per row; parents staged in shared
-// memory.
+// tree_ancestors: per step row r, `stride` = ANC_WORDS words: bit b of word w set when step row
+// 32·w + b is r or an ancestor of r; then r's depth (0 for a root); then its path, the step rows of
+// its ancestors-or-self by depth (root first). Rows walked once per step, not per layer or block.
+// One thread per row; parents staged in shared memory.
 extern "C" __global__ void tree_ancestors(const unsigned int* meta, int n, unsigned int* anc) {
   __shared__ int par[MAX_ROWS];
   const int* parents = (const int*)(meta + 1 + 3 * n);
   for (int i = threadIdx.x; i < n; i += blockDim.x) par[i] = parents[i];
   __syncthreads();
   for (int r = threadIdx.x; r < n; r += blockDim.x) {
-    unsigned int bits[MAX_ROWS / 32];
-    for (int w = 0; w < MAX_ROWS / 32; ++w) bits[w] = 0u;
+    unsigned int* out = anc + (long long)r * ANC_WORDS;
+    unsigned int bits[ANC_BITS];
+    for (int w = 0; w < ANC_BITS; ++w) bits[w] = 0u;
+    int depth = -1;
     int x = r;
     for (int steps = 0; x >= 0 && x < n && steps < n; ++steps) {
       bits[x >> 5] |= 1u << (x & 31);
+      ++depth;
       x = par[x];
     }
-    for (int w = 0; w < MAX_ROWS / 32; ++w) anc[r * (MAX_ROWS / 32) + w] = bits[w];
+    for (int w = 0; w < ANC_BITS; ++w) out[w] = bits[w];
+    out[ANC_BITS] = (unsigned int)depth;
+    x = r;
+    for (int t = depth; t >= 0; --t) {
+      out[ANC_BITS + 1 + t] = (unsigned int)x;
+      x = par[x];
+    }
   }
 }
 
@@ -123,13 +135,13 @@ __device__ __forceinline__ void combine_channel(const float* part, int vec, int 
 // and resets its counter.
 template <typename T>
 __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const unsigned int* meta,
-                                  const unsigned int* ancestors, int n, int H, int KV, int cap,
-                                  int d, int chunk, int groups, float scale, float* part,
-                                  unsigned int* counters, T* out) {
+                                  const unsigned int* ancestors, int stride, int logical, int n,
+                                  int H, int KV, int cap, int d, int chunk, int groups,
+                                  float scale, float* part, unsigned int* counters, T* out) {
   __shared__ float ks[TK][MAX_D + 1];
   __shared__ float vs[TK][MAX_D];
   __shared__ float qs[VPB][MAX_D];
-  __shared__ unsigned int anc[VPB][MAX_ROWS / 32];
+  __shared__ unsigned int anc[VPB][ANC_BITS];
   const int rep = H / KV;
   const int g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
   const int splits = gridDim.y;
@@ -145,10 +157,20 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
       const int i = e / d, c = e % d;
       qs[i][c] = (v0 + i < nvec) ? ldv(q, (qbase + v0 + i) * d + c) * scale : 0.0f;
     }
-    for (int e = tid; e < VPB * (MAX_ROWS / 32); e += blockDim.x) {
-      const int i = e / (MAX_ROWS / 32), w = e % (MAX_ROWS / 32);
-      anc[i][w] = (v0 + i < nvec) ? ancestors[((v0 + i) % n) * (MAX_ROWS / 32) + w] : 0u;
+    for (int e = tid; e < VPB * ANC_BITS; e += blockDim.x) {
+      const int i = e / ANC_BITS, w = e % ANC_BITS;
+      anc[i][w] = (v0 + i < nvec) ? ancestors[(long long)((v0 + i) % n) * stride + w] : 0u;
     }
+  }
+  // logical mode: a step key's index is its position, past + depth; vector u of this warp reads
+  // its path (ancestor rows by depth) from `ancestors`
+  int depth[VPW];
+  const unsigned int* path[VPW];
+  for (int u = 0; u < VPW; ++u) {
+    const int i = warp * VPW + u;
+    const long long r = (v0 + i < nvec) ? (v0 + i) % n : 0;
+    depth[u] = (logical && v0 + i < nvec) ? (int)ancestors[r * stride + ANC_BITS] : -1;
+    path[u] = ancestors + r * stride + ANC_BITS + 1;
   }
   float m[VPW], l[VPW], acc[VPW][MAX_D / 32];
   for (int u = 0; u < VPW; ++u) {
@@ -177,14 +199,37 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
       for (int u = 0; u < VPW; ++u) {
         const int i = warp * VPW + u;
         dot[u] = 0.0f;
-        vis[u] = lane < nt && v0 + i < nvec &&
-                 (key < past || ((anc[i][(key - past) >> 5] >> ((key - past) & 31)) & 1u));
+        vis[u] = lane < nt && v0 + i < nvec;
+        if (vis[u] && key >= past)
+          vis[u] = logical ? key - past <= depth[u]
+                           : ((anc[i][(key - past) >> 5] >> ((key - past) & 31)) & 1u) != 0u;
         any = any || vis[u];
       }
       if (any) {
-        for (int c = 0; c < d; ++c) {
-          const float kk = ks[lane][c];
-          for (int u = 0; u < VPW; ++u) dot[u] += qs[warp * VPW + u][c] * kk;
+        // a step key at its position is the ancestor row past + path[depth]: the staged row
+        // itself when the path runs straight there (AR steps, chains, a tree's first branch)
+        bool staged = true;
+        int row[VPW];
+        for (int u = 0; u < VPW; ++u) {
+          row[u] = key - past;
+          if (logical && key >= past && vis[u]) row[u] = (int)path[u][key - past];
+          staged = staged && row[u] == key - past;
+        }
+        if (staged) {
+          for (int c = 0; c < d; ++c) {
+            const float kk = ks[lane][c];
+            for (int u = 0; u < VPW; ++u) dot[u] += qs[warp * VPW + u][c] * kk;
+          }
+        } else {
+          for (int u = 0; u < VPW; ++u) {
+            if (!vis[u]) continue;
+            if (row[u] == key - past) {
+              for (int c = 0; c < d; ++c) dot[u] += qs[warp * VPW + u][c] * ks[lane][c];
+            } else {
+              const T* kr = kb + ((long long)g * cap + past + row[u]) * d;
+              for (int c = 0; c < d; ++c) dot[u] += qs[warp * VPW + u][c] * ldv(kr, c);
+            }
+          }
         }
       }
       for (int u = 0; u < VPW; ++u) sc[u] = vis[u] ? dot[u] : NEG_INF;
@@ -204,11 +249,28 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
     }
     if (!live) continue;  // warp-uniform; the next tile's barrier is reached by every thread
     for (int j = 0; j < nt; ++j) {
-      float vv[MAX_D / 32];
-      for (int t = 0; t < MAX_D / 32; ++t) vv[t] = (t < dpl) ? vs[j][lane + 32 * t] : 0.0f;
-      for (int u = 0; u < VPW; ++u) {
-        const float pj = __shfl_sync(0xffffffffu, p[u], j);
-        for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] += pj * vv[t];
+      const int kj = t0 + j;
+      if (!logical || kj < past) {
+        float vv[MAX_D / 32];
+        for (int t = 0; t < MAX_D / 32; ++t) vv[t] = (t < dpl) ? vs[j][lane + 32 * t] : 0.0f;
+        for (int u = 0; u < VPW; ++u) {
+          const float pj = __shfl_sync(0xffffffffu, p[u], j);
+          for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] += pj * vv[t];
+        }
+      } else {
+        for (int u = 0; u < VPW; ++u) {
+          const float pj = __shfl_sync(0xffffffffu, p[u], j);
+          if (kj - past > depth[u]) continue;  // hidden from this vector (warp-uniform)
+          const int node = (int)path[u][kj - past];
+          if (node == kj - past) {  // the staged row
+            for (int t = 0; t < MAX_D / 32; ++t)
+              if (t < dpl) acc[u][t] += pj * vs[j][lane + 32 * t];
+          } else {
+            const T* vr = vb + ((long long)g * cap + past + node) * d;
+            for (int t = 0; t < MAX_D / 32; ++t)
+              if (t < dpl) acc[u][t] += pj * ldv(vr, lane + 32 * t);
+          }
+        }
       }
     }
   }
@@ -239,21 +301,22 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
 
 extern "C" __global__ void tree_attn_partial_f32(const float* q, const float* kb, const float* vb,
                                                  const unsigned int* meta,
-                                                 const unsigned int* anc, int n, int H, int KV,
-                                                 int cap, int d, int chunk, int groups,
-                                                 float scale, float* part, unsigned int* counters,
-                                                 float* out) {
-  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part, counters,
-                    out);
+                                                 const unsigned int* anc, int stride, int logical,
+                                                 int n, int H, int KV, int cap, int d, int chunk,
+                                                 int groups, float scale, float* part,
+                                                 unsigned int* counters, float* out) {
+  tree_attn_partial(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
+                    part, counters, out);
 }
 extern "C" __global__ void tree_attn_partial_bf16(const bf16_t* q, const bf16_t* kb,
                                                   const bf16_t* vb, const unsigned int* meta,
-                                                  const unsigned int* anc, int n, int H, int KV,
-                                                  int cap, int d, int chunk, int groups,
-                                                  float scale, float* part,
-                                                  unsigned int* counters, bf16_t* out) {
-  tree_attn_partial(q, kb, vb, meta, anc, n, H, KV, cap, d, chunk, groups, scale, part, counters,
-                    out);
+                                                  const unsigned int* anc, int stride,
+                                                  int logical, int n, int H, int KV, int cap,
+                                                  int d, int chunk, int groups, float scale,
+                                                  float* part, unsigned int* counters,
+                                                  bf16_t* out) {
+  tree_attn_partial(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
+                    part, counters, out);
 }
 
 // grid (H · n), block d threads (d ≤ MAX_D): out [n, H, d].

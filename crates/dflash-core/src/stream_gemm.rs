@@ -47,15 +47,29 @@ pub const STREAM_MAX_BYTES: usize = 16 << 20;
 /// 0.61 → 0.54), but the stream lost 0.18 ms on Qwen3-8B's 1.2 GB head (AR 5.84 → 6.02).
 pub const STREAM_MAX_HEAD_BYTES: usize = 128 << 20;
 
-/// The policy in force (see [`StreamPolicy`]).
+static POLICY: std::sync::OnceLock<StreamPolicy> = std::sync::OnceLock::new();
+
+/// The policy in force (see [`StreamPolicy`]): what [`set_policy`] chose, else the environment's.
 pub fn stream_policy() -> StreamPolicy {
-    static POLICY: std::sync::OnceLock<StreamPolicy> = std::sync::OnceLock::new();
     *POLICY.get_or_init(|| match std::env::var("DFLASH_STREAM_GEMM").as_deref() {
         Ok("0") | Ok("off") => StreamPolicy::Off,
         Ok("head") => StreamPolicy::Head,
         Ok("all") => StreamPolicy::All,
         _ => StreamPolicy::Fast,
     })
+}
+
+/// Fixes the policy for the process (the CLI's `--bit-exact` sets [`StreamPolicy::All`]); an error
+/// once another policy is in force (it is read at the first projection and never changes, so
+/// that a weight is computed by one kernel for the whole run).
+pub fn set_policy(policy: StreamPolicy) -> Result<()> {
+    let now = *POLICY.get_or_init(|| policy);
+    if now != policy {
+        return Err(crate::CoreError::InvalidInput(format!(
+            "stream GEMM policy already {now:?}, cannot switch to {policy:?}"
+        )));
+    }
+    Ok(())
 }
 
 /// Whether a call of `rows` rows on `w` streams (`logits`: the LM head's f32-out call). Depends on

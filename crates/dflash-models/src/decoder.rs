@@ -245,7 +245,7 @@ pub(crate) enum KeyLayout<'a> {
     },
     Device {
         meta: &'a Tensor,
-        /// Each row's ancestors-or-self bits (`dflash_core::step::tree_ancestors`).
+        /// Each row's ancestors-or-self: bits, depth and path (`dflash_core::step::tree_ancestors`).
         ancestors: &'a Tensor,
     },
 }

@@ -439,6 +439,119 @@ fn tree_attention_matches_the_composite_on_the_device() {
     }
 }
 
+/// A tree row's attention is bit-identical to a one-row step at its position over the same keys
+/// (the committed rows, then the row's ancestors in depth order): what makes a bf16 tree verify
+/// compute each node exactly as the AR step would. Several trees and context lengths (chunk and
+/// tile boundaries fall inside and outside the step), f32 and bf16. CUDA only.
+#[test]
+fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
+    use dflash_core::step::{kv_append_at, tree_ancestors, tree_attention, StepMeta};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    for (dtype, d, h, kv, past, parents) in [
+        (
+            DType::BF16,
+            64,
+            9,
+            3,
+            61,
+            (0..65)
+                .map(|i: i64| if i == 0 { -1 } else { (i - 1) / 4 })
+                .collect::<Vec<i64>>(),
+        ),
+        (
+            DType::BF16,
+            128,
+            32,
+            8,
+            500,
+            (0..17).map(|i: i64| i - 1).collect(),
+        ),
+        (
+            DType::F32,
+            64,
+            4,
+            2,
+            190,
+            (0..33)
+                .map(|i: i64| if i == 0 { -1 } else { (i * 7 + 3) % i })
+                .collect(),
+        ),
+    ] {
+        let n = parents.len();
+        let cap = past + n + 8;
+        let rnd = |shape: (usize, usize, usize, usize)| {
+            Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap()
+        };
+        let (kb, vb) = (rnd((1, kv, cap, d)), rnd((1, kv, cap, d)));
+        let (k, v, q) = (rnd((1, kv, n, d)), rnd((1, kv, n, d)), rnd((1, h, n, d)));
+        let tokens = vec![0u32; n];
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let meta = StepMeta::new(past, &tokens, &positions, Some(&parents), 4096).unwrap();
+        let meta = Tensor::from_slice(&meta.words, meta.words.len(), &dev).unwrap();
+        kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+        let scale = 1.0 / (d as f32).sqrt();
+        let tree = tree_attention(
+            &q,
+            &kb,
+            &vb,
+            &meta,
+            &tree_ancestors(&meta, n).unwrap(),
+            scale,
+        )
+        .unwrap();
+        for r in [0, 1, n / 2, n - 1] {
+            let mut path = vec![r];
+            while parents[*path.last().unwrap()] >= 0 {
+                path.push(parents[*path.last().unwrap()] as usize);
+            }
+            path.reverse();
+            let depth = path.len() - 1;
+            // the AR step's cache: the committed rows, then the ancestors at their positions
+            let idx = Tensor::from_vec(
+                path.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+                depth + 1,
+                &dev,
+            )
+            .unwrap();
+            let at = |buf: &Tensor, step: &Tensor| -> Tensor {
+                let mut b = buf.copy().unwrap();
+                let rows = step.index_select(&idx, 2).unwrap();
+                b = b
+                    .slice_assign(&[0..1, 0..kv, past..past + depth + 1, 0..d], &rows)
+                    .unwrap();
+                b
+            };
+            let (kb1, vb1) = (at(&kb, &k), at(&vb, &v));
+            let one = StepMeta::new(past + depth, &[0], &[0], Some(&[-1]), 4096).unwrap();
+            let one = Tensor::from_slice(&one.words, one.words.len(), &dev).unwrap();
+            let q1 = q.narrow(2, r, 1).unwrap().contiguous().unwrap();
+            let ar = tree_attention(
+                &q1,
+                &kb1,
+                &vb1,
+                &one,
+                &tree_ancestors(&one, 1).unwrap(),
+                scale,
+            )
+            .unwrap();
+            let row = tree.narrow(1, r, 1).unwrap();
+            assert_eq!(
+                max_abs(&row, &ar),
+                0.0,
+                "{dtype:?} past {past} n {n}: row {r} (depth {depth})"
+            );
+        }
+    }
+}
+
 /// The decoder's device steps captured as CUDA graphs and replayed (each shape runs eagerly once,
 /// is captured on its second run, replays after) give the CPU composite's logits and taps through
 /// a decode that crops and compacts the cache between steps: AR tokens, 4-token causal blocks
@@ -557,6 +670,122 @@ fn device_step_graphs_replay_the_cpu_composite() {
         "AR, block and tree shapes replay from graphs ({} captured)",
         gc.step_graphs.captured()
     );
+}
+
+/// Bit-exact bf16 (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): every row of a bf16 tree
+/// verify and of a 16-token causal verify gives, bit for bit, the logits of one-token AR steps over
+/// the same tokens at the same positions (the property that makes speculative output equal AR's in
+/// bf16). Runs only under that policy (`scripts/gpu-decode-bench.sh` runs it so). CUDA only.
+#[test]
+fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps() {
+    use dflash_core::stream_gemm::{stream_policy, StreamPolicy};
+    use dflash_core::AttentionMask;
+    use dflash_models::{random::random_target_tensors, Decoder, DecoderConfig, ForwardRequest};
+    use dflash_models::{LogitRows, TargetModel};
+    let dev = device();
+    if !dev.is_cuda() || stream_policy() != StreamPolicy::All {
+        return;
+    }
+    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "vocab_size": 320, "hidden_size": 128, "head_dim": 64,
+        "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let arch = cfg.architecture().unwrap();
+    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 11)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap()))
+        .collect();
+    let model = Decoder::new(
+        &cfg,
+        arch,
+        candle_nn::VarBuilder::from_tensors(w, DType::BF16, &dev),
+    )
+    .unwrap();
+    let mut cache = model.new_cache(600).unwrap();
+    let logits = |cache: &mut dflash_core::SequenceCache,
+                  tokens: &[u32],
+                  positions: &[u32],
+                  mask: AttentionMask,
+                  rows: LogitRows| {
+        let req = ForwardRequest {
+            tokens,
+            positions,
+            mask,
+            taps: &[],
+            logits: rows,
+        };
+        model.forward(&req, cache).unwrap().logits.unwrap()
+    };
+    for past in [70usize, 191] {
+        cache.crop(0);
+        let prompt: Vec<u32> = (0..past).map(|i| (i * 37 % 320) as u32).collect();
+        let pos: Vec<u32> = (0..past as u32).collect();
+        logits(
+            &mut cache,
+            &prompt,
+            &pos,
+            AttentionMask::Causal,
+            LogitRows::Last,
+        );
+        // a tree (branching at several depths) and a chain
+        let tree: Vec<i64> = (0..40i64)
+            .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
+            .collect();
+        let chain: Vec<i64> = (0..16i64).map(|i| i - 1).collect();
+        for (what, parents) in [("tree", tree), ("chain", chain)] {
+            let n = parents.len();
+            let tokens: Vec<u32> = (0..n).map(|i| (i * 53 % 320) as u32).collect();
+            let depth = |mut r: usize| {
+                let mut d = 0;
+                while parents[r] >= 0 {
+                    r = parents[r] as usize;
+                    d += 1;
+                }
+                d
+            };
+            let positions: Vec<u32> = (0..n).map(|r| (past + depth(r)) as u32).collect();
+            let mask = if what == "chain" {
+                AttentionMask::Causal
+            } else {
+                AttentionMask::Tree {
+                    parents: parents.clone(),
+                }
+            };
+            let verify = logits(&mut cache, &tokens, &positions, mask, LogitRows::All);
+            for r in [0, 1, 2, n / 2, n - 1] {
+                let mut path = vec![r];
+                while parents[*path.last().unwrap()] >= 0 {
+                    path.push(parents[*path.last().unwrap()] as usize);
+                }
+                path.reverse();
+                cache.crop(past);
+                let mut last = None;
+                for (t, &node) in path.iter().enumerate() {
+                    let p = [(past + t) as u32];
+                    last = Some(logits(
+                        &mut cache,
+                        &[tokens[node]],
+                        &p,
+                        AttentionMask::Causal,
+                        LogitRows::Last,
+                    ));
+                }
+                let ar = last.unwrap();
+                let row = verify.narrow(0, r, 1).unwrap();
+                assert_eq!(
+                    max_abs(&row, &ar),
+                    0.0,
+                    "{what} at past {past}: row {r} (depth {}) differs from AR",
+                    path.len() - 1
+                );
+            }
+            cache.crop(past);
+        }
+    }
 }
 
 /// The drafter's device step (context and block rows written at device-held cache rows, the block
