@@ -1,17 +1,17 @@
-//! dflash-plot: dependency-light line charts rendered straight to PNG, for training curves
-//! (loss, accuracy, acceptance streak vs step) and evaluation plots.
+//! dflash-plot: line charts for training curves (loss, accuracy, acceptance streak vs step) and
+//! evaluation plots, drawn with plotters on its bitmap backend and written as PNG.
 //!
 //! A [`Figure`] is a title over a grid of [`Panel`]s, `columns` per row, each panel a cell of
-//! `panel_width × panel_height` pixels. A panel holds a frame, x/y axes with about five "nice"
-//! ticks (1, 2, 5 × 10^k) and numeric labels, a title, axis labels, one coloured polyline per
-//! [`Series`] and a legend. Text uses a built-in 5×9 bitmap font (ASCII 32..=126; anything else
-//! prints as `?`), scaled by an integer factor chosen from the panel size.
+//! `panel_width × panel_height` pixels with a titled chart: a light grid, numeric tick labels,
+//! axis descriptions, one coloured line per [`Series`] and a legend. Text is set in DejaVu Sans,
+//! embedded in the crate (`assets/DejaVuSans.ttf`, its licence beside it), so rendering reads no
+//! system font; sizes scale with the panel size.
 //!
 //! Invariants:
-//! - Rendering never panics on data: NaN/±inf points are skipped (they break the line), empty
-//!   series and all-equal values are fine (ranges are padded), and a panel without any finite
-//!   point is drawn empty with a "no data" note. With `log_y`, `log10(y)` is plotted, ticks sit
-//!   at powers of ten, and points with `y <= 0` are skipped like non-finite ones.
+//! - Rendering never panics on data: NaN/±inf points are skipped (they break the line), a run of
+//!   one point is a dot, empty series and all-equal values are fine (ranges are padded), and a
+//!   panel without any finite point shows its title and "no data". With `log_y` the y axis is
+//!   logarithmic and points with `y <= 0` are skipped like non-finite ones.
 //! - Output is deterministic: the same figure gives byte-identical pixels and PNG.
 //! - The image is RGB8, row-major, white background; its size is
 //!   `min(columns, panels) * panel_width` by `title_height + rows * panel_height`.
@@ -42,23 +42,33 @@
 //! # Ok::<(), dflash_plot::PlotError>(())
 //! ```
 
-mod axes;
-mod font;
-mod panel;
-mod raster;
+mod chart;
 
-use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use axes::{nice_step, nice_ticks};
-pub use panel::series_color;
-pub use raster::Rgb;
+/// An RGB colour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rgb(pub u8, pub u8, pub u8);
 
-use font::{draw_text, text_width, CELL_H};
-use panel::Rect;
-use raster::Canvas;
+/// Series colours, used in order and then cycled.
+pub const PALETTE: [Rgb; 10] = [
+    Rgb(31, 119, 180),
+    Rgb(255, 127, 14),
+    Rgb(44, 160, 44),
+    Rgb(214, 39, 40),
+    Rgb(148, 103, 189),
+    Rgb(140, 86, 75),
+    Rgb(227, 119, 194),
+    Rgb(127, 127, 127),
+    Rgb(188, 189, 34),
+    Rgb(23, 190, 207),
+];
+
+/// The colour of series number `i`.
+pub fn series_color(i: usize) -> Rgb {
+    PALETTE[i % PALETTE.len()]
+}
 
 /// Smallest accepted panel width in pixels.
 pub const MIN_PANEL_WIDTH: u32 = 160;
@@ -147,6 +157,8 @@ pub enum PlotError {
     },
     #[error("PNG encoding failed: {0}")]
     Encode(#[from] png::EncodingError),
+    #[error("drawing failed: {0}")]
+    Draw(String),
     #[error("writing {path}: {source}")]
     Io {
         path: PathBuf,
@@ -164,6 +176,12 @@ fn text_scale(w: u32, h: u32) -> u32 {
     } else {
         1
     }
+}
+
+/// Height of the figure's title band at text scale `scale` (a 14·scale px line, 6·scale px above
+/// and below).
+fn title_height(scale: u32) -> u32 {
+    26 * scale
 }
 
 impl Figure {
@@ -184,47 +202,31 @@ impl Figure {
         let n = self.panels.len() as u64;
         let cols = (self.columns as u64).min(n);
         let rows = n.div_ceil(cols);
-        let s = text_scale(self.panel_width, self.panel_height);
-        let title_scale = s + 1;
-        let pad = 6 * s as u64;
+        let scale = text_scale(self.panel_width, self.panel_height);
         let title_h = if self.title.is_empty() {
             0
         } else {
-            2 * pad + (CELL_H * title_scale) as u64
+            title_height(scale) as u64
         };
         let width = cols * self.panel_width as u64;
         let height = title_h + rows * self.panel_height as u64;
         if width * height > MAX_PIXELS || width > u32::MAX as u64 || height > u32::MAX as u64 {
             return Err(PlotError::TooLarge { width, height });
         }
-        let mut canvas = Canvas::new(width as u32, height as u32, Rgb::WHITE);
-
-        if !self.title.is_empty() {
-            let t = panel::fit(&self.title, width as i64 - 2 * pad as i64, title_scale);
-            let tw = text_width(&t, title_scale) as i64;
-            draw_text(
-                &mut canvas,
-                (width as i64 - tw) / 2,
-                pad as i64,
-                &t,
-                title_scale,
-                Rgb(10, 10, 10),
-            );
-        }
-        for (i, p) in self.panels.iter().enumerate() {
-            let (c, r) = (i as u64 % cols, i as u64 / cols);
-            let cell = Rect {
-                x: (c * self.panel_width as u64) as i64,
-                y: (title_h + r * self.panel_height as u64) as i64,
-                w: self.panel_width as i64,
-                h: self.panel_height as i64,
-            };
-            panel::draw(&mut canvas, p, cell, s)?;
-        }
+        let (width, height) = (width as u32, height as u32);
+        let mut pixels = vec![255u8; width as usize * height as usize * 3];
+        chart::draw(
+            self,
+            &mut pixels,
+            (width, height),
+            title_h as u32,
+            (rows as usize, cols as usize),
+            scale,
+        )?;
         Ok(RgbImage {
-            width: canvas.width,
-            height: canvas.height,
-            pixels: canvas.pixels,
+            width,
+            height,
+            pixels,
         })
     }
 
@@ -273,39 +275,18 @@ impl RgbImage {
     }
 }
 
-/// Distinguishes temporary files of concurrent saves within one process.
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// Writes `bytes` to a fresh temporary file next to `path`, syncs it and renames it over
-/// `path`. The temporary file is removed if any step fails.
+/// Writes `bytes` to a temporary file next to `path`, syncs it and renames it over `path`
+/// (`tempfile` removes the temporary file if any step fails).
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let name = path.file_name().ok_or_else(|| {
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, "path has no file name")
-    })?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        name.to_string_lossy(),
-        std::process::id(),
-        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    let mut f = tempfile::NamedTempFile::new_in(dir)?;
+    f.write_all(bytes)?;
+    f.as_file().sync_all()?;
+    f.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Crate-level tests: rendering, PNG round trips, robustness and atomic saving.
 
 use super::*;
+use std::fs;
 use std::io::Cursor;
 
 fn two_series_figure() -> Figure {
@@ -52,7 +53,7 @@ fn scratch_dir(tag: &str) -> PathBuf {
 fn render_has_expected_size() {
     let fig = two_series_figure();
     let img = fig.render().unwrap();
-    let title_h = 2 * 6 * 2 + CELL_H * 3; // scale 2 panels, title at scale 3
+    let title_h = title_height(2); // 640×400 panels set text at scale 2
     assert_eq!(img.width, 640);
     assert_eq!(img.height, 400 + title_h);
     assert_eq!(img.pixels.len(), (img.width * img.height * 3) as usize);
@@ -94,21 +95,6 @@ fn png_round_trip_has_series_colours() {
     }
     // A colour not used by any series is absent.
     assert_eq!(count_color(&decoded, series_color(2)), 0);
-}
-
-#[test]
-fn nice_ticks_public_api() {
-    let (t, _) = nice_ticks(0.0, 1.0, 5);
-    let want = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0];
-    assert_eq!(t.len(), want.len());
-    for (a, b) in t.iter().zip(want) {
-        assert!((a - b).abs() < 1e-12, "{t:?}");
-    }
-    assert_eq!(
-        nice_ticks(0.0, 54.0, 5).0,
-        vec![0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
-    );
-    assert_eq!(nice_step(10.8), 10.0);
 }
 
 #[test]
@@ -296,11 +282,6 @@ fn many_points_render() {
         panel_width: 640,
         panel_height: 400,
     };
-    let start = std::time::Instant::now();
-    fig.render().unwrap();
-    assert!(
-        start.elapsed().as_secs() < 20,
-        "rendering 200k points took {:?}",
-        start.elapsed()
-    );
+    let img = fig.render().unwrap();
+    assert!(count_color(&img, series_color(0)) > 1000);
 }
