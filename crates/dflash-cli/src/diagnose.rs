@@ -237,39 +237,28 @@ fn print_table(d: &Diagnosis) {
     }
 }
 
-/// `--plot`: replayed τ per variant as bars (a flat segment at the variant's index, one colour
-/// each, its name and τ in the legend).
+/// `--plot`: replayed DDTree τ per variant as labelled bars, the declared setting highlighted.
 fn plot_variants(d: &Diagnosis, path: &Path) -> Result<()> {
-    use dflash_plot::{Figure, Panel, Series};
-    let series = d
+    let bars: Vec<(String, f64, bool)> = d
         .conventions
         .variants
         .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let x = i as f64;
-            Series::new(
-                format!("{i} {}: {:.2}", v.variant.name, v.ddtree_tau),
-                vec![(x - 0.3, v.ddtree_tau), (x + 0.3, v.ddtree_tau)],
-            )
+        .map(|v| {
+            let name = v.variant.name.clone();
+            let declared = name == "declared";
+            (name, v.ddtree_tau, declared)
         })
         .collect();
-    let fig = Figure {
-        title: "dflash diagnose: conventions scan".into(),
-        panels: vec![Panel {
-            title: format!(
-                "replayed DDTree-{} tau per variant",
-                d.conventions.tree_budget
-            ),
-            x_label: "variant".into(),
-            y_label: "replayed tau".into(),
-            series,
-            log_y: false,
-        }],
-        columns: 1,
-        panel_width: 900,
-        panel_height: 420,
+    let chart = dflash_plot::BarChart {
+        title: format!(
+            "dflash diagnose: replayed DDTree-{} tau per conventions variant",
+            d.conventions.tree_budget
+        ),
+        y_label: "replayed tau".into(),
+        height: (140 + 38 * bars.len() as u32).max(300),
+        bars,
+        width: 1100,
     };
-    fig.save_png(path)?;
+    chart.save_png(path)?;
     Ok(())
 }

@@ -7,7 +7,7 @@
 //! padded, ranges too wide for f64 arithmetic are clamped; the same figure always gives the same
 //! pixels (plotters draws lines and fills without randomness).
 
-use crate::{series_color, Figure, Panel, PlotError};
+use crate::{series_color, BarChart, Figure, Panel, PlotError};
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
@@ -237,4 +237,87 @@ where
             .map_err(draw_err)?;
     }
     Ok(())
+}
+
+/// Draws `bars` into `pixels` (`bars.width × bars.height` RGB8, validated by the caller) as
+/// horizontal bars, the first at the top, labels left of the axis (long variant names stay
+/// readable), each value printed after its bar.
+pub(crate) fn draw_bars(bars: &BarChart, pixels: &mut [u8], scale: u32) -> Result<(), PlotError> {
+    font()?;
+    let s = scale as i32;
+    let root = BitMapBackend::with_buffer(pixels, (bars.width, bars.height)).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_err)?;
+    let n = bars.bars.len();
+    let finite = || bars.bars.iter().map(|b| b.1).filter(|v| v.is_finite());
+    let top = finite().fold(0.0f64, f64::max);
+    let bottom = finite().fold(0.0f64, f64::min);
+    let (x0, x1) = if top > bottom {
+        (bottom, top + (top - bottom) * 0.12)
+    } else {
+        (bottom - 1.0, bottom + 1.0)
+    };
+    let labels: Vec<String> = bars.bars.iter().map(|b| b.0.clone()).collect();
+    let longest = labels.iter().map(|l| l.chars().count()).max().unwrap_or(1) as i32;
+    let label_w = (longest * 6 * s + 12 * s).min(bars.width as i32 / 2);
+    // bar i sits at y = n - 1 - i
+    let label_at = |v: &f64| {
+        let y = v.round();
+        if (v - y).abs() < 1e-6 && y >= 0.0 && (y as usize) < n {
+            labels[n - 1 - y as usize].clone()
+        } else {
+            String::new()
+        }
+    };
+    let mut chart = ChartBuilder::on(&root)
+        .caption(bars.title.clone(), (FONT, 13 * s))
+        .margin(8 * s)
+        .x_label_area_size(30 * s)
+        .y_label_area_size(label_w)
+        .build_cartesian_2d(x0..x1, -0.5f64..n as f64 - 0.5)
+        .map_err(draw_err)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .light_line_style(GRID)
+        .bold_line_style(GRID)
+        .max_light_lines(1)
+        .y_labels(n)
+        .y_label_formatter(&label_at)
+        .x_label_formatter(&|v| tick(*v))
+        .x_desc(bars.y_label.clone())
+        .label_style((FONT, 10 * s))
+        .axis_desc_style((FONT, 11 * s))
+        .draw()
+        .map_err(draw_err)?;
+    for (i, (_, v, hi)) in bars.bars.iter().enumerate() {
+        if !v.is_finite() {
+            continue;
+        }
+        let c = series_color(if *hi { 1 } else { 0 });
+        let c = RGBColor(c.0, c.1, c.2);
+        let y = (n - 1 - i) as f64;
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(0.0f64.max(x0), y - 0.35), (*v, y + 0.35)],
+                c.filled(),
+            )))
+            .map_err(draw_err)?;
+        let style = TextStyle::from((FONT, 10 * s).into_font())
+            .color(&TEXT)
+            .pos(Pos::new(HPos::Left, VPos::Center));
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!(" {}", tick_value(*v)),
+                (*v, y),
+                style,
+            )))
+            .map_err(draw_err)?;
+    }
+    root.present().map_err(draw_err)?;
+    Ok(())
+}
+
+/// A bar's value label: two decimals.
+fn tick_value(v: f64) -> String {
+    format!("{v:.2}")
 }

@@ -20,6 +20,8 @@
 //! - [`Figure::save_png`] is atomic: it writes a temporary file in the target directory and
 //!   renames it over the target, so readers never see a half-written PNG.
 //!
+//! A [`BarChart`] is one titled chart of labelled bars (same font, palette and guarantees).
+//!
 //! Series colours come from a fixed ten-colour palette, in series order (see
 //! [`series_color`]).
 //!
@@ -175,6 +177,59 @@ fn text_scale(w: u32, h: u32) -> u32 {
         2
     } else {
         1
+    }
+}
+
+/// A titled chart of horizontal bars, one labelled bar per entry, the first at the top (the
+/// diagnosis's τ per variant). Highlighted bars take the palette's second colour, the others its
+/// first; each bar's value is printed after it. Non-finite values draw no bar (their label
+/// stays). `y_label` describes the values' axis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BarChart {
+    pub title: String,
+    pub y_label: String,
+    /// `(label, value, highlighted)`.
+    pub bars: Vec<(String, f64, bool)>,
+    pub width: u32,
+    pub height: u32,
+}
+
+impl BarChart {
+    /// Renders the chart to an RGB image (errors: no bars, a size under
+    /// [`MIN_PANEL_WIDTH`]×[`MIN_PANEL_HEIGHT`] or over [`MAX_PIXELS`]).
+    pub fn render(&self) -> Result<RgbImage, PlotError> {
+        if self.bars.is_empty() {
+            return Err(PlotError::NoPanels);
+        }
+        if self.width < MIN_PANEL_WIDTH || self.height < MIN_PANEL_HEIGHT {
+            return Err(PlotError::Layout(format!(
+                "charts must be at least {MIN_PANEL_WIDTH}x{MIN_PANEL_HEIGHT} pixels, got {}x{}",
+                self.width, self.height
+            )));
+        }
+        if self.width as u64 * self.height as u64 > MAX_PIXELS {
+            return Err(PlotError::TooLarge {
+                width: self.width as u64,
+                height: self.height as u64,
+            });
+        }
+        let mut pixels = vec![255u8; self.width as usize * self.height as usize * 3];
+        let scale = text_scale(self.width, self.height);
+        chart::draw_bars(self, &mut pixels, scale)?;
+        Ok(RgbImage {
+            width: self.width,
+            height: self.height,
+            pixels,
+        })
+    }
+
+    /// Renders the chart and writes it as a PNG to `path`, atomically.
+    pub fn save_png(&self, path: &Path) -> Result<(), PlotError> {
+        let bytes = self.render()?.encode_png()?;
+        write_atomic(path, &bytes).map_err(|source| PlotError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }
 

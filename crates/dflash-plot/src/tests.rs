@@ -285,3 +285,49 @@ fn many_points_render() {
     let img = fig.render().unwrap();
     assert!(count_color(&img, series_color(0)) > 1000);
 }
+
+#[test]
+fn bar_chart_draws_each_bar_in_its_colour() {
+    let mk = |bars: Vec<(String, f64, bool)>| BarChart {
+        title: "tau per variant".into(),
+        y_label: "tau".into(),
+        bars,
+        width: 800,
+        height: 400,
+    };
+    let chart = mk(vec![
+        ("declared".into(), 3.5, true),
+        ("taps -1".into(), 3.4, false),
+        ("final norm".into(), 1.3, false),
+        ("broken".into(), f64::NAN, false),
+    ]);
+    let img = chart.render().unwrap();
+    assert_eq!((img.width, img.height), (800, 400));
+    let hi = count_color(&img, series_color(1));
+    let lo = count_color(&img, series_color(0));
+    // two plain bars (3.4 and 1.3 high) against one highlighted bar of 3.5
+    assert!(hi > 1000 && lo > hi, "highlighted {hi}, plain {lo}");
+    assert_eq!(chart.render().unwrap(), img, "deterministic");
+    // the NaN bar draws nothing: taking it away leaves every bar's pixel count as it was
+    let three = mk(vec![
+        ("declared".into(), 3.5, true),
+        ("taps -1".into(), 3.4, false),
+        ("final norm".into(), 1.3, false),
+    ])
+    .render()
+    .unwrap();
+    let (lo3, hi3) = (
+        count_color(&three, series_color(0)),
+        count_color(&three, series_color(1)),
+    );
+    // (three bars spread wider than four: more pixels each, in the same proportion)
+    assert!(lo3 > lo && hi3 > hi);
+    let ratio = |a: usize, b: usize| a as f64 / b as f64;
+    assert!((ratio(lo3, hi3) - ratio(lo, hi)).abs() < 0.05 * ratio(lo, hi));
+    assert!(matches!(mk(vec![]).render(), Err(PlotError::NoPanels)));
+    let small = BarChart {
+        width: 50,
+        ..mk(vec![("a".into(), 1.0, false)])
+    };
+    assert!(matches!(small.render(), Err(PlotError::Layout(_))));
+}
