@@ -67,6 +67,56 @@ fn training_and_inference_forwards_agree() {
     cfg.dflash_config.causal = Some(true);
     cfg.layer_types = None;
     parity(&cfg, t.model.as_ref(), "causal within block");
+    // z-lab's scalar settings (PyPI dflash 0.1.0 reads them) apply on both paths
+    let mut cfg = config_for_target(&t, 2, 6, 262);
+    cfg.dflash_config.input_embedding_scale = Some(1.7);
+    cfg.dflash_config.output_multiplier = Some(0.6);
+    cfg.final_logit_softcapping = Some(4.0); // top level: read when dflash_config lacks it
+    parity(
+        &cfg,
+        t.model.as_ref(),
+        "embedding scale, output multiplier, soft cap",
+    );
+}
+
+/// The z-lab scalar settings act exactly as their reference applies them: logits are
+/// `tanh(m·l / c)·c` of the plain drafter's `l`, and the embedding scale changes the drafts.
+#[test]
+fn output_multiplier_and_softcap_transform_the_logits_and_the_embedding_scale_is_used() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let target = t.model.as_ref();
+    let plain_cfg = config_for_target(&t, 2, 6, 262);
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 11) % 263).collect();
+    let draft = |cfg: &DFlashConfig| {
+        let (d, _) = drafter_from(cfg, 5);
+        let taps = sequence_taps(target, &tokens, d.target_layers());
+        let mut cache = d.new_cache(64);
+        d.draft(
+            target,
+            &mut cache,
+            &taps.narrow(0, 0, 7).unwrap(),
+            tokens[7],
+            7,
+        )
+        .unwrap()
+    };
+    let plain = draft(&plain_cfg);
+    let mut capped = plain_cfg.clone();
+    capped.dflash_config.output_multiplier = Some(2.0);
+    capped.dflash_config.final_logit_softcapping = Some(3.0);
+    let want = ((((&plain * 2.0).unwrap() / 3.0).unwrap().tanh().unwrap()) * 3.0).unwrap();
+    assert!(max_abs_diff(&draft(&capped), &want) < 1e-5);
+    let mut scaled = plain_cfg.clone();
+    scaled.input_embedding_scale = Some(3.0);
+    assert!(max_abs_diff(&draft(&scaled), &plain) > 1e-3);
+    // a DFlash 2 checkpoint and a non-positive multiplier are refused, naming why
+    let mut v2 = plain_cfg.clone();
+    v2.architectures = vec!["DFlash2DraftModel".into()];
+    let err = v2.validate().unwrap_err();
+    assert!(err.contains("DFlash 2"), "{err}");
+    let mut bad = plain_cfg;
+    bad.dflash_config.output_multiplier = Some(0.0);
+    assert!(bad.validate().unwrap_err().contains("output_multiplier"));
 }
 
 #[test]

@@ -269,6 +269,15 @@ impl<'a> Trainer<'a> {
             VarBuilder::from_varmap(&varmap, DType::F32, &dev),
         )?;
         drafter.check_target(target)?;
+        if !drafter.plain_logits() {
+            // the loss multiplies the LM head in chunks itself (step.rs), without the drafter's
+            // output multiplier or soft cap: training would optimise other logits than decoding
+            return Err(TrainError::InvalidInput(
+                "the drafter's config sets output_multiplier or final_logit_softcapping, which \
+                 training does not apply yet (decoding and eval do); remove them to train"
+                    .into(),
+            ));
+        }
         let params: HashMap<String, Var> = varmap.data().lock().expect("varmap").clone();
         let mut opt = AdamW::new(params, cfg.adamw)?;
         if state.step > 0 {

@@ -3,7 +3,10 @@
 //!
 //! Invariants: `target_layer_ids()` is `dflash_config.target_layer_ids` when present, else
 //! `round(1 + i·(Nt−4)/(Nd−1))` with Python's round-half-to-even; `layer_attention(i)` resolves
-//! per-layer causality/window as the later z-lab reference and vLLM do.
+//! per-layer causality/window as the later z-lab reference and vLLM do. Scalar settings are read
+//! as the z-lab package (PyPI `dflash` 0.1.0) reads them: `dflash_config` first, then the top
+//! level (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`). DFlash 2
+//! checkpoints (dynamic convolutions and a candidate selector) are refused, never half-loaded.
 
 use crate::config::rope_scaling;
 use dflash_core::RopeConfig;
@@ -18,6 +21,23 @@ pub struct DFlashSection {
     pub target_layer_ids: Option<Vec<usize>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub causal: Option<bool>,
+    /// The noise (block) embeddings are multiplied by this (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_embedding_scale: Option<f64>,
+    /// The drafter's logits are multiplied by this (default 1)…
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_multiplier: Option<f64>,
+    /// …then soft-capped, `tanh(l / c)·c`, when positive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcapping: Option<f64>,
+    /// Read before the top-level `block_size`, as z-lab's package does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+    /// DFlash 2 only (refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv_kernel_size: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv_group_size: Option<Value>,
 }
 
 fn default_eps() -> f64 {
@@ -74,6 +94,12 @@ pub struct DFlashConfig {
     pub target_layer_ids: Option<Vec<usize>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_embedding_scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_multiplier: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 /// Python's `round` (half to even) of a non-negative value.
@@ -113,6 +139,30 @@ pub struct LayerAttention {
 }
 
 impl DFlashConfig {
+    /// Multiplier of the block's token embeddings (z-lab `input_embedding_scale`, default 1).
+    pub fn input_embedding_scale(&self) -> f64 {
+        self.dflash_config
+            .input_embedding_scale
+            .or(self.input_embedding_scale)
+            .unwrap_or(1.0)
+    }
+
+    /// Multiplier of the drafter's logits (z-lab `output_multiplier`, default 1).
+    pub fn output_multiplier(&self) -> f64 {
+        self.dflash_config
+            .output_multiplier
+            .or(self.output_multiplier)
+            .unwrap_or(1.0)
+    }
+
+    /// Soft cap of the drafter's logits (z-lab `final_logit_softcapping`; `None` or ≤ 0: off).
+    pub fn final_logit_softcapping(&self) -> Option<f64> {
+        self.dflash_config
+            .final_logit_softcapping
+            .or(self.final_logit_softcapping)
+            .filter(|&c| c > 0.0)
+    }
+
     pub fn mask_token_id(&self) -> Option<u32> {
         self.dflash_config.mask_token_id.or(self.mask_token_id)
     }
@@ -157,7 +207,34 @@ impl DFlashConfig {
         })
     }
 
+    /// The config with `dflash_config.block_size` (when given) as the block size, the way z-lab's
+    /// package resolves it; every loader calls this before [`DFlashConfig::validate`].
+    pub fn resolved(mut self) -> Self {
+        if let Some(b) = self.dflash_config.block_size {
+            self.block_size = b;
+        }
+        self
+    }
+
     pub fn validate(&self) -> Result<(), String> {
+        if self.architectures.iter().any(|a| a.starts_with("DFlash2"))
+            || self.dflash_config.conv_kernel_size.is_some()
+            || self.dflash_config.conv_group_size.is_some()
+        {
+            return Err(
+                "a DFlash 2 drafter (dynamic convolutions and a candidate selector): \
+                        only DFlash (v1) drafters are supported"
+                    .into(),
+            );
+        }
+        for (name, v) in [
+            ("input_embedding_scale", self.input_embedding_scale()),
+            ("output_multiplier", self.output_multiplier()),
+        ] {
+            if !v.is_finite() || v <= 0.0 {
+                return Err(format!("{name} {v} must be positive and finite"));
+            }
+        }
         if self.block_size < 2 {
             return Err(format!("block_size {} must be at least 2", self.block_size));
         }
@@ -188,6 +265,34 @@ impl DFlashConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A config as z-lab's package writes and reads it (scalar settings in `dflash_config`, with
+    /// the top level as fallback), and a DFlash 2 one.
+    #[test]
+    fn zlab_package_settings_resolve_like_its_draft_value() {
+        let json = serde_json::json!({
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "num_target_layers": 36, "num_hidden_layers": 5, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "max_position_embeddings": 4096, "vocab_size": 1000,
+            "block_size": 16, "output_multiplier": 9.0, "final_logit_softcapping": 30.0,
+            "dflash_config": {"mask_token_id": 7, "block_size": 10, "output_multiplier": 0.5,
+                              "input_embedding_scale": 1.5},
+            "transformers_version": "5.15.0", "use_cache": true
+        });
+        let cfg: DFlashConfig = serde_json::from_value(json.clone()).unwrap();
+        let cfg = cfg.resolved();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.block_size, 10);
+        assert_eq!(cfg.output_multiplier(), 0.5);
+        assert_eq!(cfg.final_logit_softcapping(), Some(30.0));
+        assert_eq!(cfg.input_embedding_scale(), 1.5);
+        assert_eq!(cfg.target_layer_ids(), vec![1, 9, 17, 25, 33]);
+        let mut v2 = json;
+        v2["dflash_config"]["conv_kernel_size"] = serde_json::json!(4);
+        let v2: DFlashConfig = serde_json::from_value(v2).unwrap();
+        assert!(v2.validate().unwrap_err().contains("DFlash 2"));
+    }
 
     #[test]
     fn reference_layer_rule_rounds_half_to_even() {

@@ -180,7 +180,7 @@ impl DFlashDrafter {
         let ctx_tab = table.index_select(&meta.narrow(0, 2 + bs, 2 * m)?, 0)?;
         let blk_tab = table.index_select(&meta.narrow(0, 2 + bs + 2 * m, 2 * bs)?, 0)?;
         let ids = meta.narrow(0, 2, bs)?.reshape((1, bs))?;
-        let x = target.embed(&ids)?.to_dtype(self.dtype)?;
+        let x = self.block_embedding(target, &ids)?;
         let rows = BlockRows {
             b: 1,
             x,
@@ -198,6 +198,6 @@ impl DFlashDrafter {
             cache,
         });
         let hidden = self.blocks_hidden(rows, keys)?;
-        Ok(vec![target.lm_head(&hidden.narrow(0, 1, bs - 1)?)?])
+        Ok(vec![self.logits(target, &hidden.narrow(0, 1, bs - 1)?)?])
     }
 }

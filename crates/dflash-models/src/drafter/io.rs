@@ -18,6 +18,7 @@ use std::path::Path;
 /// Loads a drafter directory onto `device` in `dtype`.
 pub fn load_drafter(dir: &Path, device: &Device, dtype: DType) -> Result<DFlashDrafter> {
     let (cfg, path): (DFlashConfig, _) = crate::loader::read_json_config(dir, "drafter config")?;
+    let cfg = cfg.resolved();
     cfg.validate()
         .map_err(|msg| ModelError::Config { path, msg })?;
     let files = safetensors_files(dir)?;
@@ -106,11 +107,14 @@ pub fn config_for_decoder(
         dflash_config: DFlashSection {
             mask_token_id: Some(mask_token_id),
             target_layer_ids: Some(default_target_layers(t.num_hidden_layers, layers)),
-            causal: None,
+            ..DFlashSection::default()
         },
         mask_token_id: None,
         target_layer_ids: None,
         dtype: Some("float32".into()),
+        input_embedding_scale: None,
+        output_multiplier: None,
+        final_logit_softcapping: None,
     }
 }
 
@@ -245,6 +249,7 @@ pub fn init_from_target_layers(
 /// has `cfg`'s layers, block size, taps and parameter shapes.
 pub fn warm_start_weights(dir: &Path, cfg: &DFlashConfig) -> Result<BTreeMap<String, Tensor>> {
     let (saved, path): (DFlashConfig, _) = crate::loader::read_json_config(dir, "drafter config")?;
+    let saved = saved.resolved();
     let same = saved.num_hidden_layers == cfg.num_hidden_layers
         && saved.block_size == cfg.block_size
         && saved.hidden_size == cfg.hidden_size

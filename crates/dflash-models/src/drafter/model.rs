@@ -10,7 +10,9 @@
 //!
 //! Both go through [`DFlashDrafter::blocks_forward`], so the same anchors give the same logits
 //! (tested). Slot 0 of a block is the anchor token's *target embedding*; the embedding and LM head
-//! are the target's (borrowed per call, never copied); positions are absolute token positions.
+//! are the target's (borrowed per call, never copied), with the checkpoint's
+//! `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` applied where z-lab's
+//! reference applies them (identities by default); positions are absolute token positions.
 
 use super::config::{DFlashConfig, LayerAttention};
 use crate::projection::project_with;
@@ -364,7 +366,7 @@ impl DFlashDrafter {
             })
             .collect();
         let ids = Tensor::from_slice(tokens, (b, rows), &self.device)?;
-        let x = target.embed(&ids)?.to_dtype(self.dtype)?;
+        let x = self.block_embedding(target, &ids)?;
         let (cos, sin) = self.rotary.cos_sin(&q_pos, &self.device, self.dtype)?;
         let half = cos.dim(1)?;
         Ok(BlockRows {
@@ -519,7 +521,7 @@ impl DFlashDrafter {
             ctx_len: start,
         };
         let hidden = self.blocks_forward(rows, keys, Grad::Off)?;
-        target.lm_head(&hidden.narrow(0, 1, self.cfg.block_size - 1)?)
+        self.logits(target, &hidden.narrow(0, 1, self.cfg.block_size - 1)?)
     }
 
     /// Training: all blocks of one sequence at once. `ctx` `[S, T·H]` are the taps of the whole
@@ -537,6 +539,34 @@ impl DFlashDrafter {
         self.forward_train_with(target, ctx, tokens, anchors, grad, &conv)
     }
 
+    /// The drafter's logits of `hidden`: the target's LM head, then the checkpoint's output
+    /// multiplier and soft cap (z-lab's `compute_logits`; both identities unless configured).
+    pub fn logits(&self, target: &dyn TargetModel, hidden: &Tensor) -> Result<Tensor> {
+        let mut logits = target.lm_head(hidden)?;
+        let m = self.cfg.output_multiplier();
+        if m != 1.0 {
+            logits = (logits * m)?;
+        }
+        if let Some(c) = self.cfg.final_logit_softcapping() {
+            logits = ((logits / c)?.tanh()? * c)?;
+        }
+        Ok(logits)
+    }
+
+    /// Whether [`DFlashDrafter::logits`] is the target's LM head as is (training's loss, which
+    /// multiplies the head in chunks itself, needs it to be).
+    pub fn plain_logits(&self) -> bool {
+        self.cfg.output_multiplier() == 1.0 && self.cfg.final_logit_softcapping().is_none()
+    }
+
+    /// The block rows' input: the target's embeddings of `ids` in the drafter's dtype, times the
+    /// checkpoint's `input_embedding_scale` (when not 1).
+    pub(super) fn block_embedding(&self, target: &dyn TargetModel, ids: &Tensor) -> Result<Tensor> {
+        let x = target.embed(ids)?.to_dtype(self.dtype)?;
+        let scale = self.cfg.input_embedding_scale();
+        Ok(if scale != 1.0 { (x * scale)? } else { x })
+    }
+
     /// [`DFlashDrafter::forward_train`] with the blocks laid out by `conv`.
     pub fn forward_train_with(
         &self,
@@ -549,8 +579,8 @@ impl DFlashDrafter {
     ) -> Result<Tensor> {
         let ctx = ctx.unsqueeze(0)?;
         let hidden = self.forward_train_batch_with(target, &ctx, tokens, anchors, grad, conv)?;
-        Ok(target
-            .lm_head(&hidden)?
+        Ok(self
+            .logits(target, &hidden)?
             .reshape((anchors.len(), self.cfg.block_size, ()))?)
     }
 
