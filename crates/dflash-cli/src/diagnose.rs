@@ -22,8 +22,9 @@ use std::time::Instant;
 pub struct DiagnoseArgs {
     #[command(flatten)]
     set: crate::bench_prompts::PromptSetArgs,
-    /// Prompts per benchmark (the first N).
-    #[arg(long, default_value_t = 3)]
+    /// Prompts per benchmark (the first N). The default's four prompts (one of each benchmark,
+    /// MT-Bench's two turns) take ~100 s on 2 CPU cores; more give tighter intervals.
+    #[arg(long, default_value_t = 1)]
     limit: usize,
     /// Length of the target's answers the checks run on.
     #[arg(long, default_value_t = 96)]

@@ -70,29 +70,29 @@ pub fn sort_best_first(v: &mut [(f32, u32)]) {
 
 /// Top-`k` (value, id) of each host row, best first (ties: lower id first). One pass per row
 /// with a size-`k` min-heap: most values are rejected by one comparison with the heap's minimum.
-pub fn top_k_host(rows: &[Vec<f32>], k: usize) -> Vec<Vec<(f32, u32)>> {
-    rows.iter()
-        .map(|row| {
-            let k = k.min(row.len());
-            // min-heap on (value, Reverse(id)): the root is the weakest kept entry
-            let mut heap: BinaryHeap<Reverse<(Ordered, Reverse<u32>)>> =
-                BinaryHeap::with_capacity(k + 1);
-            for (i, &x) in row.iter().enumerate() {
-                let item = (Ordered(x), Reverse(i as u32));
-                if heap.len() < k {
-                    heap.push(Reverse(item));
-                } else if let Some(min) = heap.peek() {
-                    if item > min.0 {
-                        heap.pop();
-                        heap.push(Reverse(item));
-                    }
-                }
+pub fn top_k_host<R: AsRef<[f32]>>(rows: &[R], k: usize) -> Vec<Vec<(f32, u32)>> {
+    rows.iter().map(|row| top_k_row(row.as_ref(), k)).collect()
+}
+
+/// [`top_k_host`] of one row.
+pub fn top_k_row(row: &[f32], k: usize) -> Vec<(f32, u32)> {
+    let k = k.min(row.len());
+    // min-heap on (value, Reverse(id)): the root is the weakest kept entry
+    let mut heap: BinaryHeap<Reverse<(Ordered, Reverse<u32>)>> = BinaryHeap::with_capacity(k + 1);
+    for (i, &x) in row.iter().enumerate() {
+        let item = (Ordered(x), Reverse(i as u32));
+        if heap.len() < k {
+            heap.push(Reverse(item));
+        } else if let Some(min) = heap.peek() {
+            if item > min.0 {
+                heap.pop();
+                heap.push(Reverse(item));
             }
-            let mut v: Vec<(f32, u32)> = heap.into_iter().map(|r| (r.0 .0 .0, r.0 .1 .0)).collect();
-            sort_best_first(&mut v);
-            v
-        })
-        .collect()
+        }
+    }
+    let mut v: Vec<(f32, u32)> = heap.into_iter().map(|r| (r.0 .0 .0, r.0 .1 .0)).collect();
+    sort_best_first(&mut v);
+    v
 }
 
 /// Each row's top-`k` log-probabilities (value, id), best first, from `[rows, vocab]` logits.

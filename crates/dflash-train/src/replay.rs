@@ -129,28 +129,23 @@ fn acceptance(
         let (n, b, v) = logits.dims3()?;
         // row 0 is the anchor's slot; rows 1.. draft the tokens after it
         let drafts = logits.narrow(1, 1, b - 1)?.to_dtype(DType::F32)?;
-        let ids = greedy_rows(&drafts.reshape((n * (b - 1), v))?)?;
-        // the same top-k decoding's tree takes (top_k_log_probs), once at the largest budget: a
-        // smaller budget's top-k is its prefix
-        let top: Option<Vec<Vec<(f32, u32)>>> = match budgets.iter().max() {
-            None => None,
-            Some(&kmax) => Some(dflash_core::decode_ops::top_k_log_probs(
-                &drafts.reshape((n * (b - 1), v))?,
-                kmax.max(1),
-            )?),
-        };
-        if likelihood {
-            // log p(true token) of each draft row; rows past the end look up token 0, unused
-            let truth: Vec<u32> = group
+        // log p(true token) of each draft row; rows past the end look up token 0, unused
+        let truth: Option<Vec<u32>> = likelihood.then(|| {
+            group
                 .iter()
                 .flat_map(|&a| (1..b).map(move |k| a as usize + k))
                 .map(|p| tokens.get(p).copied().unwrap_or(0))
-                .collect();
-            let idx = Tensor::from_vec(truth, (n * (b - 1), 1), drafts.device())?;
-            let lp = candle_nn::ops::log_softmax(&drafts.reshape((n * (b - 1), v))?, D::Minus1)?
-                .gather(&idx, 1)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
+                .collect()
+        });
+        // the same top-k decoding's tree takes (top_k_log_probs), once at the largest budget: a
+        // smaller budget's top-k is its prefix
+        let rows = summarize_rows(
+            &drafts.reshape((n * (b - 1), v))?,
+            budgets.iter().max().map(|&k| k.max(1)),
+            truth.as_deref(),
+        )?;
+        let (ids, top) = (rows.ids, rows.top);
+        if let Some(lp) = rows.truth_log_probs {
             for (i, &a) in group.iter().enumerate() {
                 let rows = (b - 1).min(tokens.len().saturating_sub(a as usize + 1));
                 let sum: f64 = lp[i * (b - 1)..i * (b - 1) + rows]
@@ -185,6 +180,97 @@ fn acceptance(
         }
     }
     Ok((out, ll))
+}
+
+/// What the replay needs of each draft row of a group.
+struct RowSummaries {
+    /// Each row's argmax (decoding's DFlash draft).
+    ids: Vec<u32>,
+    /// Each row's top-k log-probabilities (decoding's DDTree input), when asked.
+    top: Option<Vec<Vec<(f32, u32)>>>,
+    /// Each row's log-probability of its true token, when asked.
+    truth_log_probs: Option<Vec<f32>>,
+}
+
+/// Argmax, top-`k` log-probabilities and the true tokens' log-probabilities of `[rows, vocab]`
+/// f32 logits, with decoding's own functions' numbers: on CUDA those functions (only small
+/// results cross to the host); on the CPU one log-softmax and one copy of it and of the logits,
+/// rows split over the available threads (the diagnosis replays ~10⁴ rows a variant).
+fn summarize_rows(
+    logits: &Tensor,
+    k: Option<usize>,
+    truth: Option<&[u32]>,
+) -> Result<RowSummaries> {
+    if !logits.device().is_cpu() {
+        let ids = greedy_rows(logits)?;
+        let top = match k {
+            Some(k) => Some(dflash_core::decode_ops::top_k_log_probs(logits, k)?),
+            None => None,
+        };
+        let truth_log_probs = match truth {
+            Some(t) => {
+                let idx = Tensor::from_slice(t, (t.len(), 1), logits.device())?;
+                Some(
+                    candle_nn::ops::log_softmax(logits, D::Minus1)?
+                        .gather(&idx, 1)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?,
+                )
+            }
+            None => None,
+        };
+        return Ok(RowSummaries {
+            ids,
+            top,
+            truth_log_probs,
+        });
+    }
+    let (rows, vocab) = logits.dims2()?;
+    let raw: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+    let lp: Vec<f32> = if k.is_some() || truth.is_some() {
+        candle_nn::ops::log_softmax(logits, D::Minus1)?
+            .flatten_all()?
+            .to_vec1()?
+    } else {
+        vec![]
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(rows.max(1));
+    let per = rows.div_ceil(threads.max(1)).max(1);
+    let mut ids = vec![0u32; rows];
+    let mut top: Vec<Vec<(f32, u32)>> = vec![vec![]; if k.is_some() { rows } else { 0 }];
+    std::thread::scope(|scope| {
+        let mut top_parts = top.chunks_mut(per);
+        for (c, id_part) in ids.chunks_mut(per).enumerate() {
+            let top_part = if k.is_some() { top_parts.next() } else { None };
+            let (raw, lp) = (&raw, &lp);
+            scope.spawn(move || {
+                let first = c * per;
+                for (j, id) in id_part.iter_mut().enumerate() {
+                    let r = first + j;
+                    *id = dflash_core::decode_ops::argmax(&raw[r * vocab..(r + 1) * vocab]);
+                }
+                if let (Some(part), Some(k)) = (top_part, k) {
+                    for (j, t) in part.iter_mut().enumerate() {
+                        let r = first + j;
+                        *t = dflash_core::decode_ops::top_k_row(&lp[r * vocab..(r + 1) * vocab], k);
+                    }
+                }
+            });
+        }
+    });
+    let truth_log_probs = truth.map(|t| {
+        t.iter()
+            .enumerate()
+            .map(|(r, &tok)| lp[r * vocab + tok as usize])
+            .collect()
+    });
+    Ok(RowSummaries {
+        ids,
+        top: k.map(|_| top),
+        truth_log_probs,
+    })
 }
 
 /// The steps decoding takes over an output occupying `tokens[start..end]` (its first token comes
