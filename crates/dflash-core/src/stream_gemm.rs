@@ -10,8 +10,10 @@
 //! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
 //! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
 //!   misaligned weight, a device older than compute 8.0, a weight the [`StreamPolicy`] leaves to
-//!   cuBLAS): the caller runs candle's matmul (cuBLAS) instead. The policy depends on the weight
-//!   alone, never on the row count, so a weight's rows are always computed by one kernel.
+//!   cuBLAS): the caller runs candle's matmul (cuBLAS) instead. The policy looks at the weight
+//!   and the row count only. Under [`StreamPolicy::All`] (`--bit-exact`) every call of up to 288
+//!   rows streams, so all of a weight's rows — AR step, chain, tree — come from one kernel; under
+//!   the fast default only calls of up to [`FAST_MAX_ROWS`] rows do.
 
 use crate::Result;
 use candle_core::{DType, Tensor};
