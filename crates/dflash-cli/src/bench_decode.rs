@@ -185,7 +185,7 @@ fn push(ops: &mut Vec<Op>, key: String, label: String, t: Timing) {
 pub fn run(a: DecodeArgs) -> Result<()> {
     // every flag is checked before anything heavy happens
     let dev = dflash_core::parse_device(&a.device)?;
-    crate::defaults::apply_bit_exact(a.bit_exact)?;
+    crate::defaults::apply_bit_exact(a.bit_exact, &dev)?;
     let dtype = match &a.dtype {
         Some(d) => dflash_core::parse_dtype(d)?,
         None if dev.is_cpu() => DType::F32,

@@ -138,8 +138,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if a.modes.first() != Some(&Mode::Ar) {
         return Err(UsageError("--modes must start with ar (the reference)".into()).into());
     }
-    crate::defaults::apply_bit_exact(a.bit_exact)?;
     let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
+    crate::defaults::apply_bit_exact(a.bit_exact, &device)?;
     let target_path = crate::defaults::target_path(a.set.target.as_deref())?;
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;

@@ -134,7 +134,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         return Err(UsageError("--max-new-tokens must be at least 1".into()).into());
     }
     let (device, dtype) = crate::defaults::device_and_dtype(&args.device, args.dtype.as_deref())?;
-    crate::defaults::apply_bit_exact(args.bit_exact)?;
+    crate::defaults::apply_bit_exact(args.bit_exact, &device)?;
     let target_path = crate::defaults::target_path(args.target.as_deref())?;
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;
