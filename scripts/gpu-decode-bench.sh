@@ -13,8 +13,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROUNDS=${ROUNDS:-30}
 # plain: DFLASH_FUSED_DECODE=0; fused: fused kernels, no CUDA graphs; cublas: graphs with every
-# projection on cuBLAS (DFLASH_STREAM_GEMM=0); graphs: the default path (graphs, and projections
-# of up to 16 bf16 rows on the streaming GEMM)
+# projection on cuBLAS (DFLASH_STREAM_GEMM=0); exact: graphs with every projection of up to 288
+# rows on the row-invariant streaming GEMM (DFLASH_STREAM_GEMM=all, what --bit-exact sets);
+# graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
 J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
@@ -46,6 +47,7 @@ for spec in $SHAPES; do
   for variant in $VARIANTS; do
     stream=""  # DFLASH_STREAM_GEMM: empty = the default (on)
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
+      exact) fused=1 graphs=1 stream=all;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
     DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
