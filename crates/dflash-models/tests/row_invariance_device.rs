@@ -1,0 +1,346 @@
+//! GPU tests of row invariance, what bit-exact bf16 speculative decoding rests on: the streaming
+//! GEMM (`dflash_core::stream_gemm`) gives a row the same bits whatever the row count, the tree
+//! attention reduces a tree row's keys as the one-row step at its position does, and (under
+//! `DFLASH_STREAM_GEMM=all`) a whole bf16 verify equals sequential AR steps. CUDA only
+//! (`DFLASH_TEST_DEVICE=cuda`); every test returns early on the CPU.
+
+mod common;
+use candle_core::{DType, Device, Tensor};
+
+fn device() -> Device {
+    common::device_and_dtype().0
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    common::max_abs_diff(a, b)
+}
+
+/// A tree row's attention is bit-identical to a one-row step at its position over the same keys
+/// (the committed rows, then the row's ancestors in depth order): what makes a bf16 tree verify
+/// compute each node exactly as the AR step would. Several trees and context lengths (chunk and
+/// tile boundaries fall inside and outside the step), f32 and bf16. CUDA only.
+#[test]
+fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
+    use dflash_core::step::{kv_append_at, tree_ancestors, tree_attention, StepMeta};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    for (dtype, d, h, kv, past, parents) in [
+        (
+            DType::BF16,
+            64,
+            9,
+            3,
+            61,
+            (0..65)
+                .map(|i: i64| if i == 0 { -1 } else { (i - 1) / 4 })
+                .collect::<Vec<i64>>(),
+        ),
+        (
+            DType::BF16,
+            128,
+            32,
+            8,
+            500,
+            (0..17).map(|i: i64| i - 1).collect(),
+        ),
+        (
+            DType::F32,
+            64,
+            4,
+            2,
+            190,
+            (0..33)
+                .map(|i: i64| if i == 0 { -1 } else { (i * 7 + 3) % i })
+                .collect(),
+        ),
+    ] {
+        let n = parents.len();
+        let cap = past + n + 8;
+        let rnd = |shape: (usize, usize, usize, usize)| {
+            Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap()
+        };
+        let (kb, vb) = (rnd((1, kv, cap, d)), rnd((1, kv, cap, d)));
+        let (k, v, q) = (rnd((1, kv, n, d)), rnd((1, kv, n, d)), rnd((1, h, n, d)));
+        let tokens = vec![0u32; n];
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let meta = StepMeta::new(past, &tokens, &positions, Some(&parents), 4096).unwrap();
+        let meta = Tensor::from_slice(&meta.words, meta.words.len(), &dev).unwrap();
+        kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+        let scale = 1.0 / (d as f32).sqrt();
+        let tree = tree_attention(
+            &q,
+            &kb,
+            &vb,
+            &meta,
+            &tree_ancestors(&meta, n).unwrap(),
+            scale,
+        )
+        .unwrap();
+        for r in [0, 1, n / 2, n - 1] {
+            let mut path = vec![r];
+            while parents[*path.last().unwrap()] >= 0 {
+                path.push(parents[*path.last().unwrap()] as usize);
+            }
+            path.reverse();
+            let depth = path.len() - 1;
+            // the AR step's cache: the committed rows, then the ancestors at their positions
+            let idx = Tensor::from_vec(
+                path.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+                depth + 1,
+                &dev,
+            )
+            .unwrap();
+            let at = |buf: &Tensor, step: &Tensor| -> Tensor {
+                let mut b = buf.copy().unwrap();
+                let rows = step.index_select(&idx, 2).unwrap();
+                b = b
+                    .slice_assign(&[0..1, 0..kv, past..past + depth + 1, 0..d], &rows)
+                    .unwrap();
+                b
+            };
+            let (kb1, vb1) = (at(&kb, &k), at(&vb, &v));
+            let one = StepMeta::new(past + depth, &[0], &[0], Some(&[-1]), 4096).unwrap();
+            let one = Tensor::from_slice(&one.words, one.words.len(), &dev).unwrap();
+            let q1 = q.narrow(2, r, 1).unwrap().contiguous().unwrap();
+            let ar = tree_attention(
+                &q1,
+                &kb1,
+                &vb1,
+                &one,
+                &tree_ancestors(&one, 1).unwrap(),
+                scale,
+            )
+            .unwrap();
+            let row = tree.narrow(1, r, 1).unwrap();
+            assert_eq!(
+                max_abs(&row, &ar),
+                0.0,
+                "{dtype:?} past {past} n {n}: row {r} (depth {depth})"
+            );
+        }
+    }
+}
+
+/// Bit-exact bf16 (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): every row of a bf16 tree
+/// verify and of a 16-token causal verify gives, bit for bit, the logits of one-token AR steps over
+/// the same tokens at the same positions (the property that makes speculative output equal AR's in
+/// bf16). Runs only under that policy (`scripts/gpu-decode-bench.sh` runs it so). CUDA only.
+#[test]
+fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps() {
+    use dflash_core::stream_gemm::{stream_policy, StreamPolicy};
+    use dflash_core::AttentionMask;
+    use dflash_models::{random::random_target_tensors, Decoder, DecoderConfig, ForwardRequest};
+    use dflash_models::{LogitRows, TargetModel};
+    let dev = device();
+    if !dev.is_cuda() || stream_policy() != StreamPolicy::All {
+        return;
+    }
+    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "vocab_size": 320, "hidden_size": 128, "head_dim": 64,
+        "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let arch = cfg.architecture().unwrap();
+    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 11)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap()))
+        .collect();
+    let model = Decoder::new(
+        &cfg,
+        arch,
+        candle_nn::VarBuilder::from_tensors(w, DType::BF16, &dev),
+    )
+    .unwrap();
+    let mut cache = model.new_cache(600).unwrap();
+    let logits = |cache: &mut dflash_core::SequenceCache,
+                  tokens: &[u32],
+                  positions: &[u32],
+                  mask: AttentionMask,
+                  rows: LogitRows| {
+        let req = ForwardRequest {
+            tokens,
+            positions,
+            mask,
+            taps: &[],
+            logits: rows,
+        };
+        model.forward(&req, cache).unwrap().logits.unwrap()
+    };
+    for past in [70usize, 191] {
+        cache.crop(0);
+        let prompt: Vec<u32> = (0..past).map(|i| (i * 37 % 320) as u32).collect();
+        let pos: Vec<u32> = (0..past as u32).collect();
+        logits(
+            &mut cache,
+            &prompt,
+            &pos,
+            AttentionMask::Causal,
+            LogitRows::Last,
+        );
+        // a tree (branching at several depths) and a chain
+        let tree: Vec<i64> = (0..40i64)
+            .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
+            .collect();
+        let chain: Vec<i64> = (0..16i64).map(|i| i - 1).collect();
+        for (what, parents) in [("tree", tree), ("chain", chain)] {
+            let n = parents.len();
+            let tokens: Vec<u32> = (0..n).map(|i| (i * 53 % 320) as u32).collect();
+            let depth = |mut r: usize| {
+                let mut d = 0;
+                while parents[r] >= 0 {
+                    r = parents[r] as usize;
+                    d += 1;
+                }
+                d
+            };
+            let positions: Vec<u32> = (0..n).map(|r| (past + depth(r)) as u32).collect();
+            let mask = if what == "chain" {
+                AttentionMask::Causal
+            } else {
+                AttentionMask::Tree {
+                    parents: parents.clone(),
+                }
+            };
+            let verify = logits(&mut cache, &tokens, &positions, mask, LogitRows::All);
+            for r in [0, 1, 2, n / 2, n - 1] {
+                let mut path = vec![r];
+                while parents[*path.last().unwrap()] >= 0 {
+                    path.push(parents[*path.last().unwrap()] as usize);
+                }
+                path.reverse();
+                cache.crop(past);
+                let mut last = None;
+                for (t, &node) in path.iter().enumerate() {
+                    let p = [(past + t) as u32];
+                    last = Some(logits(
+                        &mut cache,
+                        &[tokens[node]],
+                        &p,
+                        AttentionMask::Causal,
+                        LogitRows::Last,
+                    ));
+                }
+                let ar = last.unwrap();
+                let row = verify.narrow(0, r, 1).unwrap();
+                assert_eq!(
+                    max_abs(&row, &ar),
+                    0.0,
+                    "{what} at past {past}: row {r} (depth {}) differs from AR",
+                    path.len() - 1
+                );
+            }
+            cache.crop(past);
+        }
+    }
+}
+
+/// The weight-streaming tensor-core GEMM against an f32 GEMM of the upcast operands, and
+/// bit-identical whatever the row count: each row alone, or in any smaller call, gives exactly its
+/// row of the 40-row product (three 16-row groups; the property bf16 losslessness needs). CUDA
+/// only.
+#[test]
+fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
+    use dflash_core::stream_gemm::stream_matmul_always as stream_matmul;
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    // (k, n): SmolLM2's q/k/v and down shapes, a wide K, an n that is not a multiple of 16
+    for (f32_out, k, n) in [
+        (false, 576, 960),
+        (false, 1536, 576),
+        (false, 4096, 1000),
+        (true, 1088, 777),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, (40, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let w = Tensor::randn(0f32, 0.05, (n, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let y = stream_matmul(&x, &w, f32_out)
+            .unwrap()
+            .expect("40 bf16 rows stream");
+        assert_eq!(y.dims(), &[40, n]);
+        let want = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+            .unwrap();
+        // f32 outputs: f32 rounding; bf16 outputs: half a bf16 step (2^-9 relative) of the
+        // largest output, doubled
+        let top = max_abs(&want, &want.zeros_like().unwrap());
+        let tol = if f32_out { 1e-3 } else { 4e-3 * top };
+        let err = max_abs(&y, &want);
+        assert!(err < tol, "{k}x{n}: {err}");
+        for (start, rows) in [
+            (0usize, 1usize),
+            (7, 1),
+            (39, 1),
+            (3, 5),
+            (8, 8),
+            (1, 9),
+            (5, 33),
+        ] {
+            let part = stream_matmul(&x.narrow(0, start, rows).unwrap(), &w, f32_out)
+                .unwrap()
+                .unwrap();
+            let same = y.narrow(0, start, rows).unwrap();
+            assert_eq!(max_abs(&part, &same), 0.0, "{k}x{n}: rows {start}..+{rows}");
+        }
+    }
+    // not its call: f32, too many rows, K not a multiple of 64
+    let w = Tensor::zeros((64, 128), DType::BF16, &dev).unwrap();
+    let x32 = Tensor::zeros((1, 128), DType::F32, &dev).unwrap();
+    assert!(stream_matmul(&x32, &w.to_dtype(DType::F32).unwrap(), false)
+        .unwrap()
+        .is_none());
+    let x289 = Tensor::zeros((289, 128), DType::BF16, &dev).unwrap();
+    assert!(stream_matmul(&x289, &w, false).unwrap().is_none());
+    let w96 = Tensor::zeros((64, 96), DType::BF16, &dev).unwrap();
+    let x96 = Tensor::zeros((1, 96), DType::BF16, &dev).unwrap();
+    assert!(stream_matmul(&x96, &w96, false).unwrap().is_none());
+}
+
+/// The MLP's activation folded into the streaming down projection gives exactly the two-kernel
+/// path's numbers (silu·mul rounded to bf16, then the GEMM), whatever the row count. CUDA only.
+#[test]
+fn stream_silu_matmul_equals_silu_mul_then_the_gemm() {
+    use dflash_core::stream_gemm::stream_matmul_always as stream_matmul;
+    use dflash_core::stream_gemm::stream_silu_matmul_always as stream_silu_matmul;
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let (inter, n) = (1536, 576);
+    let gate_up = Tensor::randn(0f32, 2.0, (20, 2 * inter), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let w = Tensor::randn(0f32, 0.05, (n, inter), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let act = dflash_core::decode_ops::silu_mul(&gate_up).unwrap();
+    let want = stream_matmul(&act, &w, false).unwrap().unwrap();
+    let got = stream_silu_matmul(&gate_up, &w).unwrap().unwrap();
+    assert_eq!(max_abs(&got, &want), 0.0);
+    for (start, rows) in [(0usize, 1usize), (11, 1), (4, 7), (2, 18)] {
+        let part = stream_silu_matmul(&gate_up.narrow(0, start, rows).unwrap(), &w)
+            .unwrap()
+            .unwrap();
+        assert_eq!(max_abs(&part, &want.narrow(0, start, rows).unwrap()), 0.0);
+    }
+}
