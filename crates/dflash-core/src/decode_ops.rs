@@ -106,8 +106,11 @@ pub fn top_k_log_probs(logits: &Tensor, k: usize) -> Result<Vec<Vec<(f32, u32)>>
         rows.iter_mut().for_each(|r| sort_best_first(r));
         return Ok(rows);
     }
-    let lp = candle_nn::ops::log_softmax(&l, candle_core::D::Minus1)?;
-    Ok(top_k_host(&lp.to_device(&Device::Cpu)?.to_vec2()?, k))
+    let lp: Vec<f32> = candle_nn::ops::log_softmax(&l, candle_core::D::Minus1)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1()?;
+    Ok(lp.chunks(vocab.max(1)).map(|r| top_k_row(r, k)).collect())
 }
 
 fn check_parents(parents: &[i64]) -> Result<()> {

@@ -118,3 +118,20 @@ pub fn sequence_taps(
     };
     Tensor::cat(&m.forward(&req, &mut cache).unwrap().taps, 1).unwrap()
 }
+
+/// A tiny random-weight-sized Qwen3 config (hidden 128, 4 heads of 64, 2 KV heads) for decode
+/// tests: `layers`, `intermediate`, `vocab` and `max_positions` vary by test.
+pub fn tiny_qwen3(
+    layers: usize,
+    intermediate: usize,
+    vocab: usize,
+    max_positions: usize,
+) -> dflash_models::DecoderConfig {
+    serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "vocab_size": vocab, "hidden_size": 128, "head_dim": 64,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    }))
+    .unwrap()
+}

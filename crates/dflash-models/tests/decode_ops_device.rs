@@ -5,6 +5,7 @@
 //! host paths; `scripts/build-cuda.sh` packages the CUDA build so the GPU machine runs the same
 //! (it lives in dflash-models so that build shares the fixture tests' feature set).
 
+mod common;
 use candle_core::{DType, Device, Tensor, D};
 use dflash_core::decode_ops::{
     argmax, argmax_rows, matmul_t_f32, silu_mul, softmax_scaled, top_k_host, top_k_log_probs,
@@ -446,19 +447,13 @@ fn tree_attention_matches_the_composite_on_the_device() {
 #[test]
 fn device_step_graphs_replay_the_cpu_composite() {
     use dflash_core::AttentionMask;
-    use dflash_models::{random::random_target_tensors, Decoder, DecoderConfig, ForwardRequest};
+    use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
     use dflash_models::{LogitRows, TargetModel};
     let dev = device();
     if !dev.is_cuda() {
         return;
     }
-    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "qwen3", "vocab_size": 300, "hidden_size": 128, "head_dim": 64,
-        "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": true
-    }))
-    .unwrap();
+    let cfg = common::tiny_qwen3(3, 96, 300, 512);
     let arch = cfg.architecture().unwrap();
     let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 5).unwrap();
     let on = |d: &Device| -> Decoder {
@@ -568,18 +563,12 @@ fn device_step_graphs_replay_the_cpu_composite() {
 fn device_drafts_replay_the_cpu_draft() {
     use dflash_models::drafter::io::config_for_decoder;
     use dflash_models::random::{random_drafter_tensors, random_target_tensors};
-    use dflash_models::{DFlashDrafter, Decoder, DecoderConfig, TargetModel};
+    use dflash_models::{DFlashDrafter, Decoder, TargetModel};
     let dev = device();
     if !dev.is_cuda() {
         return;
     }
-    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "qwen3", "vocab_size": 300, "hidden_size": 128, "head_dim": 64,
-        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": true
-    }))
-    .unwrap();
+    let cfg = common::tiny_qwen3(4, 96, 300, 512);
     let arch = cfg.architecture().unwrap();
     let dcfg = config_for_decoder(&cfg, 2, 8, 299);
     let tw = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 5).unwrap();

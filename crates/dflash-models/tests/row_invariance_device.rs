@@ -136,19 +136,13 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
 fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps() {
     use dflash_core::stream_gemm::{stream_policy, StreamPolicy};
     use dflash_core::AttentionMask;
-    use dflash_models::{random::random_target_tensors, Decoder, DecoderConfig, ForwardRequest};
+    use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
     use dflash_models::{LogitRows, TargetModel};
     let dev = device();
     if !dev.is_cuda() || stream_policy() != StreamPolicy::All {
         return;
     }
-    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "qwen3", "vocab_size": 320, "hidden_size": 128, "head_dim": 64,
-        "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": true
-    }))
-    .unwrap();
+    let cfg = common::tiny_qwen3(3, 192, 320, 1024);
     let arch = cfg.architecture().unwrap();
     let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 11)
         .unwrap()
