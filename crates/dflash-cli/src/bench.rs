@@ -155,13 +155,20 @@ pub(crate) fn timings(
         dev.synchronize()?;
         v.push(t0.elapsed().as_secs_f64());
     }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let p90 = v[(v.len() * 9).div_ceil(10).max(1) - 1];
-    Ok(Timing {
-        median: v[v.len() / 2],
-        min: v[0],
-        p90,
-    })
+    Ok(Timing::of(v))
+}
+
+impl Timing {
+    /// Median, min and p90 of `v` (non-empty).
+    pub(crate) fn of(mut v: Vec<f64>) -> Timing {
+        v.sort_by(|a, b| a.total_cmp(b));
+        let p90 = v[(v.len() * 9).div_ceil(10).max(1) - 1];
+        Timing {
+            median: v[v.len() / 2],
+            min: v[0],
+            p90,
+        }
+    }
 }
 
 pub(crate) fn write_report(

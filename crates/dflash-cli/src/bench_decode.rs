@@ -13,6 +13,10 @@
 //!   so every round sees the same context.
 //! - Times are wall-clock between device synchronisations, after `--warmup` untimed runs; the
 //!   median of `--rounds` runs is the headline, min and p90 beside it.
+//! - The loop rows (`loop_step_ms`) time whole decoding loops (`generate_ar`,
+//!   `generate_speculative`) over the context as the prompt, per step, prefill excluded: what
+//!   the isolated ops leave out (host syncs, acceptance, commits, the drafter's context update).
+//!   Random weights accept about one token a step, so they are step costs, not speedups.
 //! - Bad flags (unknown shape, zero rounds, bad widths, a context the model cannot hold) exit
 //!   with code 2 before any model is built.
 
@@ -25,7 +29,10 @@ use clap::Args;
 use dflash_core::AttentionMask;
 use dflash_decoding::sampling::greedy_rows;
 use dflash_decoding::tree::{tree_from_draft_logits, DraftTree, DEFAULT_TREE_BUDGET};
-use dflash_decoding::{Sampler, SamplingConfig};
+use dflash_decoding::{
+    generate_ar, generate_speculative, DFlashRunner, GenerateConfig, Generation, Sampler,
+    SamplingConfig, SpecMode,
+};
 use dflash_models::drafter::io::config_for_decoder;
 use dflash_models::drafter::parameter_shapes;
 use dflash_models::{DecoderConfig, ForwardRequest, LogitRows, TargetModel};
@@ -38,6 +45,10 @@ use std::time::Instant;
 const NEW_CTX: usize = 4;
 /// Prefill chunk (bounds the prefill's attention scores at long contexts).
 const PREFILL_CHUNK: usize = 1024;
+/// New tokens of each timed decoding loop.
+const LOOP_TOKENS: usize = 48;
+/// Timed decoding loops of each mode (after two untimed ones, which capture the step graphs).
+const LOOP_ROUNDS: usize = 3;
 
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
@@ -206,7 +217,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     }
     let max_w = widths.iter().copied().max().expect("non-empty");
     let rows = (max_w + 1).max(a.block_size);
-    let needed = a.context + rows + a.block_size;
+    let needed = a.context + rows.max(LOOP_TOKENS + DEFAULT_TREE_BUDGET + 1) + a.block_size;
     if needed > cfg.max_position_embeddings {
         return Err(usage(format!(
             "--context {} + a verify of {rows} rows + a block of {} needs {needed} positions; \
@@ -413,6 +424,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         );
     }
 
+    time_loops(&target, &drafter, &ids, &mut ops)?;
+
     let report = report(&ReportIn {
         a: &a,
         shape: &shape,
@@ -430,6 +443,54 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     });
     print_table(&ops, floor, bytes, &bw);
     write_report(&report, a.out.as_deref())
+}
+
+/// The loop rows (see the module invariants): seconds per step of AR, DFlash and DDTree-64
+/// loops, prompt = `ids`, [`LOOP_TOKENS`] new tokens, no stop token.
+fn time_loops(
+    target: &dyn TargetModel,
+    drafter: &dflash_models::DFlashDrafter,
+    ids: &[u32],
+    ops: &mut Vec<Op>,
+) -> Result<()> {
+    let cfg = GenerateConfig {
+        max_new_tokens: LOOP_TOKENS,
+        stop_tokens: vec![],
+        sampling: SamplingConfig::greedy(),
+    };
+    // the drafter's prefill of the prompt is not a step
+    let per_step = |g: &Generation| {
+        let prefill = g.spec.as_ref().map_or(0.0, |s| s.draft_prefill_seconds);
+        (g.decode_seconds - prefill) / g.steps.max(1) as f64
+    };
+    let modes = [
+        ("ar", "AR loop, per step", None),
+        ("dflash", "DFlash loop, per step", Some(SpecMode::DFlash)),
+        (
+            "ddtree64",
+            "DDTree-64 loop, per step",
+            Some(SpecMode::DdTree {
+                budget: DEFAULT_TREE_BUDGET,
+            }),
+        ),
+    ];
+    for (key, label, mode) in modes {
+        let mut v = vec![];
+        for round in 0..2 + LOOP_ROUNDS {
+            let g = match mode {
+                None => generate_ar(target, ids, &cfg, &mut |_| {})?,
+                Some(m) => {
+                    let mut runner = DFlashRunner::new(drafter);
+                    generate_speculative(target, &mut runner, ids, &cfg, m, &mut |_| {})?
+                }
+            };
+            if round >= 2 {
+                v.push(per_step(&g));
+            }
+        }
+        push(ops, format!("loop.{key}"), label.into(), Timing::of(v));
+    }
+    Ok(())
 }
 
 struct ReportIn<'a> {
@@ -460,7 +521,11 @@ fn report(r: &ReportIn) -> Value {
     let mut verify = Map::new();
     let mut by_budget = Map::new();
     let (mut stats, mut to_ar, mut to_floor) = (Map::new(), Map::new(), Map::new());
+    let mut loops = Map::new();
     for o in r.ops {
+        if let Some(k) = o.key.strip_prefix("loop.") {
+            loops.insert(k.into(), json!(ms(o.t.median)));
+        }
         if let Some(k) = o.key.strip_prefix("verify.") {
             verify.insert(k.into(), json!(ms(o.t.median)));
         }
@@ -502,6 +567,8 @@ fn report(r: &ReportIn) -> Value {
         "tree_build_ms": ms(tree_build),
         "tree_build_budget": DEFAULT_TREE_BUDGET,
         "tree_build_ms_by_budget": by_budget,
+        "loop_step_ms": loops,
+        "loop_tokens": LOOP_TOKENS,
         "trees": r.trees,
         "stats": stats,
         "ratio_to_ar_step": to_ar,

@@ -53,12 +53,22 @@ __device__ unsigned int kth_largest_key(const float* row, int V, unsigned int k,
   const int t = threadIdx.x;
   unsigned int prefix = 0, mask = 0;
   if (t == 0) sel[1] = k;
+  const unsigned int lane = t & 31;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = t; b < 256; b += blockDim.x) hist[b] = 0;
     __syncthreads();
-    for (int i = t; i < V; i += blockDim.x) {
-      const unsigned int key = fkey(row[i]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    // warp-uniform trip count (every lane takes part in the match); one atomic per distinct
+    // digit of the warp: logits crowd into a few digits, and one counter per element serialised
+    for (int base = t - (int)lane; base < V; base += blockDim.x) {
+      const int i = base + (int)lane;
+      unsigned int b = 256u;
+      if (i < V) {
+        const unsigned int key = fkey(row[i]);
+        if ((key & mask) == prefix) b = (key >> shift) & 255u;
+      }
+      const unsigned int peers = __match_any_sync(0xffffffffu, b);
+      if (b < 256u && (unsigned int)(__ffs(peers) - 1) == lane)
+        atomicAdd(&hist[b], (unsigned int)__popc(peers));
     }
     __syncthreads();
     if (t == 0) {
@@ -304,8 +314,10 @@ extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int t
   __shared__ unsigned long long mhist[256];
   __shared__ unsigned long long msel[2];
   __shared__ unsigned long long sums[TPB];
+  __shared__ unsigned long long wsum[TPB];  // each lane's mass, for its warp's digit sums
   const float* row = x + (long long)blockIdx.x * V;
   const int t = threadIdx.x;
+  const int lane = t & 31;
   float mx = NEG_INF;
   for (int i = t; i < V; i += blockDim.x) mx = fmaxf(mx, row[i]);
   const float m = block_max(mx, red);
@@ -329,10 +341,28 @@ extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int t
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int b = t; b < 256; b += blockDim.x) mhist[b] = 0;
       __syncthreads();
-      for (int i = t; i < V; i += blockDim.x) {
-        const unsigned int key = fkey(row[i]);
-        if (key >= thr && (key & mask) == prefix)
-          atomicAdd(&mhist[(key >> shift) & 255u], fx_mass(row[i], m, inv_t));
+      // as in kth_largest_key: one atomic per distinct digit of the warp, its lanes' masses
+      // summed by the lowest lane (integer sums: the same totals in any order)
+      for (int base = t - lane; base < V; base += blockDim.x) {
+        const int i = base + lane;
+        unsigned int b = 256u;
+        unsigned long long w = 0;
+        if (i < V) {
+          const unsigned int key = fkey(row[i]);
+          if (key >= thr && (key & mask) == prefix) {
+            b = (key >> shift) & 255u;
+            w = fx_mass(row[i], m, inv_t);
+          }
+        }
+        const unsigned int peers = __match_any_sync(0xffffffffu, b);
+        wsum[t] = w;
+        __syncwarp();
+        if (b < 256u && __ffs(peers) - 1 == lane) {
+          unsigned long long acc = 0;
+          for (unsigned int p = peers; p; p &= p - 1) acc += wsum[t - lane + __ffs(p) - 1];
+          atomicAdd(&mhist[b], acc);
+        }
+        __syncwarp();
       }
       __syncthreads();
       if (t == 0) {

@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod block_attention;
 pub mod cache;
+pub mod cache_pool;
 pub mod cross_entropy;
 pub mod decode_ops;
 #[cfg(feature = "cuda")]

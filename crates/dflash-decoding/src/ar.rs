@@ -142,7 +142,7 @@ fn ar_loop(
         target.info().max_position_embeddings,
     )?;
     let mut sampler = Sampler::new(cfg.sampling.clone())?;
-    let mut cache = target.new_cache(prompt.len() + budget)?;
+    let mut cache = target.take_cache(prompt.len() + budget)?;
     let t0 = Instant::now();
     let positions: Vec<u32> = (0..prompt.len() as u32).collect();
     let out = target.forward(
@@ -173,6 +173,7 @@ fn ar_loop(
         margins.push(m);
     };
     let (tokens, stop_reason) = emit.finish(stop_reason);
+    target.recycle_cache(cache);
     margins.truncate(tokens.len());
     if !with_margins {
         margins.clear();

@@ -46,10 +46,19 @@ pub trait BlockDrafter {
     ) -> Result<Tensor>;
 }
 
-/// The DFlash drafter with its committed-context cache.
+/// The DFlash drafter with its committed-context cache (handed back to the drafter's pool when
+/// the runner is reset or dropped, so the next answer replays its CUDA graphs).
 pub struct DFlashRunner<'a> {
     drafter: &'a DFlashDrafter,
     cache: Option<DraftCache>,
+}
+
+impl Drop for DFlashRunner<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.cache.take() {
+            self.drafter.recycle_cache(c);
+        }
+    }
 }
 
 impl<'a> DFlashRunner<'a> {
@@ -69,7 +78,10 @@ impl BlockDrafter for DFlashRunner<'_> {
         self.drafter.target_layers()
     }
     fn reset(&mut self, capacity: usize) -> Result<()> {
-        self.cache = Some(self.drafter.new_cache(capacity));
+        if let Some(old) = self.cache.take() {
+            self.drafter.recycle_cache(old);
+        }
+        self.cache = Some(self.drafter.take_cache(capacity));
         Ok(())
     }
     fn draft(
@@ -253,7 +265,7 @@ fn generate(
     };
     let capacity = prompt.len() + budget + verify_rows;
     let mut sampler = Sampler::new(cfg.sampling.clone())?;
-    let mut cache = target.new_cache(capacity)?;
+    let mut cache = target.take_cache(capacity)?;
     drafter.reset(capacity)?;
     let taps: Vec<usize> = drafter.target_layers().to_vec();
     let mut stats = SpecStats::default();
@@ -397,6 +409,7 @@ fn generate(
         }
     }
     let (tokens, stop_reason) = emit.finish(stop.expect("loop ends on a stop"));
+    target.recycle_cache(cache);
     Ok(Generation {
         tokens,
         stop_reason,

@@ -300,3 +300,44 @@ fn sampled_modes_have_the_targets_distribution() {
     let (chi, dof) = chi_square(&biased, &exact, n);
     assert!(chi > chi2_crit(dof));
 }
+
+#[test]
+fn recycled_caches_give_what_fresh_caches_give() {
+    // a target and drafter that served a longer answer first (their pooled caches hold its rows
+    // past the new answer's length) produce exactly what fresh ones produce
+    let (used, fresh) = (tiny("tiny-qwen3"), tiny("tiny-qwen3"));
+    let (d_used, d_fresh) = (
+        random_drafter(&used, 2, 8, 3),
+        random_drafter(&fresh, 2, 8, 3),
+    );
+    let long: Vec<u32> = (0..60).map(|i| (i * 37 + 5) % 263).collect();
+    let short: Vec<u32> = vec![17, 4, 200];
+    let cfg = greedy(30, vec![]);
+    for mode in [SpecMode::DFlash, SpecMode::DdTree { budget: 12 }] {
+        let mut r = DFlashRunner::new(&d_used);
+        generate_speculative(used.model.as_ref(), &mut r, &long, &cfg, mode, &mut |_| {}).unwrap();
+        let a = generate_speculative(used.model.as_ref(), &mut r, &short, &cfg, mode, &mut |_| {})
+            .unwrap();
+        let mut f = DFlashRunner::new(&d_fresh);
+        let b = generate_speculative(
+            fresh.model.as_ref(),
+            &mut f,
+            &short,
+            &cfg,
+            mode,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(a.tokens, b.tokens, "{mode:?}");
+        assert_eq!(
+            a.spec.unwrap().acceptance,
+            b.spec.unwrap().acceptance,
+            "{mode:?}"
+        );
+    }
+    let ar_long = generate_ar(used.model.as_ref(), &long, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(ar_long.tokens.len(), 30);
+    let a = generate_ar(used.model.as_ref(), &short, &cfg, &mut |_| {}).unwrap();
+    let b = generate_ar(fresh.model.as_ref(), &short, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+}

@@ -331,6 +331,8 @@ pub struct Decoder {
     rope_table: std::sync::OnceLock<Tensor>,
     rotary: RotaryEmbedding,
     info: TargetInfo,
+    /// Single-sequence caches handed back after generations (`take_cache` / `recycle_cache`).
+    cache_pool: dflash_core::cache_pool::CachePool<SequenceCache>,
 }
 
 impl Decoder {
@@ -389,6 +391,7 @@ impl Decoder {
             fused,
             device_step,
             rope_table: std::sync::OnceLock::new(),
+            cache_pool: Default::default(),
             rotary,
             info,
         })
@@ -487,6 +490,17 @@ impl TargetModel for Decoder {
             capacity,
             &self.info.device,
         ))
+    }
+
+    fn take_cache(&self, capacity: usize) -> Result<SequenceCache> {
+        match self.cache_pool.take(capacity) {
+            Some(c) => Ok(c),
+            None => self.new_cache(dflash_core::cache_pool::pooled_capacity(capacity)),
+        }
+    }
+
+    fn recycle_cache(&self, cache: SequenceCache) {
+        self.cache_pool.give(cache);
     }
 
     fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput> {

@@ -85,6 +85,16 @@ pub trait TargetModel: Send {
     fn info(&self) -> &TargetInfo;
     /// A fresh cache able to hold `capacity` positions.
     fn new_cache(&self, capacity: usize) -> Result<SequenceCache>;
+    /// An empty cache for one sequence of at least `capacity` positions, from the model's pool of
+    /// caches handed back by [`TargetModel::recycle_cache`] when one is large enough (its CUDA step
+    /// graphs replay instead of being captured again; `dflash_core::cache_pool`), else a new one.
+    fn take_cache(&self, capacity: usize) -> Result<SequenceCache> {
+        self.new_cache(capacity)
+    }
+    /// Hands a single-sequence cache back after a generation, for a later [`TargetModel::take_cache`].
+    fn recycle_cache(&self, cache: SequenceCache) {
+        drop(cache);
+    }
     fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput>;
     /// Batched forward; logits `[batch, rows, vocab]` f32 (`None` when not asked for) and taps
     /// `[batch, n, hidden]`.

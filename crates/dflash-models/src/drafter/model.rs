@@ -99,6 +99,8 @@ pub struct DFlashDrafter {
     pub(super) dtype: DType,
     /// cos then sin for every position `[2·P, d/2]`, made on the first device draft.
     pub(super) rope_table: std::sync::OnceLock<Tensor>,
+    /// Caches handed back after generations ([`DFlashDrafter::take_cache`]); empty in a clone.
+    cache_pool: dflash_core::cache_pool::CachePool<DraftCache>,
 }
 
 /// Committed-context K/V for inference, one cache per drafter layer.
@@ -108,6 +110,15 @@ pub struct DraftCache {
     pub(super) graphs: dflash_core::step_graph::StepGraphs,
     /// Every block row sees every block row: the tree-attention bits of a full block.
     pub(super) full_block: Option<Tensor>,
+}
+
+impl dflash_core::cache_pool::PooledCache for DraftCache {
+    fn capacity(&self) -> usize {
+        self.layers.first().map(|c| c.capacity()).unwrap_or(0)
+    }
+    fn clear(&mut self) {
+        self.crop(0);
+    }
 }
 
 impl DraftCache {
@@ -174,6 +185,7 @@ impl DFlashDrafter {
             dtype: vb.dtype(),
             cfg: cfg.clone(),
             rope_table: std::sync::OnceLock::new(),
+            cache_pool: Default::default(),
         })
     }
 
@@ -241,6 +253,20 @@ impl DFlashDrafter {
             );
         }
         Ok(())
+    }
+
+    /// An empty cache of at least `capacity` positions from the pool of caches handed back by
+    /// [`DFlashDrafter::recycle_cache`] (its CUDA graphs replay instead of being captured again),
+    /// else a new one (`dflash_core::cache_pool`).
+    pub fn take_cache(&self, capacity: usize) -> DraftCache {
+        self.cache_pool
+            .take(capacity)
+            .unwrap_or_else(|| self.new_cache(dflash_core::cache_pool::pooled_capacity(capacity)))
+    }
+
+    /// Hands a cache back after a generation, for a later [`DFlashDrafter::take_cache`].
+    pub fn recycle_cache(&self, cache: DraftCache) {
+        self.cache_pool.give(cache);
     }
 
     pub fn new_cache(&self, capacity: usize) -> DraftCache {
