@@ -21,7 +21,7 @@ SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512
 J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
 : > "$J"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$LOG"
-mkdir -p /tmp/bin && for f in ${DIST:-dist/cuda}/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done
+mkdir -p /tmp/bin && [ -d "${DIST:-dist/cuda}" ] && for f in ${DIST:-dist/cuda}/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done
 chmod +x /tmp/bin/*
 D=/tmp/bin/dflash
 if [ "${TESTS:-1}" = 1 ]; then

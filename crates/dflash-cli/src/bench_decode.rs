@@ -408,6 +408,22 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         t,
     );
 
+    // the device part of the default tree build alone: log-softmax and top-k of the drafter's
+    // rows, and the copy of the (log-prob, id) pairs to the host
+    let t = time(&mut || {
+        black_box(dflash_core::decode_ops::top_k_log_probs(
+            &draft_logits,
+            DEFAULT_TREE_BUDGET,
+        )?);
+        Ok(())
+    })?;
+    push(
+        &mut ops,
+        format!("tree_topk.{DEFAULT_TREE_BUDGET}"),
+        format!("  of which top-k ({DEFAULT_TREE_BUDGET})"),
+        t,
+    );
+
     // tree builds: the default budget, then each width
     let mut budgets = vec![DEFAULT_TREE_BUDGET];
     budgets.extend(widths.iter().filter(|&&w| w != DEFAULT_TREE_BUDGET));
@@ -566,6 +582,7 @@ fn report(r: &ReportIn) -> Value {
         "draft_block_ms": get("draft_block").map(ms),
         "tree_build_ms": ms(tree_build),
         "tree_build_budget": DEFAULT_TREE_BUDGET,
+        "tree_topk_ms": get(&format!("tree_topk.{DEFAULT_TREE_BUDGET}")).map(ms),
         "tree_build_ms_by_budget": by_budget,
         "loop_step_ms": loops,
         "loop_tokens": LOOP_TOKENS,

@@ -211,8 +211,11 @@ impl SpecStats {
     }
 }
 
-fn concat_taps(taps: &[Tensor]) -> Result<Tensor> {
-    Ok(Tensor::cat(taps, 1)?)
+/// The verified rows a step accepted: the first n of a DFlash block, or a DDTree path (node
+/// indices, root first).
+enum Accepted {
+    Prefix(usize),
+    Path(Vec<u32>),
 }
 
 /// What a draft hands the verifier: DFlash's argmax ids, or DDTree's drafter logits (on the
@@ -281,7 +284,7 @@ fn generate(
     };
     let out = target.forward(&req, &mut cache)?;
     let first = sampler.sample_rows(out.logits.as_ref().expect("asked for logits"))?[0];
-    let mut new_ctx = concat_taps(&out.taps)?;
+    let mut new_ctx = out.concat_taps()?;
     let prefill_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
@@ -354,7 +357,8 @@ fn generate(
                 cache.crop(start + a + 1);
                 let mut emitted = block[1..=a].to_vec();
                 emitted.push(y[a]);
-                ((0..=a as u32).collect::<Vec<u32>>(), emitted, out.taps)
+                // the accepted rows are the block's first a + 1: a view, no gather
+                (Accepted::Prefix(a + 1), emitted, out.concat_taps()?)
             }
             Draft::Logits(draft_logits, nodes) => {
                 let tb = Instant::now();
@@ -373,7 +377,7 @@ fn generate(
                 }
                 emitted.push(y[cur]);
                 cache.keep_rows(start, &path)?;
-                (path, emitted, out.taps)
+                (Accepted::Path(path), emitted, out.concat_taps()?)
             }
         };
         stats.verify_seconds += tv.elapsed().as_secs_f64();
@@ -387,12 +391,13 @@ fn generate(
             }
         }
         if stop.is_none() {
-            let idx = Tensor::from_slice(&accepted_path, accepted_path.len(), cache.device())?;
-            let rows: Vec<Tensor> = taps_out
-                .iter()
-                .map(|t| t.index_select(&idx, 0))
-                .collect::<candle_core::Result<_>>()?;
-            new_ctx = concat_taps(&rows)?;
+            new_ctx = match accepted_path {
+                Accepted::Prefix(n) => taps_out.narrow(0, 0, n)?,
+                Accepted::Path(path) => {
+                    let idx = Tensor::from_slice(&path, path.len(), cache.device())?;
+                    taps_out.index_select(&idx, 0)?
+                }
+            };
         }
         if steps > 1 {
             spec_tokens += stats.acceptance.last().copied().unwrap_or(0);

@@ -564,7 +564,7 @@ impl TargetModel for Decoder {
                 Some(self.lm_head(&h)?)
             }
         };
-        Ok(ForwardOutput { logits, taps })
+        Ok(ForwardOutput::new(logits, taps))
     }
 
     fn forward_batch(
@@ -612,17 +612,17 @@ impl TargetModel for Decoder {
         };
         let (x, taps) = self.layers_forward(x, &rope, &keys, cache, req.taps)?;
         let x = match req.logits {
-            LogitRows::None => return Ok(ForwardOutput { logits: None, taps }),
+            LogitRows::None => return Ok(ForwardOutput::new(None, taps)),
             LogitRows::Last => x.narrow(1, n - 1, 1)?,
             LogitRows::All => x,
         };
         let rows = x.dim(1)?;
         let h = self.norm.forward(&x, Grad::Off)?;
         let logits = self.lm_head(&h.reshape((b * rows, ()))?)?;
-        Ok(ForwardOutput {
-            logits: Some(logits.reshape((b, rows, ()))?),
+        Ok(ForwardOutput::new(
+            Some(logits.reshape((b, rows, ()))?),
             taps,
-        })
+        ))
     }
 
     fn final_norm_weight(&self) -> Option<Tensor> {

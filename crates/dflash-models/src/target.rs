@@ -67,6 +67,30 @@ pub struct BatchForwardRequest<'a> {
 pub struct ForwardOutput {
     pub logits: Option<Tensor>,
     pub taps: Vec<Tensor>,
+    /// The taps side by side (`[.., T·hidden]`) when the forward made them so (the device step,
+    /// whose `taps` are then views of it); read through [`ForwardOutput::concat_taps`].
+    pub taps_concat: Option<Tensor>,
+}
+
+impl ForwardOutput {
+    pub fn new(logits: Option<Tensor>, taps: Vec<Tensor>) -> Self {
+        Self {
+            logits,
+            taps,
+            taps_concat: None,
+        }
+    }
+
+    /// The taps side by side along the last dimension (`[n, T·hidden]`, or `[b, n, T·hidden]`
+    /// from a batched forward) — the drafter's context features — without a copy where the
+    /// forward produced them so.
+    pub fn concat_taps(&self) -> Result<Tensor> {
+        if let Some(t) = &self.taps_concat {
+            return Ok(t.clone());
+        }
+        let last = self.taps.first().map_or(1, |t| t.rank().saturating_sub(1));
+        Ok(Tensor::cat(&self.taps, last)?)
+    }
 }
 
 /// Static facts about a loaded target.

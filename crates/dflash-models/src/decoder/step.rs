@@ -115,12 +115,24 @@ impl Decoder {
             LogitRows::None => None,
             _ => Some(cut(outputs.remove(0))?),
         };
-        let taps = outputs.into_iter().map(cut).collect::<Result<_>>()?;
-        Ok(Some(ForwardOutput { logits, taps }))
+        // the taps come side by side from the step (one copy); each tap is a view of them
+        let taps_concat = outputs.pop().map(cut).transpose()?;
+        let hidden = self.info.hidden_size;
+        let taps = match &taps_concat {
+            Some(t) => (0..req.taps.len())
+                .map(|i| Ok(t.narrow(1, i * hidden, hidden)?))
+                .collect::<Result<_>>()?,
+            None => vec![],
+        };
+        Ok(Some(ForwardOutput {
+            logits,
+            taps,
+            taps_concat,
+        }))
     }
 
-    /// The step itself, from the device metadata `meta` alone: `[logits?, taps...]`, each with
-    /// `rows` rows (logits `[rows | 1, vocab]` f32, taps `[rows, hidden]`).
+    /// The step itself, from the device metadata `meta` alone: `[logits?, taps?]`, each with
+    /// `rows` rows (logits `[rows | 1, vocab]` f32, the taps side by side `[rows, T·hidden]`).
     fn device_step_body(
         &self,
         meta: &Tensor,
@@ -158,8 +170,12 @@ impl Decoder {
                 out.push(crate::target::TargetModel::lm_head(self, &h)?);
             }
         }
-        for t in tap_out {
-            out.push(t.squeeze(0)?);
+        if !tap_out.is_empty() {
+            let taps: Vec<Tensor> = tap_out
+                .iter()
+                .map(|t| t.squeeze(0))
+                .collect::<candle_core::Result<_>>()?;
+            out.push(Tensor::cat(&taps, 1)?);
         }
         Ok(out)
     }

@@ -3,24 +3,29 @@
 //! context rows) at any cache length (`dflash_core::step`, `dflash_core::step_graph`).
 //!
 //! Invariants:
-//! - The same [`DFlashDrafter::blocks_forward`] as training and the host path; only where the
-//!   block finds its context keys differs: each layer writes the new context rows' K/V at the
-//!   cache's device-held length, then the block's own K/V right after them (scratch rows past the
-//!   committed length, never counted), and attends over both with every block row seeing every
-//!   block row — the standard DFlash layer (non-causal, no window; other layouts take the host
-//!   path).
+//! - The same [`DFlashDrafter::blocks_forward`] as training and the host path, the same math;
+//!   only the kernels and where the block finds its context keys differ. Each layer projects the
+//!   new context rows and the block's rows together (one GEMM over the stacked q/k/v weights),
+//!   one kernel norms and rotates the heads and writes their K/V at the cache's device-held length
+//!   — context rows first, the block's right after them (scratch rows past the committed length,
+//!   never counted) — and the block attends over both with every block row seeing every block row
+//!   — the standard DFlash layer (non-causal, no window; other layouts take the host path). The
+//!   residual adds, norms and the MLP take the decode step's fused kernels (add+norm, gate-up as
+//!   one GEMM, silu·mul folded into the down projection where the streaming GEMM runs).
+//! - The stacked weights ([`FusedLayer`]) are made on the first device draft, never in training.
 //! - The host cache length advances by the context rows only, after the step succeeded.
 //! - Needs `len + m + B ≤ capacity` (the block's scratch rows); otherwise the host path runs.
 
-use super::model::{BlockKeys, BlockRows, DFlashDrafter, DraftCache, Kv};
+use super::model::{BlockKeys, BlockRows, DFlashDrafter, DraftCache, DraftLayer};
+use crate::projection::project;
 use crate::target::TargetModel;
 use crate::{ModelError, Result};
 use candle_core::Tensor;
+use candle_nn::Linear;
 use dflash_core::step::{
-    device_step_supported, kv_append_at, tree_attention, StepMeta, MAX_STEP_ROWS,
+    device_step_supported, qkv_heads_into_cache, tree_attention, StepMeta, MAX_STEP_ROWS,
 };
 use dflash_core::step_graph::StepKey;
-use dflash_core::Grad;
 
 /// The device step's context keys (see the module invariants).
 pub(crate) struct DeviceKeys<'a> {
@@ -30,11 +35,22 @@ pub(crate) struct DeviceKeys<'a> {
     meta_blk: Tensor,
     /// Every block row sees every block row (`[B, MAX_STEP_ROWS / 32]` bits).
     full_block: Tensor,
-    /// The new context rows, projected (`[1, m, H]`), and their rotary tables (`[1, m, d/2]`).
+    /// The new context rows, projected (`[1, m, H]`).
     ctx: Tensor,
-    ctx_cos: Tensor,
-    ctx_sin: Tensor,
+    /// cos then sin of the context rows and then the block's rows (`[2·(m + B), d/2]`).
+    cos_sin: Tensor,
     cache: &'a mut DraftCache,
+}
+
+/// One drafter layer's weights stacked for the device step (see the module invariants).
+#[derive(Clone)]
+pub(crate) struct FusedLayer {
+    /// `[q; k; v]` projection rows.
+    qkv: Linear,
+    /// q_norm then k_norm weights `[2, head_dim]`.
+    qk_norms: Tensor,
+    /// `[gate; up]` projection rows.
+    gate_up: Linear,
 }
 
 impl DFlashDrafter {
@@ -55,35 +71,86 @@ impl DFlashDrafter {
         Ok(self.rope_table.get().expect("set above"))
     }
 
-    /// One layer's attention in the device step: new context rows and the block's rows into the
-    /// cache at device-held rows, then the block over everything before and including them.
-    pub(super) fn device_block_attention(
+    /// The stacked weights of every layer, made on the first call.
+    pub(super) fn fused_layers(&self) -> Result<&[FusedLayer]> {
+        if self.fused.get().is_none() {
+            let cat = |ws: &[&Tensor]| -> Result<Tensor> { Ok(Tensor::cat(ws, 0)?) };
+            let layers = self
+                .layers
+                .iter()
+                .map(|l| {
+                    Ok(FusedLayer {
+                        qkv: Linear::new(
+                            cat(&[l.q_proj.weight(), l.k_proj.weight(), l.v_proj.weight()])?,
+                            None,
+                        ),
+                        qk_norms: Tensor::stack(&[l.q_norm.weight(), l.k_norm.weight()], 0)?,
+                        gate_up: Linear::new(
+                            cat(&[l.gate_proj.weight(), l.up_proj.weight()])?,
+                            None,
+                        ),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let _ = self.fused.set(layers);
+        }
+        Ok(self.fused.get().expect("set above"))
+    }
+
+    /// One layer's attention in the device step from its normed input `h` (`[1, B, H]`): q/k/v
+    /// of the new context rows and the block's rows in one GEMM, their heads normed and rotated
+    /// with k and v written into the cache (context rows at the committed length, the block's
+    /// after them), then the block over everything before and including its own rows. Returns
+    /// the o_proj input `[1, B, heads·d]`.
+    pub(super) fn device_layer_attention(
         &self,
         li: usize,
-        q: &Tensor,
-        blk: &Kv,
+        h: &Tensor,
         keys: &mut DeviceKeys,
-        scale: f64,
     ) -> Result<Tensor> {
-        let (nkv, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let ctx = self.kv_at(
-            &self.layers[li],
-            &keys.ctx,
-            &keys.ctx_cos,
-            &keys.ctx_sin,
-            Grad::Off,
-        )?;
+        let layer: &DraftLayer = &self.layers[li];
+        let fused = &self.fused_layers()?[li];
+        let (nh, nkv, hd) = (
+            self.cfg.num_attention_heads,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+        );
+        let (m, bs) = (keys.ctx.dim(1)?, h.dim(1)?);
+        let rows = Tensor::cat(&[&keys.ctx, h], 1)?;
+        let y = project(&fused.qkv, &rows)?.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
-        kv_append_at(&kb, &vb, &ctx.k, &ctx.v, &keys.meta_ctx)?;
-        kv_append_at(&kb, &vb, &blk.k, &blk.v, &keys.meta_blk)?;
+        let q = qkv_heads_into_cache(
+            &y,
+            &keys.cos_sin,
+            Some(&fused.qk_norms),
+            (nh, nkv, hd),
+            self.rotary.rotary_dim(),
+            layer.q_norm.eps(),
+            &kb,
+            &vb,
+            &keys.meta_ctx,
+        )?;
+        let q = q.narrow(2, m, bs)?.contiguous()?;
+        let scale = 1.0 / (hd as f32).sqrt();
         Ok(tree_attention(
-            q,
+            &q,
             &kb,
             &vb,
             &keys.meta_blk,
             &keys.full_block,
-            scale as f32,
+            scale,
         )?)
+    }
+
+    /// The MLP in the device step: gate and up as one GEMM, then silu·mul and the down
+    /// projection (one streaming kernel where the policy takes the weight).
+    pub(super) fn device_layer_mlp(&self, li: usize, h: &Tensor) -> Result<Tensor> {
+        let gate_up = project(&self.fused_layers()?[li].gate_up, h)?;
+        let down = &self.layers[li].down_proj;
+        if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down.weight())? {
+            return Ok(y);
+        }
+        project(down, &dflash_core::decode_ops::silu_mul(&gate_up)?)
     }
 
     /// [`DFlashDrafter::draft`] as a device step when it can be one (CUDA with the fused decode
@@ -115,17 +182,16 @@ impl DFlashDrafter {
         if !supported {
             return Ok(None);
         }
-        let mut words = Vec::with_capacity(2 + bs + 2 * m + 2 * bs);
+        let mut words = Vec::with_capacity(2 + bs + 2 * (m + bs));
         words.push(len as u32);
         words.push((len + m) as u32);
         words.push(bonus);
         words.extend(std::iter::repeat_n(self.mask_token_id(), bs - 1));
-        let ctx_pos = len as u32..start as u32;
-        let blk_pos = start as u32..(start + bs) as u32;
-        words.extend(ctx_pos.clone());
-        words.extend(ctx_pos.map(|p| p + table as u32));
-        words.extend(blk_pos.clone());
-        words.extend(blk_pos.map(|p| p + table as u32));
+        // rope-table rows: cos of the context rows and the block's (positions len .. start + B),
+        // then their sin
+        let all_pos = len as u32..(start + bs) as u32;
+        words.extend(all_pos.clone());
+        words.extend(all_pos.map(|p| p + table as u32));
         if cache.full_block.as_ref().map(|t| t.dims()[0]) != Some(bs) {
             let per_row = MAX_STEP_ROWS / 32;
             let bits: Vec<u32> = (0..bs * per_row)
@@ -176,16 +242,15 @@ impl DFlashDrafter {
     ) -> Result<Vec<Tensor>> {
         let bs = self.cfg.block_size;
         let m = new_ctx.dim(0)?;
-        let ctx = self.project_context(new_ctx, Grad::Off)?;
-        let ctx_tab = table.index_select(&meta.narrow(0, 2 + bs, 2 * m)?, 0)?;
-        let blk_tab = table.index_select(&meta.narrow(0, 2 + bs + 2 * m, 2 * bs)?, 0)?;
+        let ctx = self.project_context(new_ctx, dflash_core::Grad::Off)?;
+        let cos_sin = table.index_select(&meta.narrow(0, 2 + bs, 2 * (m + bs))?, 0)?;
         let ids = meta.narrow(0, 2, bs)?.reshape((1, bs))?;
         let x = self.block_embedding(target, &ids)?;
         let rows = BlockRows {
             b: 1,
             x,
-            cos: blk_tab.narrow(0, 0, bs)?.unsqueeze(0)?,
-            sin: blk_tab.narrow(0, bs, bs)?.unsqueeze(0)?,
+            cos: cos_sin.narrow(0, m, bs)?.unsqueeze(0)?,
+            sin: cos_sin.narrow(0, 2 * m + bs, bs)?.unsqueeze(0)?,
             anchors: &[],
         };
         let keys = BlockKeys::Device(DeviceKeys {
@@ -193,8 +258,7 @@ impl DFlashDrafter {
             meta_blk: meta.narrow(0, 1, 1)?,
             full_block: full_block.clone(),
             ctx,
-            ctx_cos: ctx_tab.narrow(0, 0, m)?.unsqueeze(0)?,
-            ctx_sin: ctx_tab.narrow(0, m, m)?.unsqueeze(0)?,
+            cos_sin,
             cache,
         });
         let hidden = self.blocks_hidden(rows, keys)?;

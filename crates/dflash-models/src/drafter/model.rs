@@ -33,17 +33,17 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<
 
 #[derive(Clone)]
 pub(super) struct DraftLayer {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    pub(super) q_proj: Linear,
+    pub(super) k_proj: Linear,
+    pub(super) v_proj: Linear,
     o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    pub(super) q_norm: RmsNorm,
+    pub(super) k_norm: RmsNorm,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    pub(super) gate_proj: Linear,
+    pub(super) up_proj: Linear,
+    pub(super) down_proj: Linear,
     attn: LayerAttention,
 }
 
@@ -101,6 +101,8 @@ pub struct DFlashDrafter {
     pub(super) rope_table: std::sync::OnceLock<Tensor>,
     /// Caches handed back after generations ([`DFlashDrafter::take_cache`]); empty in a clone.
     cache_pool: dflash_core::cache_pool::CachePool<DraftCache>,
+    /// Each layer's weights stacked for the device step, made on the first device draft.
+    pub(super) fused: std::sync::OnceLock<Vec<super::device::FusedLayer>>,
 }
 
 /// Committed-context K/V for inference, one cache per drafter layer.
@@ -186,6 +188,7 @@ impl DFlashDrafter {
             cfg: cfg.clone(),
             rope_table: std::sync::OnceLock::new(),
             cache_pool: Default::default(),
+            fused: std::sync::OnceLock::new(),
         })
     }
 
@@ -424,19 +427,38 @@ impl DFlashDrafter {
         // masks per distinct layer visibility (layers usually share them)
         type Masks = (Option<Tensor>, Option<Tensor>);
         let mut masks: Vec<(LayerAttention, Masks)> = vec![];
+        // the device step: each residual add and the norm after it are one kernel (`next`
+        // carries the next layer's normed input), the MLP's gate and up one GEMM
+        let device_step = matches!(keys, BlockKeys::Device(_));
+        let add_norm =
+            |x: &Tensor, d: &Tensor, norm: &RmsNorm| -> Result<Option<(Tensor, Tensor)>> {
+                if !device_step {
+                    return Ok(None);
+                }
+                Ok(dflash_core::decode_ops::add_rms_norm(
+                    x,
+                    d,
+                    norm.weight(),
+                    norm.eps(),
+                )?)
+            };
+        let mut next: Option<Tensor> = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = layer.input_layernorm.forward(&x, grad)?;
-            let q = project_with(&layer.q_proj, &h, grad)?.reshape((b, n_rows, nh, hd))?;
-            let q = layer
-                .q_norm
-                .forward(&q, grad)?
-                .transpose(1, 2)?
-                .contiguous()?;
-            let q = self.rotary.apply(&q, &cos, &sin, grad)?;
-            let blk = self.kv_at(layer, &h, &cos, &sin, grad)?;
+            let h = match next.take() {
+                Some(h) => h,
+                None => layer.input_layernorm.forward(&x, grad)?,
+            };
             let o = match &mut keys {
-                BlockKeys::Device(dk) => self.device_block_attention(li, &q, &blk, dk, scale)?,
+                BlockKeys::Device(dk) => self.device_layer_attention(li, &h, dk)?,
                 BlockKeys::Host { ctx_kv, ctx_len } => {
+                    let q = project_with(&layer.q_proj, &h, grad)?.reshape((b, n_rows, nh, hd))?;
+                    let q = layer
+                        .q_norm
+                        .forward(&q, grad)?
+                        .transpose(1, 2)?
+                        .contiguous()?;
+                    let q = self.rotary.apply(&q, &cos, &sin, grad)?;
+                    let blk = self.kv_at(layer, &h, &cos, &sin, grad)?;
                     let ctx_len = *ctx_len;
                     let ctx = ctx_kv(li)?;
                     // context rows each block sees, for the fused kernel
@@ -483,11 +505,35 @@ impl DFlashDrafter {
                     }
                 }
             };
-            x = (x + project_with(&layer.o_proj, &o, grad)?)?;
-            let h = layer.post_attention_layernorm.forward(&x, grad)?;
-            let g = candle_nn::ops::silu(&project_with(&layer.gate_proj, &h, grad)?)?;
-            let u = project_with(&layer.up_proj, &h, grad)?;
-            x = (&x + project_with(&layer.down_proj, &(g * u)?, grad)?)?;
+            let a = project_with(&layer.o_proj, &o, grad)?;
+            let h = match add_norm(&x, &a, &layer.post_attention_layernorm)? {
+                Some((sum, normed)) => {
+                    x = sum;
+                    normed
+                }
+                None => {
+                    x = (x + a)?;
+                    layer.post_attention_layernorm.forward(&x, grad)?
+                }
+            };
+            let mlp = if device_step {
+                self.device_layer_mlp(li, &h)?
+            } else {
+                let g = candle_nn::ops::silu(&project_with(&layer.gate_proj, &h, grad)?)?;
+                let u = project_with(&layer.up_proj, &h, grad)?;
+                project_with(&layer.down_proj, &(g * u)?, grad)?
+            };
+            let fused_next = match self.layers.get(li + 1) {
+                Some(nl) => add_norm(&x, &mlp, &nl.input_layernorm)?,
+                None => None,
+            };
+            match fused_next {
+                Some((sum, normed)) => {
+                    x = sum;
+                    next = Some(normed);
+                }
+                None => x = (&x + mlp)?,
+            }
         }
         let hidden = x.reshape((b * n_rows, ()))?;
         Ok(self.norm.forward(&hidden, grad)?)
