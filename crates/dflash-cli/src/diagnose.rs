@@ -1,20 +1,23 @@
 //! `dflash diagnose`: find a train/eval mismatch of a drafter by measurement (issue 16's first
 //! slice): the target answers benchmark prompts greedily, then dflash-diagnose runs its checks
-//! (conventions scan through the taps, target integrity, tap statistics) on those answers.
+//! (conventions scan through the taps, target integrity, tap statistics) on those answers, and
+//! the prompt-format check compares the prompts' format with the training data's (`--data`,
+//! crate::diagnose_format).
 //!
 //! Invariants: target and drafter resolve exactly as in `eval` (crate::defaults), prompts load and
 //! render as in `eval` (crate::bench_prompts; MT-Bench's second turn follows the target's own
-//! first answer); the table goes to stderr, the JSON to stdout (and `--json-out`, atomically);
+//! first answer); every input (drafter directory, benchmark files, `--data`) is checked before
+//! the models load; the table goes to stderr, the JSON to stdout (and `--json-out`, atomically);
 //! exit code 0 when no check FAILs, 1 when one does (no "error:" line: the table said it), 2 on
 //! bad input.
 
 use crate::exit::{Reported, UsageError};
 use anyhow::{Context, Result};
 use clap::Args;
-use dflash_decoding::{generate_ar, GenerateConfig, SamplingConfig};
-use dflash_diagnose::{diagnose, stats, Diagnosis, Options, Sample, Verdict};
+use dflash_decoding::{GenerateConfig, SamplingConfig};
+use dflash_diagnose::prompt_format::measure::{read_training_examples, MAX_EXAMPLES};
+use dflash_diagnose::{diagnose, stats, Diagnosis, Options, Verdict};
 use dflash_models::{load_drafter, load_target};
-use dflash_text::ChatMessage;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -46,6 +49,11 @@ pub struct DiagnoseArgs {
     /// diagnoses compare against).
     #[arg(long)]
     record_stats: bool,
+    /// The drafter's training data (a `dflash data regen` directory of shard-*.jsonl): the
+    /// prompt-format check compares its chat template, system prompt and thinking mode with the
+    /// eval prompts' (reads at most 256 examples).
+    #[arg(long)]
+    data: Option<PathBuf>,
 }
 
 pub fn run(a: DiagnoseArgs) -> Result<()> {
@@ -67,27 +75,27 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         .into());
     }
     // every benchmark file exists before the models load (bad input fails fast, with code 2)
+    let mut rows = vec![];
     for bench in &a.set.bench {
         let p = crate::bench_prompts::bench_file(bench, a.set.bench_dir.as_deref())?;
         if !p.is_file() {
             return Err(UsageError(format!("{}: benchmark file not found", p.display())).into());
         }
+        rows.push((
+            bench.clone(),
+            crate::bench_prompts::load_rows(bench, a.set.bench_dir.as_deref(), a.limit)?,
+        ));
     }
+    let train_data = match &a.data {
+        Some(dir) => Some(read_training_examples(dir, MAX_EXAMPLES)?),
+        None => None,
+    };
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;
     let drafter = load_drafter(&draft_dir, &device, dtype)
         .with_context(|| format!("loading drafter {}", draft_dir.display()))?;
     drafter.check_target(target.model.as_ref())?;
     let recorded = stats::read_tap_stats(&draft_dir)?;
-    let text = target
-        .text
-        .as_ref()
-        .ok_or_else(|| UsageError("target has no tokenizer".into()))?;
-    let tpl = text
-        .chat_template
-        .as_ref()
-        .ok_or_else(|| UsageError("target has no chat template".into()))?;
-    let opts = crate::bench_prompts::render_options();
     let cfg = GenerateConfig {
         max_new_tokens: a.max_new_tokens,
         stop_tokens: target.eos_token_ids.clone(),
@@ -97,51 +105,33 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
 
     // the target's own greedy answers
     let t1 = Instant::now();
-    let mut samples = vec![];
-    for bench in &a.set.bench {
-        let rows = crate::bench_prompts::load_rows(bench, a.set.bench_dir.as_deref(), a.limit)?;
-        let pb = crate::progress::bar(rows.len() as u64, &format!("{bench} answers"));
-        for (i, user_turns) in rows.into_iter().enumerate() {
-            let mut history: Vec<ChatMessage> = vec![];
-            for (k, turn) in user_turns.into_iter().enumerate() {
-                history.push(ChatMessage::new("user", turn));
-                let prompt = text
-                    .tokenizer
-                    .encode(&tpl.render(&history, &opts)?, false)?;
-                if prompt.is_empty() {
-                    return Err(UsageError(format!("{bench} row {}: empty prompt", i + 1)).into());
-                }
-                let g = generate_ar(target.model.as_ref(), &prompt, &cfg, &mut |_| {})?;
-                history.push(ChatMessage::new(
-                    "assistant",
-                    text.tokenizer.decode(&g.tokens, true)?,
-                ));
-                let mut tokens = prompt.clone();
-                tokens.extend(&g.tokens);
-                samples.push(Sample {
-                    name: format!("{bench}:{}.{}", i + 1, k + 1),
-                    tokens,
-                    prompt_len: prompt.len(),
-                });
-            }
-            pb.inc(1);
-        }
-        pb.finish_and_clear();
-    }
+    let samples = crate::diagnose_format::answers(&target, &cfg, &rows, None, "")?;
     let answer_seconds = t1.elapsed().as_secs_f64();
 
-    let d = diagnose(
-        target.model.as_ref(),
+    let opts = Options {
+        final_norm_eps: target.config.rms_norm_eps,
+        tree_budget: a.tree_budget,
+        integrity_positions: 32,
+        recorded_stats: recorded,
+        target_rope: target.config.rope().ok().map(|r| (r.theta, r.scaling)),
+    };
+    let mut d = diagnose(target.model.as_ref(), &drafter, &samples, &opts)?;
+    let declared = d
+        .conventions
+        .variants
+        .first()
+        .context("the conventions scan measured no variant")?;
+    let format = crate::diagnose_format::check(
+        &target,
         &drafter,
+        &cfg,
+        &rows,
         &samples,
-        &Options {
-            final_norm_eps: target.config.rms_norm_eps,
-            tree_budget: a.tree_budget,
-            integrity_positions: 32,
-            recorded_stats: recorded,
-            target_rope: target.config.rope().ok().map(|r| (r.theta, r.scaling)),
-        },
+        declared,
+        train_data.as_ref(),
+        &opts,
     )?;
+    d.checks.push(format.check);
     if a.record_stats {
         stats::write_tap_stats(&draft_dir, &d.tap_statistics.measured)?;
         eprintln!(
@@ -163,11 +153,13 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         "conventions": d.conventions,
         "target_integrity": d.target_integrity,
         "tap_statistics": d.tap_statistics,
+        "prompt_format": format.report,
         "seconds": {
             "load": load_seconds,
             "answers": answer_seconds,
             "conventions": d.seconds.conventions,
             "target_integrity": d.seconds.target_integrity,
+            "prompt_format": format.seconds,
             "total": t0.elapsed().as_secs_f64(),
         },
     });

@@ -10,6 +10,7 @@ mod bench_prompts;
 mod bench_shapes;
 mod defaults;
 mod diagnose;
+mod diagnose_format;
 mod draft;
 mod eval;
 mod exit;

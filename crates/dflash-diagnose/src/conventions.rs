@@ -307,6 +307,17 @@ pub fn scan(
     samples: &[Sample],
     opts: &Options,
 ) -> Result<(Scan, TapStatsFile)> {
+    scan_variants(target, drafter, samples, opts, false)
+}
+
+/// [`scan`]; with `declared_only` the declared setting alone (the prompt-format check's τ).
+pub(crate) fn scan_variants(
+    target: &dyn TargetModel,
+    drafter: &DFlashDrafter,
+    samples: &[Sample],
+    opts: &Options,
+    declared_only: bool,
+) -> Result<(Scan, TapStatsFile)> {
     let info = target.info();
     let declared = drafter.target_layers().to_vec();
     let norm = target
@@ -323,12 +334,15 @@ pub fn scan(
         Some((theta, scaling)) => Some(drafter.with_rope(*theta, scaling.clone())?),
         None => None,
     };
-    let vars = variants(
+    let mut vars = variants(
         &declared,
         info.num_layers,
         norm.is_some(),
         target_rope.as_ref().map(|r| r.0),
     );
+    if declared_only {
+        vars.truncate(1);
+    }
     let mut union: Vec<usize> = vars
         .iter()
         .flat_map(|v| v.target_layer_ids.clone())

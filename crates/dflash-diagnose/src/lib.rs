@@ -8,17 +8,22 @@
 //!   declared setting is a FAIL naming the setting to change.
 //! - [`integrity`]: the target's logits from a verify-shaped forward equal the AR path's.
 //! - [`stats`]: per-tap hidden-state statistics now vs those recorded at training time.
+//! - [`prompt_format`]: the chat template, system prompt and thinking mode of the eval prompts vs
+//!   the training data's, with the replayed τ under each format (run by the CLI beside
+//!   [`diagnose`]: it needs the target's tokenizer and chat template to render the prompts).
 //!
 //! Invariants:
 //! - The drafter's forward is dflash-models' (through dflash-train's replay), never re-implemented:
 //!   a variant differs from the declared setting only in the taps tensor the drafter is given.
 //! - The target runs once per sample for every variant's taps (the union of their layers).
 //! - Every verdict is a pure function of the measured numbers ([`conventions::judge`],
-//!   [`integrity::judge`], [`stats::judge`]), unit-tested without a model.
+//!   [`integrity::judge`], [`stats::judge`], [`prompt_format::judge`]), unit-tested without a
+//!   model.
 
 pub mod conventions;
 pub mod error;
 pub mod integrity;
+pub mod prompt_format;
 pub mod stats;
 
 pub use error::{DiagnoseError, Result};
