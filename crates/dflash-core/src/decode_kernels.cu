@@ -46,44 +46,131 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return red[0];
 }
 
-// The k-th largest order key of row[0..V) (1 ≤ k ≤ V) by a 4-pass radix select over 8-bit digits
-// (256 shared counters); on return sel[1] holds how many entries equal to it complete the k.
+// One pass of a block over its row: f(i, row[i], valid) for this thread's share of [0, V), called
+// the same number of times by every lane of a warp (invalid lanes get valid = false), so f may use
+// warp-wide intrinsics. One block reads a whole row, so a pass is bound by load latency: 16-byte
+// loads, four in flight per thread (where the row is 16-byte aligned and V a multiple of 4).
+template <typename F>
+__device__ __forceinline__ void row_pass(const float* row, int V, F f) {
+  const int lane = threadIdx.x & 31, step = blockDim.x;
+  const int wbase = threadIdx.x - lane;
+  if ((V & 3) == 0 && (((unsigned long long)row) & 15ull) == 0) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    const int n4 = V >> 2;
+    for (int base = wbase; base < n4; base += 4 * step) {
+      float4 q[4];
+      bool ok[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = base + u * step + lane;
+        ok[u] = j < n4;
+        q[u] = ok[u] ? r4[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = 4 * (base + u * step + lane);
+        f(i, q[u].x, ok[u]);
+        f(i + 1, q[u].y, ok[u]);
+        f(i + 2, q[u].z, ok[u]);
+        f(i + 3, q[u].w, ok[u]);
+      }
+    }
+  } else {
+    for (int base = wbase; base < V; base += 4 * step) {
+      float q[4];
+      bool ok[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * step + lane;
+        ok[u] = i < V;
+        q[u] = ok[u] ? row[i] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) f(base + u * step + lane, q[u], ok[u]);
+    }
+  }
+}
+
+// Warp 0 only: the largest digit d whose bins 255 down to d of hist[256] hold at least `need`
+// (the serial walk from 255; d = 0 when none does, d = 255 when need = 0), and what is still needed
+// inside bin d (need − the bins above d). Each lane holds eight bins; one suffix scan finds the lane.
+template <typename T>
+__device__ __forceinline__ void pick_digit(const T* hist, T need, unsigned int* d_out, T* left_out) {
+  const int l = threadIdx.x & 31;
+  T b[8];
+  T s = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    b[j] = hist[l * 8 + j];
+    s += b[j];
+  }
+  T suf = s;  // the bins of lanes >= l
+  for (int o = 1; o < 32; o <<= 1) {
+    const T v = __shfl_down_sync(0xffffffffu, suf, o);
+    if (l + o < 32) suf += v;
+  }
+  const T above = suf - s;
+  if (need == 0) {
+    if (l == 31) {
+      *d_out = 255u;
+      *left_out = 0;
+    }
+    return;
+  }
+  if ((above < need && need <= suf) || (l == 0 && suf < need)) {
+    T cum = above;
+    int j = 7;
+    for (; j > 0; --j) {
+      if (cum + b[j] >= need) break;
+      cum += b[j];
+    }
+    *d_out = (unsigned int)(l * 8 + j);
+    *left_out = need > cum ? need - cum : 0;
+  }
+}
+
+// The k-th largest order key of row[0..V) (1 ≤ k ≤ V) by a 4-pass radix select over 8-bit digits;
+// on return sel[1] holds how many entries equal to it complete the k. Each warp counts into its
+// own 256 counters of whist (blockDim.x / 32 × 256; logits crowd into a few digits, and shared
+// counters every warp hits serialise), one atomic per distinct digit of the warp; the block sums
+// them into hist before warp 0 picks the digit.
 __device__ unsigned int kth_largest_key(const float* row, int V, unsigned int k, unsigned int* hist,
-                                        unsigned int* sel) {
+                                        unsigned int* sel, unsigned int* whist) {
   const int t = threadIdx.x;
+  const unsigned int lane = t & 31;
+  const int nw = blockDim.x >> 5;
+  unsigned int* mine = whist + (t >> 5) * 256;
   unsigned int prefix = 0, mask = 0;
   if (t == 0) sel[1] = k;
-  const unsigned int lane = t & 31;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = t; b < 256; b += blockDim.x) hist[b] = 0;
+    for (int b = t; b < nw * 256; b += blockDim.x) whist[b] = 0;
     __syncthreads();
-    // warp-uniform trip count (every lane takes part in the match); one atomic per distinct
-    // digit of the warp: logits crowd into a few digits, and one counter per element serialised
-    for (int base = t - (int)lane; base < V; base += blockDim.x) {
-      const int i = base + (int)lane;
+    row_pass(row, V, [&](int, float x, bool ok) {
       unsigned int b = 256u;
-      if (i < V) {
-        const unsigned int key = fkey(row[i]);
+      if (ok) {
+        const unsigned int key = fkey(x);
         if ((key & mask) == prefix) b = (key >> shift) & 255u;
       }
       const unsigned int peers = __match_any_sync(0xffffffffu, b);
       if (b < 256u && (unsigned int)(__ffs(peers) - 1) == lane)
-        atomicAdd(&hist[b], (unsigned int)__popc(peers));
+        atomicAdd(&mine[b], (unsigned int)__popc(peers));
+    });
+    __syncthreads();
+    for (int b = t; b < 256; b += blockDim.x) {
+      unsigned int c = 0;
+      for (int w = 0; w < nw; ++w) c += whist[w * 256 + b];
+      hist[b] = c;
     }
     __syncthreads();
-    if (t == 0) {
-      unsigned int need = sel[1], cum = 0;
-      int d = 255;
-      for (; d > 0; --d) {
-        if (cum + hist[d] >= need) break;
-        cum += hist[d];
-      }
-      sel[0] = prefix | ((unsigned int)d << shift);
-      sel[1] = need - cum;
+    if (t < 32) {
+      const unsigned int need = sel[1];
+      __syncwarp();
+      pick_digit<unsigned int>(hist, need, &sel[0], &sel[1]);  // sel[0] = the digit
     }
     __syncthreads();
-    prefix = sel[0];
+    prefix |= sel[0] << shift;
     mask |= 255u << shift;
+    __syncthreads();  // sel[0] is rewritten by the next pass
   }
   return prefix;
 }
@@ -94,13 +181,12 @@ extern "C" __global__ void argmax_rows(const float* x, int V, unsigned int* out)
   const float* row = x + (long long)blockIdx.x * V;
   float best = NEG_INF;
   unsigned int bi = 0xffffffffu;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (v > best || (v == best && (unsigned int)i < bi)) {
+  row_pass(row, V, [&](int i, float v, bool ok) {
+    if (ok && (v > best || (v == best && (unsigned int)i < bi))) {
       best = v;
       bi = i;
     }
-  }
+  });
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, best, o);
     const unsigned int oi = __shfl_xor_sync(0xffffffffu, bi, o);
@@ -131,54 +217,62 @@ extern "C" __global__ void topk_rows(const float* x, int V, int k, float* out_va
   __shared__ unsigned int hist[256];
   __shared__ unsigned int sel[2];  // prefix, still needed from the threshold key
   __shared__ unsigned int pos;
-  __shared__ unsigned int counts[TPB];
+  __shared__ unsigned int wcnt[TPB / 32];
+  __shared__ unsigned int whist[TPB / 32 * 256];
   const float* row = x + (long long)blockIdx.x * V;
   float* ov = out_val + (long long)blockIdx.x * k;
   unsigned int* oi = out_idx + (long long)blockIdx.x * k;
   const int t = threadIdx.x;
 
   float m = NEG_INF;
-  for (int i = t; i < V; i += blockDim.x) m = fmaxf(m, row[i]);
+  row_pass(row, V, [&](int, float v, bool ok) {
+    if (ok) m = fmaxf(m, v);
+  });
   m = block_max(m, red);
   float s = 0.0f;
-  for (int i = t; i < V; i += blockDim.x) s += expf(row[i] - m);
+  row_pass(row, V, [&](int, float v, bool ok) {
+    if (ok) s += expf(v - m);
+  });
   const float lse = m + logf(block_sum(s, red));
 
-  const unsigned int thr = kth_largest_key(row, V, (unsigned int)k, hist, sel);
+  const unsigned int thr = kth_largest_key(row, V, (unsigned int)k, hist, sel, whist);
   const unsigned int ties = sel[1];
   const unsigned int above = (unsigned int)k - ties;
 
   if (t == 0) pos = 0;
   __syncthreads();
-  for (int i = t; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (fkey(v) > thr) {
+  row_pass(row, V, [&](int i, float v, bool ok) {
+    if (ok && fkey(v) > thr) {
       const unsigned int p = atomicAdd(&pos, 1u);
       ov[p] = v - lse;
       oi[p] = i;
     }
-  }
-  // ties at the threshold: the lowest ids, by a scan over contiguous chunks
-  const int chunk = (V + blockDim.x - 1) / blockDim.x;
-  const int lo = min(V, t * chunk), hi = min(V, lo + chunk);
+  });
+  // ties at the threshold: the lowest ids. Each warp takes a contiguous chunk of the row (read
+  // coalesced), counts its ties, and writes them after those of the warps before it.
+  const int nw = blockDim.x >> 5, w = t >> 5, lane = t & 31;
+  const int chunk = ((V + nw - 1) / nw + 31) & ~31;
+  const int lo = min(V, w * chunk), hi = min(V, lo + chunk);
   unsigned int c = 0;
-  for (int i = lo; i < hi; ++i) c += fkey(row[i]) == thr;
-  counts[t] = c;
-  __syncthreads();
-  for (int o = 1; o < (int)blockDim.x; o <<= 1) {
-    const unsigned int add = t >= o ? counts[t - o] : 0u;
-    __syncthreads();
-    counts[t] += add;
-    __syncthreads();
+  for (int base = lo; base < hi; base += 32) {
+    const int i = base + lane;
+    c += __popc(__ballot_sync(0xffffffffu, i < hi && fkey(row[i]) == thr));
   }
-  unsigned int r = counts[t] - c;  // exclusive prefix
-  for (int i = lo; i < hi && r < ties; ++i) {
-    const float v = row[i];
-    if (fkey(v) == thr) {
-      ov[above + r] = v - lse;
-      oi[above + r] = i;
-      ++r;
+  if (lane == 0) wcnt[w] = c;
+  __syncthreads();
+  unsigned int r = 0;  // ties in the chunks before this warp's
+  for (int j = 0; j < w; ++j) r += wcnt[j];
+  for (int base = lo; base < hi && r < ties; base += 32) {
+    const int i = base + lane;
+    const float v = i < hi ? row[i] : 0.0f;
+    const bool tie = i < hi && fkey(v) == thr;
+    const unsigned int bits = __ballot_sync(0xffffffffu, tie);
+    const unsigned int p = r + __popc(bits & ((1u << lane) - 1u));
+    if (tie && p < ties) {
+      ov[above + p] = v - lse;
+      oi[above + p] = i;
     }
+    r += __popc(bits);
   }
 }
 
@@ -313,100 +407,138 @@ extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int t
   __shared__ unsigned int sel[2];
   __shared__ unsigned long long mhist[256];
   __shared__ unsigned long long msel[2];
-  __shared__ unsigned long long sums[TPB];
+  __shared__ unsigned long long wtot[TPB / 32];
   __shared__ unsigned long long wsum[TPB];  // each lane's mass, for its warp's digit sums
+  // kth_largest_key's per-warp counters, then the top-p passes' per-group masses
+  __shared__ unsigned long long pool[TPB / 32 * 128];
   const float* row = x + (long long)blockIdx.x * V;
   const int t = threadIdx.x;
-  const int lane = t & 31;
+  const int lane = t & 31, w = t >> 5, nw = blockDim.x >> 5;
   float mx = NEG_INF;
-  for (int i = t; i < V; i += blockDim.x) mx = fmaxf(mx, row[i]);
+  row_pass(row, V, [&](int, float v, bool ok) {
+    if (ok) mx = fmaxf(mx, v);
+  });
   const float m = block_max(mx, red);
 
   unsigned int thr = 0;  // keep keys >= thr
-  if (top_k > 0 && top_k < V) thr = kth_largest_key(row, V, (unsigned int)top_k, hist, sel);
+  if (top_k > 0 && top_k < V)
+    thr = kth_largest_key(row, V, (unsigned int)top_k, hist, sel, (unsigned int*)pool);
   if (top_p < 1.0f) {
     if (t == 0) msel[0] = 0;
     __syncthreads();
     unsigned long long z = 0;
-    for (int i = t; i < V; i += blockDim.x)
-      if (fkey(row[i]) >= thr) z += fx_mass(row[i], m, inv_t);
-    atomicAdd(&msel[0], z);
+    row_pass(row, V, [&](int, float v, bool ok) {
+      if (ok && fkey(v) >= thr) z += fx_mass(v, m, inv_t);
+    });
+    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+    if (lane == 0) atomicAdd(&msel[0], z);
     __syncthreads();
     const double want = (double)top_p * (double)msel[0];
     unsigned long long need = (unsigned long long)want;
     if ((double)need < want) need += 1;
     __syncthreads();
+    // masses by digit, one 256-bin histogram per group of four warps
+    const int groups = (nw + 3) / 4;
+    unsigned long long* gh = pool + (w / 4) * 256;
     unsigned int prefix = 0, mask = 0;
     if (t == 0) msel[1] = need;
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = t; b < 256; b += blockDim.x) mhist[b] = 0;
+      for (int b = t; b < groups * 256; b += blockDim.x) pool[b] = 0;
       __syncthreads();
-      // as in kth_largest_key: one atomic per distinct digit of the warp, its lanes' masses
-      // summed by the lowest lane (integer sums: the same totals in any order)
-      for (int base = t - lane; base < V; base += blockDim.x) {
-        const int i = base + lane;
+      // one atomic per distinct digit of the warp, its lanes' masses summed by the lowest lane
+      // (integer sums: the same totals in any order)
+      row_pass(row, V, [&](int, float x, bool ok) {
         unsigned int b = 256u;
-        unsigned long long w = 0;
-        if (i < V) {
-          const unsigned int key = fkey(row[i]);
+        unsigned long long wt = 0;
+        if (ok) {
+          const unsigned int key = fkey(x);
           if (key >= thr && (key & mask) == prefix) {
             b = (key >> shift) & 255u;
-            w = fx_mass(row[i], m, inv_t);
+            wt = fx_mass(x, m, inv_t);
           }
         }
         const unsigned int peers = __match_any_sync(0xffffffffu, b);
-        wsum[t] = w;
+        wsum[t] = wt;
         __syncwarp();
         if (b < 256u && __ffs(peers) - 1 == lane) {
           unsigned long long acc = 0;
           for (unsigned int p = peers; p; p &= p - 1) acc += wsum[t - lane + __ffs(p) - 1];
-          atomicAdd(&mhist[b], acc);
+          atomicAdd(&gh[b], acc);
         }
         __syncwarp();
+      });
+      __syncthreads();
+      for (int b = t; b < 256; b += blockDim.x) {
+        unsigned long long c = 0;
+        for (int g = 0; g < groups; ++g) c += pool[g * 256 + b];
+        mhist[b] = c;
       }
       __syncthreads();
-      if (t == 0) {
-        unsigned long long left = msel[1], cum = 0;
-        int d = 255;
-        for (; d > 0; --d) {
-          if (cum + mhist[d] >= left) break;
-          cum += mhist[d];
-        }
-        sel[0] = prefix | ((unsigned int)d << shift);
-        msel[1] = left > cum ? left - cum : 0;
+      if (t < 32) {
+        const unsigned long long left = msel[1];
+        __syncwarp();
+        pick_digit<unsigned long long>(mhist, left, &sel[0], &msel[1]);
       }
       __syncthreads();
-      prefix = sel[0];
+      prefix |= sel[0] << shift;
       mask |= 255u << shift;
+      __syncthreads();
     }
     thr = max(thr, prefix);
   }
-  // kept mass per contiguous chunk, exclusive scan, then the chunk holding u · total
-  const int chunk = (V + blockDim.x - 1) / blockDim.x;
-  const int lo = min(V, t * chunk), hi = min(V, lo + chunk);
+  // the kept mass of each warp's contiguous chunk (read coalesced), the warp holding u · total,
+  // then the lane inside it where the mass accumulated in id order passes it
+  const int chunk = ((V + nw - 1) / nw + 31) & ~31;
+  const int lo = min(V, w * chunk), hi = min(V, lo + chunk);
   unsigned long long c = 0;
-  for (int i = lo; i < hi; ++i)
-    if (fkey(row[i]) >= thr) c += fx_mass(row[i], m, inv_t);
-  sums[t] = c;
-  __syncthreads();
-  for (int o = 1; o < (int)blockDim.x; o <<= 1) {
-    const unsigned long long add = t >= o ? sums[t - o] : 0ull;
-    __syncthreads();
-    sums[t] += add;
-    __syncthreads();
+  for (int base = lo; base < hi; base += 32) {
+    const int i = base + lane;
+    if (i < hi) {
+      const float v = row[i];
+      if (fkey(v) >= thr) c += fx_mass(v, m, inv_t);
+    }
   }
-  const unsigned long long total = sums[blockDim.x - 1];
-  unsigned long long r = (unsigned long long)((double)u[blockIdx.x] * (double)total);
-  if (r >= total) r = total - 1;
-  unsigned long long acc = sums[t] - c;
-  if (c > 0 && r >= acc && r < acc + c) {
-    for (int i = lo; i < hi; ++i) {
-      if (fkey(row[i]) < thr) continue;
-      acc += fx_mass(row[i], m, inv_t);
-      if (r < acc) {
-        out[blockIdx.x] = i;
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  if (lane == 0) wtot[w] = c;
+  if (t == 0) sel[0] = 0xffffffffu;
+  __syncthreads();
+  if (w == 0) {
+    const unsigned long long v = lane < nw ? wtot[lane] : 0ull;
+    unsigned long long inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= o) inc += y;
+    }
+    const unsigned long long total = __shfl_sync(0xffffffffu, inc, 31);
+    unsigned long long r = (unsigned long long)((double)u[blockIdx.x] * (double)total);
+    if (r >= total) r = total - 1;
+    if (v > 0 && r >= inc - v && r < inc) {
+      sel[0] = lane;
+      msel[0] = r - (inc - v);
+    }
+  }
+  __syncthreads();
+  if (w == (int)sel[0]) {
+    unsigned long long left = msel[0];
+    for (int base = lo; base < hi; base += 32) {
+      const int i = base + lane;
+      unsigned long long mass = 0;
+      if (i < hi) {
+        const float v = row[i];
+        if (fkey(v) >= thr) mass = fx_mass(v, m, inv_t);
+      }
+      unsigned long long inc = mass;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      const unsigned long long tot = __shfl_sync(0xffffffffu, inc, 31);
+      if (left < tot) {
+        const unsigned int hit = __ballot_sync(0xffffffffu, left < inc);
+        if (lane == __ffs(hit) - 1) out[blockIdx.x] = i;
         break;
       }
+      left -= tot;
     }
   }
 }
