@@ -256,7 +256,8 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
         (false, 4096, 1000),
         (true, 1088, 777),
     ] {
-        let x = Tensor::randn(0f32, 1.0, (40, k), &dev)
+        // 130 rows: the 64-row groups' kernel (and its last partial group) against every width
+        let x = Tensor::randn(0f32, 1.0, (130, k), &dev)
             .unwrap()
             .to_dtype(DType::BF16)
             .unwrap();
@@ -266,8 +267,8 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
             .unwrap();
         let y = stream_matmul(&x, &w, f32_out)
             .unwrap()
-            .expect("40 bf16 rows stream");
-        assert_eq!(y.dims(), &[40, n]);
+            .expect("130 bf16 rows stream");
+        assert_eq!(y.dims(), &[130, n]);
         let want = x
             .to_dtype(DType::F32)
             .unwrap()
@@ -287,6 +288,9 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
             (8, 8),
             (1, 9),
             (5, 33),
+            (100, 17),
+            (60, 65),
+            (2, 128),
         ] {
             let part = stream_matmul(&x.narrow(0, start, rows).unwrap(), &w, f32_out)
                 .unwrap()
@@ -319,7 +323,7 @@ fn stream_silu_matmul_equals_silu_mul_then_the_gemm() {
         return;
     }
     let (inter, n) = (1536, 576);
-    let gate_up = Tensor::randn(0f32, 2.0, (20, 2 * inter), &dev)
+    let gate_up = Tensor::randn(0f32, 2.0, (80, 2 * inter), &dev)
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
@@ -331,7 +335,14 @@ fn stream_silu_matmul_equals_silu_mul_then_the_gemm() {
     let want = stream_matmul(&act, &w, false).unwrap().unwrap();
     let got = stream_silu_matmul(&gate_up, &w).unwrap().unwrap();
     assert_eq!(max_abs(&got, &want), 0.0);
-    for (start, rows) in [(0usize, 1usize), (11, 1), (4, 7), (2, 18)] {
+    for (start, rows) in [
+        (0usize, 1usize),
+        (11, 1),
+        (4, 7),
+        (2, 18),
+        (9, 40),
+        (10, 70),
+    ] {
         let part = stream_silu_matmul(&gate_up.narrow(0, start, rows).unwrap(), &w)
             .unwrap()
             .unwrap();
