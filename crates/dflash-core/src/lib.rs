@@ -18,6 +18,7 @@ pub mod flash_block;
 #[cfg(feature = "cuda")]
 mod flash_block_cuda;
 pub mod fused_grad;
+pub mod gated_delta;
 pub mod norm;
 pub mod rope;
 pub mod step;

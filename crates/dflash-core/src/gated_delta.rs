@@ -1,0 +1,363 @@
+//! The gated delta rule of Gated DeltaNet, the linear-attention layer of the Qwen3.5 / Qwen3.6
+//! hybrids and Qwen3-Next (`../shared/docs/ecosystem.md` §3): per value head a state
+//! `S ∈ R^{dk×dv}` (f32) with, for each token t,
+//! `S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ` and output `o_t = S_tᵀ q_t`
+//! (`α_t = e^{g_t}`, `g_t ≤ 0` the log decay, `β_t ∈ (0, 1)` the write strength).
+//!
+//! Two forms of the same map:
+//! - [`recurrent`]: token by token (decode), optionally returning the state after every token —
+//!   the per-token checkpoints a speculative verify needs to keep exactly the accepted prefix.
+//! - [`chunked`]: chunks of [`CHUNK`] tokens at once (prefill, verification), the WY form with a
+//!   forward substitution per chunk, continuing from any state.
+//!
+//! Invariants:
+//! - Inputs are already what the rule consumes: `q` l2-normalised and scaled by `dk^-½`, `k`
+//!   l2-normalised, heads repeated to the value heads (`[T, H, dk]`, `[T, H, dv]`), `g` and `beta`
+//!   `[T, H]`; everything in f32 (callers upcast), state `[H, dk, dv]`.
+//! - Both forms give the same outputs and final state up to f32 rounding (tested), from any
+//!   starting state; the state after token t of [`recurrent`]'s checkpoints is the state a
+//!   forward over tokens `0..=t` alone ends in, so rolling back to an accepted prefix is exact.
+
+use crate::{CoreError, Result};
+use candle_core::{DType, Tensor, D};
+
+/// Tokens per chunk of [`chunked`] (HF's `chunk_size`).
+pub const CHUNK: usize = 64;
+
+/// The rule's inputs for `T` tokens and `H` heads (see the module invariants).
+pub struct DeltaInputs<'a> {
+    /// `[T, H, dk]`, l2-normalised and scaled.
+    pub q: &'a Tensor,
+    /// `[T, H, dk]`, l2-normalised.
+    pub k: &'a Tensor,
+    /// `[T, H, dv]`.
+    pub v: &'a Tensor,
+    /// Log decay `[T, H]` (≤ 0).
+    pub g: &'a Tensor,
+    /// Write strength `[T, H]`.
+    pub beta: &'a Tensor,
+}
+
+impl DeltaInputs<'_> {
+    /// `(T, H, dk, dv)`, after checking every shape and dtype.
+    fn dims(&self) -> Result<(usize, usize, usize, usize)> {
+        let (t, h, dk) = self.q.dims3()?;
+        let (_, _, dv) = self.v.dims3()?;
+        let ok = self.k.dims() == [t, h, dk]
+            && self.v.dims() == [t, h, dv]
+            && self.g.dims() == [t, h]
+            && self.beta.dims() == [t, h]
+            && [self.q, self.k, self.v, self.g, self.beta]
+                .iter()
+                .all(|x| x.dtype() == DType::F32);
+        if !ok {
+            return Err(CoreError::InvalidInput(format!(
+                "gated delta: q {:?} k {:?} v {:?} g {:?} beta {:?} (f32, [T, H, d] and [T, H])",
+                self.q.dims(),
+                self.k.dims(),
+                self.v.dims(),
+                self.g.dims(),
+                self.beta.dims()
+            )));
+        }
+        Ok((t, h, dk, dv))
+    }
+}
+
+fn check_state(state: &Tensor, h: usize, dk: usize, dv: usize) -> Result<()> {
+    if state.dims() != [h, dk, dv] || state.dtype() != DType::F32 {
+        return Err(CoreError::InvalidInput(format!(
+            "gated delta: state {:?} {:?}, expected [{h}, {dk}, {dv}] f32",
+            state.dims(),
+            state.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// What [`recurrent`] returns: outputs `[T, H, dv]`, the final state `[H, dk, dv]`, and, when
+/// asked, the state after every token `[T, H, dk, dv]`.
+pub struct Recurrent {
+    pub out: Tensor,
+    pub state: Tensor,
+    pub checkpoints: Option<Tensor>,
+}
+
+/// The rule token by token from `state` (see the module docs).
+pub fn recurrent(x: &DeltaInputs, state: &Tensor, checkpoints: bool) -> Result<Recurrent> {
+    let (t, h, dk, dv) = x.dims()?;
+    check_state(state, h, dk, dv)?;
+    let mut s = state.clone();
+    let (mut outs, mut states) = (Vec::with_capacity(t), Vec::new());
+    let alpha = x.g.exp()?;
+    for i in 0..t {
+        let q = x.q.get(i)?.unsqueeze(2)?; // [H, dk, 1]
+        let k = x.k.get(i)?.unsqueeze(2)?; // [H, dk, 1]
+        let v = x.v.get(i)?.unsqueeze(1)?; // [H, 1, dv]
+        let a = alpha.get(i)?.reshape((h, 1, 1))?;
+        let b = x.beta.get(i)?.reshape((h, 1, 1))?;
+        let decayed = s.broadcast_mul(&a)?;
+        // δ = β (v − S̃ᵀ k), as a row [H, 1, dv]
+        let predicted = k.transpose(1, 2)?.matmul(&decayed)?; // [H, 1, dv]
+        let delta = (v - predicted)?.broadcast_mul(&b)?;
+        s = (decayed + k.matmul(&delta)?)?;
+        outs.push(q.transpose(1, 2)?.matmul(&s)?.squeeze(1)?); // [H, dv]
+        if checkpoints {
+            states.push(s.clone());
+        }
+    }
+    let out = if t == 0 {
+        Tensor::zeros((0, h, dv), DType::F32, state.device())?
+    } else {
+        Tensor::stack(&outs, 0)?
+    };
+    let checkpoints = if checkpoints && t > 0 {
+        Some(Tensor::stack(&states, 0)?)
+    } else {
+        None
+    };
+    Ok(Recurrent {
+        out,
+        state: s,
+        checkpoints,
+    })
+}
+
+/// `[n, n]` lower-triangular ones (diagonal included when `diag`).
+fn tril(n: usize, diag: bool, device: &candle_core::Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..n * n)
+        .map(|e| {
+            let (i, j) = (e / n, e % n);
+            if j < i || (diag && j == i) {
+                1.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, (n, n), device)?)
+}
+
+/// The rule over chunks of [`CHUNK`] tokens from `state`: outputs `[T, H, dv]` and the final
+/// state (see the module docs). Per chunk, per head, with Γ the running sum of g inside the chunk
+/// and `D_ij = e^{Γ_i − Γ_j}` (i ≥ j): `T = (I − A)⁻¹` for `A = −tril₀(diag(β) K Kᵀ ⊙ D)`,
+/// `U = T (β ⊙ V)`, `W = T (β ⊙ e^Γ ⊙ K)`, `V' = U − W S`, then
+/// `O = (e^Γ ⊙ Q) S + (tril(Q Kᵀ ⊙ D)) V'` and `S ← e^{Γ_C} S + (e^{Γ_C − Γ} ⊙ K)ᵀ V'`.
+pub fn chunked(x: &DeltaInputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (t, h, dk, dv) = x.dims()?;
+    check_state(state, h, dk, dv)?;
+    let dev = state.device();
+    let mut s = state.clone();
+    let mut outs = vec![];
+    let mut start = 0;
+    while start < t {
+        let c = CHUNK.min(t - start);
+        // head-major chunk tensors
+        let hm = |a: &Tensor| -> Result<Tensor> {
+            Ok(a.narrow(0, start, c)?.transpose(0, 1)?.contiguous()?)
+        };
+        let (q, k, v) = (hm(x.q)?, hm(x.k)?, hm(x.v)?); // [H, c, d]
+        let g = hm(x.g)?; // [H, c]
+        let beta = hm(x.beta)?.unsqueeze(2)?; // [H, c, 1]
+        let gamma = g.cumsum(1)?; // [H, c]
+        let gi = gamma.unsqueeze(2)?; // [H, c, 1]
+        let gj = gamma.unsqueeze(1)?; // [H, 1, c]
+        let lower = tril(c, false, dev)?;
+        let lower_diag = tril(c, true, dev)?;
+        // D_ij = e^{Γi − Γj} where i ≥ j (0 elsewhere; masked before exp to avoid overflow)
+        let diff = gi.broadcast_sub(&gj)?;
+        let diff = diff.broadcast_mul(&lower_diag)?;
+        let decay = diff.exp()?.broadcast_mul(&lower_diag)?; // [H, c, c]
+        let kk = k.matmul(&k.transpose(1, 2)?)?; // [H, c, c]
+        let a = (kk.broadcast_mul(&beta)? * &decay)?
+            .broadcast_mul(&lower)?
+            .neg()?;
+        let tinv = inverse_unit_lower(&a, c)?; // (I − A)⁻¹
+        let eg = gamma.exp()?.unsqueeze(2)?; // [H, c, 1]
+        let u = tinv.matmul(&v.broadcast_mul(&beta)?)?; // [H, c, dv]
+        let w = tinv.matmul(&k.broadcast_mul(&beta)?.broadcast_mul(&eg)?)?; // [H, c, dk]
+        let v_new = (u - w.matmul(&s)?)?; // [H, c, dv]
+        let qk = q.matmul(&k.transpose(1, 2)?)?; // [H, c, c]
+        let inner = (qk * &decay)?.broadcast_mul(&lower_diag)?;
+        let o = (q.broadcast_mul(&eg)?.matmul(&s)? + inner.matmul(&v_new)?)?; // [H, c, dv]
+        outs.push(o.transpose(0, 1)?); // [c, H, dv]
+        let g_last = gamma.narrow(1, c - 1, 1)?; // [H, 1]
+        let tail = g_last.broadcast_sub(&gamma)?.exp()?.unsqueeze(2)?; // e^{Γ_C − Γ} [H, c, 1]
+        let carried = s.broadcast_mul(&g_last.exp()?.unsqueeze(2)?)?;
+        s = (carried + k.broadcast_mul(&tail)?.transpose(1, 2)?.matmul(&v_new)?)?;
+        start += c;
+    }
+    let out = if outs.is_empty() {
+        Tensor::zeros((0, h, dv), DType::F32, dev)?
+    } else {
+        Tensor::cat(&outs, 0)?.contiguous()?
+    };
+    Ok((out, s))
+}
+
+/// `(I − A)⁻¹` for strictly lower-triangular `A` `[H, n, n]`, by forward substitution: row i of
+/// the inverse is `e_i + Σ_{j<i} A_ij · row j`.
+fn inverse_unit_lower(a: &Tensor, n: usize) -> Result<Tensor> {
+    let (h, _, _) = a.dims3()?;
+    let eye = Tensor::eye(n, DType::F32, a.device())?;
+    let mut rows: Vec<Tensor> = Vec::with_capacity(n);
+    for i in 0..n {
+        let e = eye
+            .get(i)?
+            .unsqueeze(0)?
+            .broadcast_as((h, n))?
+            .contiguous()?; // [H, n]
+        let row = if i == 0 {
+            e
+        } else {
+            let coeff = a.narrow(1, i, 1)?.narrow(2, 0, i)?; // [H, 1, i]
+            let prev = Tensor::stack(&rows, 1)?; // [H, i, n]
+            (e + coeff.matmul(&prev)?.squeeze(1)?)?
+        };
+        rows.push(row);
+    }
+    Ok(Tensor::stack(&rows, 1)?)
+}
+
+/// `x · rsqrt(Σx² + 1e-6)` over the last dimension (the rule's q/k normalisation, f32).
+pub fn l2norm(x: &Tensor) -> Result<Tensor> {
+    let ss = x.sqr()?.sum_keepdim(D::Minus1)?;
+    Ok(x.broadcast_mul(&(ss + 1e-6)?.sqrt()?.recip()?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn inputs(t: usize, h: usize, dk: usize, dv: usize, seed: u64) -> Vec<Tensor> {
+        let dev = Device::Cpu;
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        let mut rnd = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let q = l2norm(&Tensor::from_vec(rnd(t * h * dk), (t, h, dk), &dev).unwrap()).unwrap();
+        let q = (q * (dk as f64).powf(-0.5)).unwrap();
+        let k = l2norm(&Tensor::from_vec(rnd(t * h * dk), (t, h, dk), &dev).unwrap()).unwrap();
+        let v = Tensor::from_vec(rnd(t * h * dv), (t, h, dv), &dev).unwrap();
+        // g in (−1.5, 0), beta in (0, 1)
+        let g: Vec<f32> = rnd(t * h).iter().map(|x| -0.75 * (x + 1.0)).collect();
+        let b: Vec<f32> = rnd(t * h).iter().map(|x| 0.5 * (x + 1.0)).collect();
+        let g = Tensor::from_vec(g, (t, h), &dev).unwrap();
+        let b = Tensor::from_vec(b, (t, h), &dev).unwrap();
+        vec![q, k, v, g, b]
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    fn view(v: &[Tensor]) -> DeltaInputs<'_> {
+        DeltaInputs {
+            q: &v[0],
+            k: &v[1],
+            v: &v[2],
+            g: &v[3],
+            beta: &v[4],
+        }
+    }
+
+    #[test]
+    fn the_chunked_form_equals_the_recurrence_from_any_state() {
+        let (h, dk, dv) = (3, 8, 6);
+        for (t, seed) in [(1usize, 1u64), (5, 2), (64, 3), (100, 4), (130, 5)] {
+            let v = inputs(t, h, dk, dv, seed);
+            let s0 = (Tensor::randn(0f32, 0.3, (h, dk, dv), &Device::Cpu).unwrap()
+                * (seed as f64 / 5.0))
+                .unwrap();
+            let r = recurrent(&view(&v), &s0, false).unwrap();
+            let (o, s) = chunked(&view(&v), &s0).unwrap();
+            assert_eq!(o.dims(), &[t, h, dv]);
+            let (dout, dstate) = (max_diff(&o, &r.out), max_diff(&s, &r.state));
+            assert!(
+                dout < 1e-4 && dstate < 1e-4,
+                "T {t}: out {dout}, state {dstate}"
+            );
+        }
+    }
+
+    #[test]
+    fn checkpoints_are_the_states_of_each_prefix_and_chunks_continue_from_them() {
+        let (t, h, dk, dv) = (20, 2, 4, 5);
+        let v = inputs(t, h, dk, dv, 9);
+        let s0 = Tensor::zeros((h, dk, dv), DType::F32, &Device::Cpu).unwrap();
+        let r = recurrent(&view(&v), &s0, true).unwrap();
+        let ck = r.checkpoints.unwrap();
+        assert_eq!(ck.dims(), &[t, h, dk, dv]);
+        assert!(max_diff(&ck.get(t - 1).unwrap(), &r.state) == 0.0);
+        // the prefix 0..=6 alone ends in checkpoint 6; continuing from it gives the rest
+        let cut = |a: usize, b: usize| -> Vec<Tensor> {
+            v.iter().map(|x| x.narrow(0, a, b - a).unwrap()).collect()
+        };
+        let head = cut(0, 7);
+        let (_, s7) = chunked(&view(&head), &s0).unwrap();
+        assert!(max_diff(&s7, &ck.get(6).unwrap()) < 1e-5);
+        let tail = cut(7, t);
+        let (o_tail, s_end) = chunked(&view(&tail), &ck.get(6).unwrap()).unwrap();
+        assert!(max_diff(&o_tail, &r.out.narrow(0, 7, t - 7).unwrap()) < 1e-5);
+        assert!(max_diff(&s_end, &r.state) < 1e-5);
+    }
+
+    /// transformers' own torch implementations of the rule (the functions its Qwen3.5 layers
+    /// call; `scripts/make_gated_delta_fixture.py` on the GPU machine), from a random state, q and
+    /// k l2-normalised inside them and q scaled by dk^-½ — here before the call.
+    #[test]
+    fn both_forms_match_transformers() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/gated-delta/rule.safetensors");
+        let f = candle_core::safetensors::load(&path, &Device::Cpu).expect("the committed fixture");
+        let dk = f["q"].dim(2).unwrap();
+        let q = (l2norm(&f["q"]).unwrap() * (dk as f64).powf(-0.5)).unwrap();
+        let k = l2norm(&f["k"]).unwrap();
+        let x = DeltaInputs {
+            q: &q,
+            k: &k,
+            v: &f["v"],
+            g: &f["g"],
+            beta: &f["beta"],
+        };
+        let (o, s) = chunked(&x, &f["state0"]).unwrap();
+        assert!(
+            max_diff(&o, &f["out_chunked"]) < 2e-5,
+            "{}",
+            max_diff(&o, &f["out_chunked"])
+        );
+        assert!(max_diff(&s, &f["state_chunked"]) < 2e-5);
+        let r = recurrent(&x, &f["state0"], false).unwrap();
+        assert!(max_diff(&r.out, &f["out_recurrent"]) < 2e-5);
+        assert!(max_diff(&r.state, &f["state_recurrent"]) < 2e-5);
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        let v = inputs(4, 2, 4, 4, 1);
+        let s_bad = Tensor::zeros((2, 4, 5), DType::F32, &Device::Cpu).unwrap();
+        assert!(recurrent(&view(&v), &s_bad, false).is_err());
+        assert!(chunked(&view(&v), &s_bad).is_err());
+        let mut w = v.clone();
+        w[3] = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        let s = Tensor::zeros((2, 4, 4), DType::F32, &Device::Cpu).unwrap();
+        assert!(recurrent(&view(&w), &s, false).is_err());
+    }
+}
