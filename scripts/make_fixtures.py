@@ -7,6 +7,8 @@ Run on the GPU machine (torch 2.11, transformers 5.17); everything is computed i
   tiny-llama/      random Llama (GQA, tied embeddings, odd sizes): config.json, model.safetensors
   tiny-llama31/    random Llama with Llama-3.1 rope scaling, untied lm_head
   tiny-qwen3/      random Qwen3 (q/k norm, head_dim != hidden/heads)
+  tiny-qwen3.5/    random Qwen3.5 text hybrid (three Gated DeltaNet layers, then a gated full-attention
+                   layer; Hv > Hk; partial rotary) — issue 17's reference (`--only-hybrid` makes it alone)
      each with reference.safetensors:
        input_ids [n] i64, logits [n,V], hidden_states.{i} [n,H] for i in 0..=L  (HF hidden_states[i];
        index 0 = embeddings, i = output of decoder layer i-1, the last one after the final norm as HF does)
@@ -96,8 +98,36 @@ def init_random(model, seed):
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
 
 
-def make_tiny(out_dir):
-    for name, cls, cfg, seed in tiny_models():
+def tiny_hybrid():
+    """The Qwen3.5 text hybrid: the config class and model class transformers names them by."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    from transformers.models.qwen3_5 import configuration_qwen3_5 as c
+
+    cfg = c.Qwen3_5TextConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=104,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return [("tiny-qwen3.5", m.Qwen3_5ForCausalLM, cfg, 14)]
+
+
+def make_tiny(out_dir, models=None):
+    for name, cls, cfg, seed in models or tiny_models():
         torch.manual_seed(seed)
         cfg._attn_implementation = "eager"
         model = cls(cfg).to(torch.float32).eval()
@@ -201,11 +231,16 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--only-hybrid", action="store_true")
     a = ap.parse_args()
     print("torch", torch.__version__, "transformers", transformers.__version__, flush=True)
     os.makedirs(a.out, exist_ok=True)
+    if a.only_hybrid:
+        make_tiny(a.out, tiny_hybrid())
+        return 0
     if not a.skip_tiny:
         make_tiny(a.out)
+        make_tiny(a.out, tiny_hybrid())
     if a.gguf:
         make_smollm2(a.out, a.gguf)
     return 0

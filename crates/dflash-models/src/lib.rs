@@ -8,6 +8,7 @@ pub mod config;
 pub mod decoder;
 pub mod drafter;
 pub mod error;
+pub mod gated_deltanet;
 pub mod gguf;
 pub mod loader;
 mod projection;
