@@ -178,9 +178,7 @@ pub(crate) fn write_report(
     let text = serde_json::to_string_pretty(report)?;
     println!("{text}");
     if let Some(p) = out {
-        let tmp = p.with_extension("tmp");
-        std::fs::write(&tmp, &text).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, p).with_context(|| format!("writing {}", p.display()))?;
+        crate::defaults::write_atomic(p, text.as_bytes())?;
     }
     Ok(())
 }

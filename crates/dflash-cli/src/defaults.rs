@@ -40,9 +40,8 @@ pub fn target_path(flag: Option<&Path>) -> Result<PathBuf, UsageError> {
 /// Writes `bytes` to `path` through a temporary file and a rename (never a half-written file).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     use anyhow::Context;
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+    dflash_core::fs::write_atomic(path, bytes)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// The shipped drafter for SmolLM2-135M-Instruct (trained by `dflash train`, z-lab format).

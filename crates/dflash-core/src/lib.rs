@@ -17,6 +17,7 @@ pub mod error;
 pub mod flash_block;
 #[cfg(feature = "cuda")]
 mod flash_block_cuda;
+pub mod fs;
 pub mod fused_grad;
 pub mod gated_delta;
 pub mod norm;

@@ -40,7 +40,6 @@ pub fn shard_path(dir: &Path, i: usize) -> PathBuf {
 pub fn write_shard(dir: &Path, i: usize, examples: &[Example]) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let path = shard_path(dir, i);
-    let tmp = path.with_extension("jsonl.tmp");
     let mut text = String::new();
     for e in examples {
         text.push_str(
@@ -48,8 +47,7 @@ pub fn write_shard(dir: &Path, i: usize, examples: &[Example]) -> Result<()> {
         );
         text.push('\n');
     }
-    std::fs::write(&tmp, text).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &path).map_err(io(&path))
+    dflash_core::fs::write_atomic(&path, text.as_bytes()).map_err(io(&path))
 }
 
 /// Every example of every shard in `dir`, in shard order.

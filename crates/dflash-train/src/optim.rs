@@ -141,13 +141,13 @@ impl AdamW {
             t.insert(format!("m.{k}"), m.clone());
             t.insert(format!("v.{k}"), self.v[k].clone());
         }
-        let tmp = path.with_extension("tmp");
-        candle_core::safetensors::save(&t, &tmp)?;
-        std::fs::rename(&tmp, path).map_err(|e| TrainError::Io {
+        dflash_core::fs::write_atomic_with(path, |tmp| {
+            candle_core::safetensors::save(&t, tmp).map_err(std::io::Error::other)
+        })
+        .map_err(|e| TrainError::Io {
             path: path.display().to_string(),
             source: e,
-        })?;
-        Ok(())
+        })
     }
 
     pub fn load(&mut self, path: &Path, step: usize) -> Result<()> {

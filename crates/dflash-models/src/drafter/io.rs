@@ -297,12 +297,7 @@ pub fn warm_start_weights(dir: &Path, cfg: &DFlashConfig) -> Result<BTreeMap<Str
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(|e| ModelError::Io {
-        path: tmp.clone(),
-        source: e,
-    })?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::Io {
+    dflash_core::fs::write_atomic(path, bytes).map_err(|e| ModelError::Io {
         path: path.to_path_buf(),
         source: e,
     })
@@ -338,14 +333,16 @@ pub fn save_drafter(
         } else {
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         };
-        let tmp = dir.join(format!("{file}.tmp"));
         let map: std::collections::HashMap<String, Tensor> = shard
             .iter()
             .map(|(k, v)| ((*k).clone(), (*v).clone()))
             .collect();
-        candle_core::safetensors::save(&map, &tmp)?;
-        std::fs::rename(&tmp, dir.join(&file)).map_err(|e| ModelError::Io {
-            path: dir.join(&file),
+        let dest = dir.join(&file);
+        dflash_core::fs::write_atomic_with(&dest, |tmp| {
+            candle_core::safetensors::save(&map, tmp).map_err(std::io::Error::other)
+        })
+        .map_err(|e| ModelError::Io {
+            path: dest.clone(),
             source: e,
         })?;
         for (name, _) in shard {
