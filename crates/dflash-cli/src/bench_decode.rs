@@ -67,9 +67,10 @@ pub struct DecodeArgs {
     /// f32, bf16 or f16 (default: bf16 on CUDA, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
-    /// Bit-exact bf16: every projection on the row-invariant streaming GEMM (CUDA), so a verified
-    /// row computes exactly what the one-token AR step computes and speculative output equals AR's
-    /// token for token in bf16 too (SmolLM2 on the H200: 80 of 80 generations; DDTree ~14 % slower).
+    /// Bit-exact: every projection (and on the CPU attention too) on row-invariant kernels, so a
+    /// verified row computes exactly what the one-token AR step computes and speculative output
+    /// equals AR's token for token in bf16 too (SmolLM2 on the H200: 80 of 80 generations, DDTree
+    /// ~20 % slower; on the CPU much slower).
     #[arg(long)]
     bit_exact: bool,
     /// Timed runs of each op (the median is reported).

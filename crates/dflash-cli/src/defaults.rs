@@ -94,19 +94,13 @@ pub fn drafter_path(flag: Option<&Path>, target: &Path) -> Result<PathBuf, Usage
     )))
 }
 
-/// `--bit-exact`: fixes the streaming-GEMM policy at every call of up to 288 rows (CUDA bf16), so
-/// a step's rows never depend on how many rows it computes; without the flag the environment's
-/// policy (`DFLASH_STREAM_GEMM`) or the fast default holds. A usage error off CUDA: the CPU's bf16
-/// matmuls depend on the row count (docs/benchmarks.md session 12), and f32 is exact there anyway.
-pub fn apply_bit_exact(on: bool, device: &candle_core::Device) -> anyhow::Result<()> {
+/// `--bit-exact`: fixes the streaming-GEMM policy at every call of up to 288 rows (CUDA bf16; on the
+/// CPU, `dflash_core::rowwise` for every projection and attention), so a step's rows never depend
+/// on how many rows it computes; without the flag the environment's policy (`DFLASH_STREAM_GEMM`)
+/// or the fast default holds.
+pub fn apply_bit_exact(on: bool, _device: &candle_core::Device) -> anyhow::Result<()> {
     if !on {
         return Ok(());
-    }
-    if !device.is_cuda() {
-        return Err(UsageError(
-            "--bit-exact needs --device cuda (on the CPU, f32 gives output identical to AR)".into(),
-        )
-        .into());
     }
     dflash_core::stream_gemm::set_policy(dflash_core::stream_gemm::StreamPolicy::All)?;
     Ok(())

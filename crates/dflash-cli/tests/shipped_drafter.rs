@@ -176,3 +176,38 @@ fn auto_is_the_default_lossless_and_reports_its_choice() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("auto -> ar (no drafter)"), "{err}");
 }
+
+/// `--bit-exact` on the CPU in bf16: DFlash and DDTree give exactly the AR tokens (the CPU's
+/// row-invariant kernels; without the flag the CPU's bf16 verify rows round differently from AR
+/// steps).
+#[test]
+fn bit_exact_bf16_on_the_cpu_equals_ar() {
+    let Some(target) = smollm2() else { return };
+    let run_mode = |mode: &str| {
+        let (code, out, err) = generate_on(
+            &target,
+            &[
+                "--bit-exact",
+                "--dtype",
+                "bf16",
+                "--mode",
+                mode,
+                "--max-new-tokens",
+                "16",
+                "--prompt",
+                "Natalia sold clips to 48 of her friends in April. How many clips?",
+            ],
+        );
+        assert_eq!(code, 0, "{mode}: {err}");
+        out
+    };
+    let ar = run_mode("ar");
+    assert!(!ar.trim().is_empty());
+    for mode in ["dflash", "ddtree"] {
+        assert_eq!(
+            run_mode(mode),
+            ar,
+            "{mode} differs from AR under --bit-exact"
+        );
+    }
+}

@@ -22,6 +22,7 @@ pub mod fused_grad;
 pub mod gated_delta;
 pub mod norm;
 pub mod rope;
+pub mod rowwise;
 pub mod step;
 #[cfg(feature = "cuda")]
 mod step_cuda;

@@ -14,6 +14,8 @@
 //!   and the row count only. Under [`StreamPolicy::All`] (`--bit-exact`) every call of up to 288
 //!   rows streams, so all of a weight's rows — AR step, chain, tree — come from one kernel; under
 //!   the fast default only calls of up to [`FAST_MAX_ROWS`] rows do.
+//! - On the CPU, [`StreamPolicy::All`] sends every projection to `crate::rowwise::matmul_t` (the
+//!   same row invariance on the host, slow); other policies leave the CPU to candle.
 
 use crate::Result;
 use candle_core::{DType, Tensor};
@@ -165,6 +167,19 @@ fn run(x: &Tensor, w: &Tensor, epilogue: Epilogue, by_policy: bool) -> Result<Op
         let Some(y) = cuda::stream_matmul(&x.reshape((rows, width))?, w, epilogue)? else {
             return Ok(None);
         };
+        let mut shape = lead.to_vec();
+        shape.push(w.dim(0)?);
+        return Ok(Some(y.reshape(shape)?));
+    }
+    // the CPU's bit-exact path (`--bit-exact` on the CPU): row-invariant host kernels
+    if x.device().is_cpu() && stream_policy() == StreamPolicy::All && epilogue != Epilogue::Silu {
+        let width = x.dim(candle_core::D::Minus1)?;
+        let lead = &x.dims()[..x.rank() - 1];
+        let rows: usize = lead.iter().product();
+        if rows == 0 || w.rank() != 2 || w.dtype() != x.dtype() {
+            return Ok(None);
+        }
+        let y = crate::rowwise::matmul_t(&x.reshape((rows, width))?, w, epilogue == Epilogue::F32)?;
         let mut shape = lead.to_vec();
         shape.push(w.dim(0)?);
         return Ok(Some(y.reshape(shape)?));

@@ -111,7 +111,11 @@ impl Attention {
                 q_proj,
                 k_proj,
                 v_proj,
-            } => (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?),
+            } => (
+                project(q_proj, x)?,
+                project(k_proj, x)?,
+                project(v_proj, x)?,
+            ),
             QkvProj::Fused(w) => {
                 let y = project(w, x)?;
                 let (nq, nk) = (
@@ -284,7 +288,7 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = match &self.gate_up {
             GateUp::Separate { gate_proj, up_proj } => {
-                (candle_nn::ops::silu(&gate_proj.forward(x)?)? * up_proj.forward(x)?)?
+                (candle_nn::ops::silu(&project(gate_proj, x)?)? * project(up_proj, x)?)?
             }
             GateUp::Fused(w) => {
                 let gate_up = project(w, x)?;

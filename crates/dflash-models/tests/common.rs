@@ -135,3 +135,107 @@ pub fn tiny_qwen3(
     }))
     .unwrap()
 }
+
+/// Every row of a bf16 tree verify (40 nodes, branching) and of a 16-token causal verify, at two
+/// cache lengths, against one-token AR steps along the row's path: the logits must be equal bit for
+/// bit (the bit-exact policy must be in force). Panics naming the first row that differs.
+pub fn check_verify_rows_equal_ar_steps(dev: &Device) {
+    use dflash_core::AttentionMask;
+    use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
+    use dflash_models::{LogitRows, TargetModel};
+    let dev = dev.clone();
+    let cfg = tiny_qwen3(3, 192, 320, 1024);
+    let arch = cfg.architecture().unwrap();
+    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 11)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap()))
+        .collect();
+    let model = Decoder::new(
+        &cfg,
+        arch,
+        candle_nn::VarBuilder::from_tensors(w, DType::BF16, &dev),
+    )
+    .unwrap();
+    let mut cache = model.new_cache(600).unwrap();
+    let logits = |cache: &mut dflash_core::SequenceCache,
+                  tokens: &[u32],
+                  positions: &[u32],
+                  mask: AttentionMask,
+                  rows: LogitRows| {
+        let req = ForwardRequest {
+            tokens,
+            positions,
+            mask,
+            taps: &[],
+            logits: rows,
+        };
+        model.forward(&req, cache).unwrap().logits.unwrap()
+    };
+    for past in [70usize, 191] {
+        cache.crop(0);
+        let prompt: Vec<u32> = (0..past).map(|i| (i * 37 % 320) as u32).collect();
+        let pos: Vec<u32> = (0..past as u32).collect();
+        logits(
+            &mut cache,
+            &prompt,
+            &pos,
+            AttentionMask::Causal,
+            LogitRows::Last,
+        );
+        // a tree (branching at several depths) and a chain
+        let tree: Vec<i64> = (0..40i64)
+            .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
+            .collect();
+        let chain: Vec<i64> = (0..16i64).map(|i| i - 1).collect();
+        for (what, parents) in [("tree", tree), ("chain", chain)] {
+            let n = parents.len();
+            let tokens: Vec<u32> = (0..n).map(|i| (i * 53 % 320) as u32).collect();
+            let depth = |mut r: usize| {
+                let mut d = 0;
+                while parents[r] >= 0 {
+                    r = parents[r] as usize;
+                    d += 1;
+                }
+                d
+            };
+            let positions: Vec<u32> = (0..n).map(|r| (past + depth(r)) as u32).collect();
+            let mask = if what == "chain" {
+                AttentionMask::Causal
+            } else {
+                AttentionMask::Tree {
+                    parents: parents.clone(),
+                }
+            };
+            let verify = logits(&mut cache, &tokens, &positions, mask, LogitRows::All);
+            for r in [0, 1, 2, n / 2, n - 1] {
+                let mut path = vec![r];
+                while parents[*path.last().unwrap()] >= 0 {
+                    path.push(parents[*path.last().unwrap()] as usize);
+                }
+                path.reverse();
+                cache.crop(past);
+                let mut last = None;
+                for (t, &node) in path.iter().enumerate() {
+                    let p = [(past + t) as u32];
+                    last = Some(logits(
+                        &mut cache,
+                        &[tokens[node]],
+                        &p,
+                        AttentionMask::Causal,
+                        LogitRows::Last,
+                    ));
+                }
+                let ar = last.unwrap();
+                let row = verify.narrow(0, r, 1).unwrap();
+                assert_eq!(
+                    max_abs_diff(&row, &ar),
+                    0.0,
+                    "{what} at past {past}: row {r} (depth {}) differs from AR",
+                    path.len() - 1
+                );
+            }
+            cache.crop(past);
+        }
+    }
+}

@@ -131,111 +131,16 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
 /// Bit-exact bf16 (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): every row of a bf16 tree
 /// verify and of a 16-token causal verify gives, bit for bit, the logits of one-token AR steps over
 /// the same tokens at the same positions (the property that makes speculative output equal AR's in
-/// bf16). Runs only under that policy (`scripts/gpu-decode-bench.sh` runs it so). CUDA only.
+/// bf16). Runs only under that policy (`scripts/gpu-decode-bench.sh` runs it so). CUDA only; the
+/// CPU's twin is `tests/bit_exact_cpu.rs`.
 #[test]
 fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps() {
     use dflash_core::stream_gemm::{stream_policy, StreamPolicy};
-    use dflash_core::AttentionMask;
-    use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
-    use dflash_models::{LogitRows, TargetModel};
     let dev = device();
     if !dev.is_cuda() || stream_policy() != StreamPolicy::All {
         return;
     }
-    let cfg = common::tiny_qwen3(3, 192, 320, 1024);
-    let arch = cfg.architecture().unwrap();
-    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 11)
-        .unwrap()
-        .into_iter()
-        .map(|(k, t)| (k, t.to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap()))
-        .collect();
-    let model = Decoder::new(
-        &cfg,
-        arch,
-        candle_nn::VarBuilder::from_tensors(w, DType::BF16, &dev),
-    )
-    .unwrap();
-    let mut cache = model.new_cache(600).unwrap();
-    let logits = |cache: &mut dflash_core::SequenceCache,
-                  tokens: &[u32],
-                  positions: &[u32],
-                  mask: AttentionMask,
-                  rows: LogitRows| {
-        let req = ForwardRequest {
-            tokens,
-            positions,
-            mask,
-            taps: &[],
-            logits: rows,
-        };
-        model.forward(&req, cache).unwrap().logits.unwrap()
-    };
-    for past in [70usize, 191] {
-        cache.crop(0);
-        let prompt: Vec<u32> = (0..past).map(|i| (i * 37 % 320) as u32).collect();
-        let pos: Vec<u32> = (0..past as u32).collect();
-        logits(
-            &mut cache,
-            &prompt,
-            &pos,
-            AttentionMask::Causal,
-            LogitRows::Last,
-        );
-        // a tree (branching at several depths) and a chain
-        let tree: Vec<i64> = (0..40i64)
-            .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
-            .collect();
-        let chain: Vec<i64> = (0..16i64).map(|i| i - 1).collect();
-        for (what, parents) in [("tree", tree), ("chain", chain)] {
-            let n = parents.len();
-            let tokens: Vec<u32> = (0..n).map(|i| (i * 53 % 320) as u32).collect();
-            let depth = |mut r: usize| {
-                let mut d = 0;
-                while parents[r] >= 0 {
-                    r = parents[r] as usize;
-                    d += 1;
-                }
-                d
-            };
-            let positions: Vec<u32> = (0..n).map(|r| (past + depth(r)) as u32).collect();
-            let mask = if what == "chain" {
-                AttentionMask::Causal
-            } else {
-                AttentionMask::Tree {
-                    parents: parents.clone(),
-                }
-            };
-            let verify = logits(&mut cache, &tokens, &positions, mask, LogitRows::All);
-            for r in [0, 1, 2, n / 2, n - 1] {
-                let mut path = vec![r];
-                while parents[*path.last().unwrap()] >= 0 {
-                    path.push(parents[*path.last().unwrap()] as usize);
-                }
-                path.reverse();
-                cache.crop(past);
-                let mut last = None;
-                for (t, &node) in path.iter().enumerate() {
-                    let p = [(past + t) as u32];
-                    last = Some(logits(
-                        &mut cache,
-                        &[tokens[node]],
-                        &p,
-                        AttentionMask::Causal,
-                        LogitRows::Last,
-                    ));
-                }
-                let ar = last.unwrap();
-                let row = verify.narrow(0, r, 1).unwrap();
-                assert_eq!(
-                    max_abs(&row, &ar),
-                    0.0,
-                    "{what} at past {past}: row {r} (depth {}) differs from AR",
-                    path.len() - 1
-                );
-            }
-            cache.crop(past);
-        }
-    }
+    common::check_verify_rows_equal_ar_steps(&dev);
 }
 
 /// The weight-streaming tensor-core GEMM against an f32 GEMM of the upcast operands, and

@@ -1,0 +1,13 @@
+//! Bit-exact decoding on the CPU (issue 18's "the same on the CPU"): under the bit-exact policy
+//! (`--bit-exact`: `dflash_core::rowwise` for every projection, the LM head and attention), each row
+//! of a bf16 tree verify and of a causal verify equals the one-token AR steps along its path, bit
+//! for bit. A process of its own: the policy is fixed per process.
+
+mod common;
+
+#[test]
+fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps_on_the_cpu() {
+    use dflash_core::stream_gemm::{set_policy, StreamPolicy};
+    set_policy(StreamPolicy::All).unwrap();
+    common::check_verify_rows_equal_ar_steps(&candle_core::Device::Cpu);
+}
