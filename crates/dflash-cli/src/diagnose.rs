@@ -2,21 +2,23 @@
 //! slice): the target answers benchmark prompts greedily, then dflash-diagnose runs its checks
 //! (conventions scan through the taps, target integrity, tap statistics) on those answers, and
 //! the prompt-format check compares the prompts' format with the training data's (`--data`,
-//! crate::diagnose_format).
+//! crate::diagnose_format); with `--run RUN` a training run's recorded inputs give the defaults
+//! and the train-vs-eval check decodes its validation prompts (crate::diagnose_run).
 //!
 //! Invariants: target and drafter resolve exactly as in `eval` (crate::defaults), prompts load and
 //! render as in `eval` (crate::bench_prompts; MT-Bench's second turn follows the target's own
-//! first answer); every input (drafter directory, benchmark files, `--data`) is checked before
-//! the models load; the table goes to stderr, the JSON to stdout (and `--json-out`, atomically);
-//! exit code 0 when no check FAILs, 1 when one does (no "error:" line: the table said it), 2 on
-//! bad input.
+//! first answer); every input (run directory, drafter directory, benchmark files, `--data`) is
+//! checked before the models load; the table goes to stderr, the JSON to stdout (and
+//! `--json-out`, atomically); exit code 0 when no check FAILs, 1 when one does (no "error:" line:
+//! the table said it), 2 on bad input.
 
+use crate::diagnose_run::RunInputs;
 use crate::exit::{Reported, UsageError};
 use anyhow::{Context, Result};
 use clap::Args;
 use dflash_decoding::{GenerateConfig, SamplingConfig};
 use dflash_diagnose::prompt_format::measure::{read_training_examples, MAX_EXAMPLES};
-use dflash_diagnose::{diagnose, stats, Diagnosis, Options, Verdict};
+use dflash_diagnose::{diagnose, stats, Check, Diagnosis, Options, Verdict};
 use dflash_models::{load_drafter, load_target};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -54,19 +56,38 @@ pub struct DiagnoseArgs {
     /// eval prompts' (reads at most 256 examples).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// A `dflash train` run directory: its drafter (RUN/drafter), target and training data become
+    /// the defaults, and the train-vs-eval check compares its validation τ with the τ of the
+    /// drafter decoding the same validation prompts now.
+    #[arg(long)]
+    run: Option<PathBuf>,
+    /// Recorded validation prompts of `--run` to decode (at most the 8 it records).
+    #[arg(long, default_value_t = 4)]
+    run_prompts: usize,
 }
 
 pub fn run(a: DiagnoseArgs) -> Result<()> {
-    if a.max_new_tokens == 0 || a.limit == 0 || a.tree_budget == 0 {
+    if a.max_new_tokens == 0 || a.limit == 0 || a.tree_budget == 0 || a.run_prompts == 0 {
         return Err(UsageError(
-            "--max-new-tokens, --limit and --tree-budget must be at least 1".into(),
+            "--max-new-tokens, --limit, --tree-budget and --run-prompts must be at least 1".into(),
         )
         .into());
     }
     let t0 = Instant::now();
     let (device, dtype) = crate::defaults::device_and_dtype(&a.device, a.dtype.as_deref())?;
-    let target_path = crate::defaults::target_path(a.set.target.as_deref())?;
-    let draft_dir = crate::defaults::drafter_path(a.set.draft.as_deref(), &target_path)?;
+    // a run's recorded inputs first: they give the defaults below
+    let run_inputs = match &a.run {
+        Some(dir) => Some(RunInputs::read(dir)?),
+        None => None,
+    };
+    let target_path = match (&a.set.target, &run_inputs) {
+        (None, Some(r)) => r.target()?,
+        _ => crate::defaults::target_path(a.set.target.as_deref())?,
+    };
+    let draft_dir = match (&a.set.draft, &run_inputs) {
+        (None, Some(r)) => r.drafter(),
+        _ => crate::defaults::drafter_path(a.set.draft.as_deref(), &target_path)?,
+    };
     if !draft_dir.is_dir() {
         return Err(UsageError(format!(
             "{}: drafter directory not found",
@@ -86,9 +107,10 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
             crate::bench_prompts::load_rows(bench, a.set.bench_dir.as_deref(), a.limit)?,
         ));
     }
-    let train_data = match &a.data {
-        Some(dir) => Some(read_training_examples(dir, MAX_EXAMPLES)?),
-        None => None,
+    let train_data = match (&run_inputs, &a.data) {
+        (Some(r), data) => crate::diagnose_run::training_data(r, data.as_deref())?,
+        (None, Some(dir)) => Some(read_training_examples(dir, MAX_EXAMPLES)?),
+        (None, None) => None,
     };
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;
@@ -128,10 +150,32 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         &rows,
         &samples,
         declared,
-        train_data.as_ref(),
+        crate::diagnose_run::training_format(run_inputs.as_ref(), train_data.as_ref()),
         &opts,
     )?;
     d.checks.push(format.check);
+    let run_check = match &run_inputs {
+        Some(r) => {
+            let rc = crate::diagnose_run::check(
+                &target,
+                &target_path,
+                &drafter,
+                r,
+                a.run_prompts,
+                a.max_new_tokens,
+            )?;
+            d.checks.push(rc.check.clone());
+            // the tap statistics against the run's, on the tokens they were recorded on
+            if let (Some(c), Some(report)) = (&rc.tap_check, &rc.tap_report) {
+                for old in d.checks.iter_mut().filter(|x| x.check == "tap_statistics") {
+                    *old = c.clone();
+                }
+                d.tap_statistics = report.clone();
+            }
+            Some(rc)
+        }
+        None => None,
+    };
     if a.record_stats {
         stats::write_tap_stats(&draft_dir, &d.tap_statistics.measured)?;
         eprintln!(
@@ -154,12 +198,17 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         "target_integrity": d.target_integrity,
         "tap_statistics": d.tap_statistics,
         "prompt_format": format.report,
+        "run": run_check.as_ref().map(|rc| serde_json::json!({
+            "dir": a.run.as_ref().map(|p| p.display().to_string()),
+            "train_vs_eval": rc.report,
+        })),
         "seconds": {
             "load": load_seconds,
             "answers": answer_seconds,
             "conventions": d.seconds.conventions,
             "target_integrity": d.seconds.target_integrity,
             "prompt_format": format.seconds,
+            "train_vs_eval": run_check.as_ref().map(|rc| rc.seconds),
             "total": t0.elapsed().as_secs_f64(),
         },
     });
@@ -177,10 +226,10 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
     Ok(())
 }
 
-/// The checks (verdict, evidence, cause and fix) and the τ of each variant, on stderr.
-fn print_table(d: &Diagnosis) {
+/// The checks (verdict, evidence, cause and fix), on stderr.
+pub fn print_checks(checks: &[Check]) {
     eprintln!("{:<17} {:<7} evidence / cause / fix", "check", "verdict");
-    for c in &d.checks {
+    for c in checks {
         eprintln!(
             "{:<17} {:<7} {}",
             c.check,
@@ -194,6 +243,11 @@ fn print_table(d: &Diagnosis) {
             eprintln!("{:<25} fix:   {}", "", c.fix);
         }
     }
+}
+
+/// The checks and the τ of each variant, on stderr.
+fn print_table(d: &Diagnosis) {
+    print_checks(&d.checks);
     let s = &d.conventions;
     eprintln!(
         "\n{:<24} {:<24} {:>10} {:>11} {:>10} {:>11} {:>9} {:>8}",

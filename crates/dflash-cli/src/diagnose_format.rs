@@ -7,7 +7,9 @@
 //! render options, no system message; MT-Bench's second turn follows the target's own first
 //! answer under the same rendering); a re-render changes only what dflash-diagnose's plan names
 //! (a system message, a cut system turn, `enable_thinking`); prompt texts are decoded with
-//! special tokens kept (the template's markers are what the profile reads).
+//! special tokens kept (the template's markers are what the profile reads); the training format
+//! is profiled from the examples read (`--data`) or, under `--run` when the run's data directory
+//! is gone, is the profile the run recorded ([`TrainingFormat`]).
 
 use anyhow::Result;
 use dflash_decoding::{generate_ar, GenerateConfig};
@@ -107,7 +109,11 @@ pub fn answers(
 }
 
 /// The text of `tokens[..prompt_len]` and of the answer's first tokens, special tokens kept.
-fn prompt_text(tok: &TextTokenizer, tokens: &[u32], prompt_len: usize) -> Result<PromptText> {
+pub(crate) fn prompt_text(
+    tok: &TextTokenizer,
+    tokens: &[u32],
+    prompt_len: usize,
+) -> Result<PromptText> {
     let end = tokens.len().min(prompt_len + ANSWER_PREFIX_TOKENS);
     Ok(PromptText {
         prompt: tok.decode(&tokens[..prompt_len], false)?,
@@ -121,6 +127,17 @@ fn profile_samples(tok: &TextTokenizer, samples: &[Sample]) -> Result<FormatProf
         .map(|s| prompt_text(tok, &s.tokens, s.prompt_len))
         .collect::<Result<Vec<_>>>()?;
     Ok(FormatProfile::measure(&texts))
+}
+
+/// The training data's format: read from its examples (`--data`), or the profile a run recorded
+/// (`--run` when the run's data directory is gone).
+pub enum TrainingFormat<'a> {
+    Examples(&'a TrainingExamples),
+    Recorded {
+        profile: &'a FormatProfile,
+        /// Where the profile comes from.
+        source: String,
+    },
 }
 
 /// The prompt-format check's verdict and what it measured.
@@ -141,7 +158,7 @@ pub fn check(
     rows: &Rows,
     samples: &[Sample],
     declared: &VariantResult,
-    train: Option<&TrainingExamples>,
+    train: Option<TrainingFormat>,
     opts: &Options,
 ) -> Result<FormatCheck> {
     let t0 = Instant::now();
@@ -170,15 +187,24 @@ pub fn check(
             seconds: t0.elapsed().as_secs_f64(),
         });
     };
-    let texts = train
-        .examples
-        .iter()
-        .map(|e| prompt_text(tok, &e.tokens, prompt_len(e).unwrap_or(0)))
-        .collect::<Result<Vec<_>>>()?;
-    let training = FormatProfile::measure(&texts);
-    report.data = Some(train.dir.display().to_string());
-    report.training_examples_read = train.examples.len() + train.skipped;
-    report.training_examples_skipped = train.skipped;
+    let training = match train {
+        TrainingFormat::Examples(train) => {
+            let texts = train
+                .examples
+                .iter()
+                .map(|e| prompt_text(tok, &e.tokens, prompt_len(e).unwrap_or(0)))
+                .collect::<Result<Vec<_>>>()?;
+            report.data = Some(train.dir.display().to_string());
+            report.training_examples_read = train.examples.len() + train.skipped;
+            report.training_examples_skipped = train.skipped;
+            FormatProfile::measure(&texts)
+        }
+        TrainingFormat::Recorded { profile, source } => {
+            report.data = Some(source);
+            report.training_examples_read = profile.examples;
+            profile.clone()
+        }
+    };
     report.mismatches = mismatches(&eval, &training);
     report.training = Some(training.clone());
     let mut tau = None;

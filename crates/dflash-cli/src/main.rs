@@ -11,6 +11,7 @@ mod bench_shapes;
 mod defaults;
 mod diagnose;
 mod diagnose_format;
+mod diagnose_run;
 mod draft;
 mod eval;
 mod exit;
@@ -18,6 +19,7 @@ mod generate;
 mod progress;
 mod regen;
 mod train;
+mod train_record;
 
 use clap::{Parser, Subcommand};
 

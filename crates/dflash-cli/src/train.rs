@@ -1,4 +1,6 @@
-//! `dflash train` and `dflash data regen`: drafter training from target-regenerated data.
+//! `dflash train` and `dflash plot`: drafter training from target-regenerated data. What the run
+//! records for `dflash diagnose --run`, and the diagnosis after its validation, are
+//! crate::train_record's.
 
 use crate::exit::UsageError;
 use anyhow::{Context, Result};
@@ -90,6 +92,10 @@ pub struct TrainArgs {
     /// row's loss, `(1 − α)·CE(label) + α·H(p_target, q)` (0 = labels only, as the paper).
     #[arg(long, default_value_t = 0.0)]
     distill: f64,
+    /// Validation prompts the end-of-run diagnosis decodes with the exported drafter (training
+    /// vs evaluation, target integrity; RUN/diagnosis.json); 0 skips it.
+    #[arg(long, default_value_t = 2)]
+    diagnose_prompts: usize,
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -179,6 +185,23 @@ pub fn train(a: TrainArgs) -> Result<()> {
         dtype,
         initial,
     )?;
+    // what `dflash diagnose --run` needs, recorded before the first step
+    let manifest = crate::train_record::record(
+        &a.out,
+        &crate::train_record::RecordInputs {
+            target: &target,
+            target_path: &path,
+            draft_cfg: &trainer.draft_cfg,
+            cfg: &trainer.cfg,
+            data_dir: &a.data,
+            val_fraction: a.val_fraction,
+            init: if resuming { "resumed" } else { a.init.as_str() },
+            export_dtype,
+            val,
+            train,
+        },
+    )
+    .context("recording the diagnosis inputs")?;
     trainer.profile = a.profile;
     trainer.peak_flops = 1e12
         * a.peak_tflops
@@ -224,6 +247,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
     })?;
     pb.finish_and_clear();
     trainer.export(&a.out.join("drafter"), export_dtype)?;
+    // so a diagnosis of the exported drafter alone compares against the training-time taps
+    dflash_diagnose::stats::write_tap_stats(&a.out.join("drafter"), &manifest.tap_stats)?;
     eprintln!(
         "[dflash] drafter written to {}",
         a.out.join("drafter").display()
@@ -239,6 +264,19 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&v)?;
     crate::defaults::write_atomic(&a.out.join("validation.json"), json.as_bytes())?;
     println!("{json}");
+    if a.diagnose_prompts > 0 {
+        crate::train_record::diagnose_after_validation(
+            &target,
+            &path,
+            &a.out,
+            &manifest,
+            &v,
+            a.diagnose_prompts,
+            &device,
+            dtype,
+        )
+        .context("diagnosing the exported drafter after validation")?;
+    }
     Ok(())
 }
 

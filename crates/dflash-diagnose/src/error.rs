@@ -14,6 +14,8 @@ pub enum DiagnoseError {
     #[error(transparent)]
     Train(#[from] dflash_train::TrainError),
     #[error(transparent)]
+    Decode(#[from] dflash_decoding::DecodeError),
+    #[error(transparent)]
     Core(#[from] dflash_core::CoreError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
@@ -31,6 +33,7 @@ impl DiagnoseError {
             DiagnoseError::InvalidInput(_) | DiagnoseError::BadFile { .. } => true,
             DiagnoseError::Model(m) => m.is_bad_input(),
             DiagnoseError::Train(t) => matches!(t, dflash_train::TrainError::InvalidInput(_)),
+            DiagnoseError::Decode(d) => d.is_bad_input(),
             DiagnoseError::Core(c) => matches!(c, dflash_core::CoreError::InvalidInput(_)),
             DiagnoseError::Candle(_) | DiagnoseError::Io { .. } => false,
         }

@@ -11,20 +11,25 @@
 //! - [`prompt_format`]: the chat template, system prompt and thinking mode of the eval prompts vs
 //!   the training data's, with the replayed τ under each format (run by the CLI beside
 //!   [`diagnose`]: it needs the target's tokenizer and chat template to render the prompts).
+//! - [`train_eval`]: a training run's recorded validation τ against the τ its exported drafter
+//!   reaches decoding the same validation prompts live, from the run's [`run_manifest`] (what
+//!   `dflash train` records for the diagnosis; run by the CLI with `diagnose --run`).
 //!
 //! Invariants:
 //! - The drafter's forward is dflash-models' (through dflash-train's replay), never re-implemented:
 //!   a variant differs from the declared setting only in the taps tensor the drafter is given.
 //! - The target runs once per sample for every variant's taps (the union of their layers).
 //! - Every verdict is a pure function of the measured numbers ([`conventions::judge`],
-//!   [`integrity::judge`], [`stats::judge`], [`prompt_format::judge`]), unit-tested without a
-//!   model.
+//!   [`integrity::judge`], [`stats::judge`], [`prompt_format::judge`], [`train_eval::judge`]),
+//!   unit-tested without a model.
 
 pub mod conventions;
 pub mod error;
 pub mod integrity;
 pub mod prompt_format;
+pub mod run_manifest;
 pub mod stats;
+pub mod train_eval;
 
 pub use error::{DiagnoseError, Result};
 

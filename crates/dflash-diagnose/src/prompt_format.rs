@@ -33,7 +33,7 @@
 pub mod measure;
 
 use crate::{Check, Verdict};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The check's name in the table and the JSON.
 pub const NAME: &str = "prompt_format";
@@ -53,7 +53,7 @@ pub struct PromptText {
 }
 
 /// The chat template's family, from its turn markers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TemplateFamily {
     ChatMl,
@@ -190,13 +190,13 @@ impl ExampleFormat {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TemplateCount {
     pub template: TemplateFamily,
     pub examples: usize,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SystemPromptCount {
     /// `None`: no system turn.
     pub text: Option<String>,
@@ -204,7 +204,7 @@ pub struct SystemPromptCount {
 }
 
 /// The format of a set of prompts (see the module's invariants).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FormatProfile {
     pub examples: usize,
     /// The most common template family, and the share of examples using it.

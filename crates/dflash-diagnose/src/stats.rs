@@ -5,13 +5,14 @@
 //! - Statistics cover the answer rows only (the target's own text, not the prompt's template and
 //!   attention-sink rows) of each declared tap layer: `mean` and `std` over every element, `norm`
 //!   the mean L2 norm of a row; accumulated in f64.
-//! - `tap_stats.json` is written atomically (a temporary file in the same directory, renamed) and
+//! - `tap_stats.json` is written atomically ([`dflash_core::fs::write_atomic`]) and
 //!   read strictly: an unreadable or malformed file is bad input, never silently ignored.
 //! - [`judge`]: a relative change above [`MAX_RELATIVE_CHANGE`] in `std` or `norm` of any tap the
 //!   file records is a FAIL; a declared tap the file lacks is a warn; no file is ok with a note.
 
-use crate::{Check, DiagnoseError, Result, Verdict};
+use crate::{Check, DiagnoseError, Result, Sample, Verdict};
 use candle_core::{DType, Tensor};
+use dflash_models::TargetModel;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -126,14 +127,34 @@ pub fn read_tap_stats(dir: &Path) -> Result<Option<TapStatsFile>> {
 /// Writes `stats` to `dir/tap_stats.json` atomically (what `train` records for `diagnose`).
 pub fn write_tap_stats(dir: &Path, stats: &TapStatsFile) -> Result<()> {
     let path = dir.join(TAP_STATS_FILE);
-    let tmp = dir.join(format!(".{TAP_STATS_FILE}.tmp"));
-    let io = |p: &Path| {
-        let p = p.display().to_string();
-        move |source| DiagnoseError::Io { path: p, source }
-    };
-    let text = serde_json::to_string_pretty(stats).expect("plain data serialises");
-    std::fs::write(&tmp, text + "\n").map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &path).map_err(io(&path))
+    let text = serde_json::to_string_pretty(stats).expect("plain data serialises") + "\n";
+    dflash_core::fs::write_atomic(&path, text.as_bytes()).map_err(|source| DiagnoseError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The statistics of tap `layers` over the answer rows of `samples` (one target forward each):
+/// what `train` records, taken as the conventions scan takes its declared row's.
+pub fn measure(
+    target: &dyn TargetModel,
+    layers: &[usize],
+    samples: &[Sample],
+) -> Result<TapStatsFile> {
+    let info = target.info();
+    let h = info.hidden_size;
+    let mut acc = TapStatsAccumulator::new(layers, info.dtype);
+    for s in samples {
+        let (start, end) = (s.prompt_len, s.tokens.len());
+        if end <= start {
+            continue;
+        }
+        let taps = dflash_train::sequence_taps(target, &s.tokens, layers)?;
+        for (i, &l) in layers.iter().enumerate() {
+            acc.add(l, &taps.narrow(0, start, end - start)?.narrow(1, i * h, h)?)?;
+        }
+    }
+    Ok(acc.finish())
 }
 
 /// Statistics measured now and those recorded, if any.
