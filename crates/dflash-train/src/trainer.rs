@@ -325,13 +325,8 @@ impl<'a> Trainer<'a> {
         save_drafter(&ckpt, &self.draft_cfg, &self.weights(DType::F32)?, 16 << 20)?;
         self.opt.save(&ckpt.join("optimizer.safetensors"))?;
         let p = ckpt.join("state.json");
-        let tmp = p.with_extension("tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_string(&self.state).expect("state serialises"),
-        )
-        .map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &p).map_err(io(&p))?;
+        let state = serde_json::to_string(&self.state).expect("state serialises");
+        dflash_core::fs::write_atomic(&p, state.as_bytes()).map_err(io(&p))?;
         let log = self.dir.join("log.jsonl");
         if log.is_file() {
             crate::curves::write_curves(
