@@ -6,7 +6,7 @@
 use std::path::Path;
 
 mod common;
-use common::{dflash, root, run, smollm2};
+use common::{check, dflash, root, run, smollm2};
 
 fn diagnose(target: &Path, draft: &Path, extra: &[&str]) -> (i32, String, String) {
     run(dflash()
@@ -17,15 +17,6 @@ fn diagnose(target: &Path, draft: &Path, extra: &[&str]) -> (i32, String, String
         .arg(draft)
         .args(["--dtype", "f32", "--max-new-tokens", "48"])
         .args(extra))
-}
-
-fn check<'a>(v: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
-    v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no {name} check in {v}"))
 }
 
 /// A copy of the shipped drafter in `dir`.

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 mod common;
-use common::{dflash, root, run, smollm2};
+use common::{dflash, regen_chats, root, run, smollm2};
 
 const PIRATE: &str = "You are a pirate captain. Answer every question in pirate speak.";
 
@@ -36,28 +36,16 @@ fn another_system_prompt_in_the_training_data_is_a_warn_with_both_taus() {
     let Some(g) = smollm2() else { return };
     let tmp = tempfile::tempdir().unwrap();
     // training data tokenised by the binary itself: the target answers pirate-prompted questions
-    let prompts = tmp.path().join("prompts.jsonl");
-    let lines: Vec<String> = ["What is 7 times 8?", "Name three colours."]
+    let chats: Vec<serde_json::Value> = ["What is 7 times 8?", "Name three colours."]
         .iter()
         .map(|q| {
-            serde_json::json!({ "messages": [
+            serde_json::json!([
                 { "role": "system", "content": PIRATE },
                 { "role": "user", "content": q },
-            ] })
-            .to_string()
+            ])
         })
         .collect();
-    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
-    let data = tmp.path().join("data");
-    let (code, _, err) = run(dflash()
-        .args(["data", "regen", "--target"])
-        .arg(&g)
-        .arg("--prompts")
-        .arg(&prompts)
-        .arg("--out")
-        .arg(&data)
-        .args(["--max-new-tokens", "8", "--batch", "2"]));
-    assert_eq!(code, 0, "{err}");
+    let data = regen_chats(&g, tmp.path(), &chats, 8, 2);
 
     let (code, out, err) = diagnose(&g, &data);
     assert_eq!(code, 0, "a warn is no FAIL: {err}");

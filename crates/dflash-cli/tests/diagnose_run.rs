@@ -10,16 +10,7 @@
 use std::path::Path;
 
 mod common;
-use common::{dflash, run, smollm2};
-
-fn check<'a>(v: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
-    v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no {name} check in {v}"))
-}
+use common::{check, dflash, regen_chats, run, smollm2};
 
 fn read_json(p: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
@@ -55,8 +46,7 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
     assert!(err.contains("diagnosis_inputs.json"), "{err}");
 
     // training data answered by the target itself (greedy, f32)
-    let prompts = tmp.path().join("prompts.jsonl");
-    let lines: Vec<String> = [
+    let chats: Vec<serde_json::Value> = [
         "What is 7 times 8?",
         "Name three colours.",
         "What is the capital of France?",
@@ -67,19 +57,9 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
         "What does CPU stand for?",
     ]
     .iter()
-    .map(|q| serde_json::json!({ "messages": [{ "role": "user", "content": q }] }).to_string())
+    .map(|q| serde_json::json!([{ "role": "user", "content": q }]))
     .collect();
-    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
-    let data = tmp.path().join("data");
-    let (code, _, err) = run(dflash()
-        .args(["data", "regen", "--target"])
-        .arg(&g)
-        .arg("--prompts")
-        .arg(&prompts)
-        .arg("--out")
-        .arg(&data)
-        .args(["--max-new-tokens", "10", "--batch", "8"]));
-    assert_eq!(code, 0, "{err}");
+    let data = regen_chats(&g, tmp.path(), &chats, 10, 8);
 
     let out = tmp.path().join("run");
     let (code, _, err) = run(dflash()

@@ -255,18 +255,7 @@ mod tests {
         vec![q, k, v, g, b]
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
+    use crate::test_util::max_abs_diff as max_diff;
 
     fn view(v: &[Tensor]) -> DeltaInputs<'_> {
         DeltaInputs {

@@ -30,6 +30,12 @@ impl RmsNorm {
         self.eps
     }
 
+    /// Inference only: `(x + d, norm(x + d))` as one kernel where the decode step has one (CUDA,
+    /// `decode_ops::add_rms_norm`); `None` where the caller adds and norms itself.
+    pub fn add_forward(&self, x: &Tensor, d: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        crate::decode_ops::add_rms_norm(x, d, &self.weight, self.eps)
+    }
+
     pub fn forward(&self, x: &Tensor, grad: Grad) -> Result<Tensor> {
         match grad {
             Grad::Off

@@ -151,14 +151,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (11, 37), &dev).unwrap();
         let y = matmul_t(&x, &w, true).unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap();
-        let err: f32 = (&y - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar()
-            .unwrap();
+        let err = crate::test_util::max_abs_diff(&y, &want);
         assert!(err < 1e-4, "{err}");
         for r in [0, 4, 8] {
             let one = matmul_t(&x.narrow(0, r, 1).unwrap(), &w, true).unwrap();
@@ -173,14 +166,7 @@ mod tests {
         let o = attention(&q, &k, &v, mask.as_ref(), 0.35).unwrap();
         let want =
             crate::attention::attention(&q, &k, &v, mask.as_ref(), 0.35, crate::Grad::On).unwrap();
-        let err: f32 = (&o - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar()
-            .unwrap();
+        let err = crate::test_util::max_abs_diff(&o, &want);
         assert!(err < 1e-5, "{err}");
         for i in 0..5 {
             let keys = 7 + i + 1;

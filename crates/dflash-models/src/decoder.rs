@@ -429,15 +429,10 @@ impl Decoder {
         // the next layer's normed input
         let add_norm =
             |x: &Tensor, d: &Tensor, norm: &RmsNorm| -> Result<Option<(Tensor, Tensor)>> {
-                if !self.fused {
-                    return Ok(None);
+                match self.fused {
+                    true => Ok(norm.add_forward(x, d)?),
+                    false => Ok(None),
                 }
-                Ok(dflash_core::decode_ops::add_rms_norm(
-                    x,
-                    d,
-                    norm.weight(),
-                    norm.eps(),
-                )?)
             };
         let mut next: Option<Tensor> = None;
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {

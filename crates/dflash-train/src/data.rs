@@ -50,10 +50,9 @@ pub fn write_shard(dir: &Path, i: usize, examples: &[Example]) -> Result<()> {
     dflash_core::fs::write_atomic(&path, text.as_bytes()).map_err(io(&path))
 }
 
-/// Every example of every shard in `dir`, in shard order.
-pub fn read_dir(dir: &Path) -> Result<Vec<Example>> {
-    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(io(dir))?
+/// The `shard-*.jsonl` files of `dir`, in shard order (possibly none).
+pub fn shard_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.file_name()
@@ -62,6 +61,12 @@ pub fn read_dir(dir: &Path) -> Result<Vec<Example>> {
         })
         .collect();
     shards.sort();
+    Ok(shards)
+}
+
+/// Every example of every shard in `dir`, in shard order.
+pub fn read_dir(dir: &Path) -> Result<Vec<Example>> {
+    let shards = shard_files(dir).map_err(io(dir))?;
     if shards.is_empty() {
         return Err(TrainError::InvalidInput(format!(
             "{}: no shard-*.jsonl files",

@@ -1,5 +1,6 @@
-//! What the CLI's integration tests share: the repository root, the fetched SmolLM2 GGUF, and
-//! running the `dflash` binary under test.
+//! What the CLI's integration tests share: the repository root, the fetched SmolLM2 GGUF,
+//! running the `dflash` binary under test, training data answered by the target, and reading
+//! `dflash diagnose`'s JSON.
 #![allow(dead_code)] // each test binary uses a subset
 
 use std::path::PathBuf;
@@ -43,4 +44,47 @@ pub fn smollm2() -> Option<PathBuf> {
         eprintln!("skipping SmolLM2 case: {} missing", p.display());
         None
     }
+}
+
+/// The check named `name` of a `dflash diagnose` JSON report (panics when it is missing).
+pub fn check<'a>(v: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no {name} check in {v}"))
+}
+
+/// Training data in `dir/data`: `target` answers each chat of `chats` (messages as JSON) through
+/// `dflash data regen` (`--max-new-tokens max_new --batch batch`); returns the data directory.
+pub fn regen_chats(
+    target: &std::path::Path,
+    dir: &std::path::Path,
+    chats: &[serde_json::Value],
+    max_new: usize,
+    batch: usize,
+) -> PathBuf {
+    let prompts = dir.join("prompts.jsonl");
+    let lines: Vec<String> = chats
+        .iter()
+        .map(|m| serde_json::json!({ "messages": m }).to_string())
+        .collect();
+    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    let data = dir.join("data");
+    let (code, _, err) = run(dflash()
+        .args(["data", "regen", "--target"])
+        .arg(target)
+        .arg("--prompts")
+        .arg(&prompts)
+        .arg("--out")
+        .arg(&data)
+        .args([
+            "--max-new-tokens",
+            &max_new.to_string(),
+            "--batch",
+            &batch.to_string(),
+        ]));
+    assert_eq!(code, 0, "{err}");
+    data
 }

@@ -52,16 +52,7 @@ pub fn read_training_examples(dir: &Path, max: usize) -> Result<TrainingExamples
     if !dir.is_dir() {
         return Err(bad(dir, "training data directory not found (--data)"));
     }
-    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| bad(dir, e.to_string()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("shard-") && n.ends_with(".jsonl"))
-        })
-        .collect();
-    shards.sort();
+    let shards = dflash_train::data::shard_files(dir).map_err(|e| bad(dir, e.to_string()))?;
     if shards.is_empty() {
         return Err(bad(
             dir,

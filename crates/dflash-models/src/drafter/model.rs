@@ -432,15 +432,10 @@ impl DFlashDrafter {
         let device_step = matches!(keys, BlockKeys::Device(_));
         let add_norm =
             |x: &Tensor, d: &Tensor, norm: &RmsNorm| -> Result<Option<(Tensor, Tensor)>> {
-                if !device_step {
-                    return Ok(None);
+                match device_step {
+                    true => Ok(norm.add_forward(x, d)?),
+                    false => Ok(None),
                 }
-                Ok(dflash_core::decode_ops::add_rms_norm(
-                    x,
-                    d,
-                    norm.weight(),
-                    norm.eps(),
-                )?)
             };
         let mut next: Option<Tensor> = None;
         for (li, layer) in self.layers.iter().enumerate() {
