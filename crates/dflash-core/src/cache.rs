@@ -7,9 +7,12 @@
 //!   on first append; rows `0..len` are valid, rows past `len` are garbage and never read.
 //! - `crop(n)` and `keep_rows(base, idx)` never reallocate and never touch rows below `base`.
 //! - A [`SequenceCache`] holds one [`LayerCache`] per decoder layer; all layers always have the same
-//!   length. Recurrent layers (Gated DeltaNet state) will be another `LayerCache` variant whose
-//!   `crop`/`keep_rows` restore a checkpointed state, so decoding code never needs to change.
+//!   length. Recurrent layers (Gated DeltaNet) are [`LayerCache::Recurrent`], whose `crop` /
+//!   `keep_rows` restore exactly the kept tokens' state ([`crate::recurrent_cache`]), so decoding
+//!   code never needs to change. Recurrent layers hold one sequence (no `select_batch`) and have
+//!   no device step (`advance` refuses them).
 
+use crate::recurrent_cache::RecurrentCache;
 use crate::{CoreError, Result};
 use candle_core::{Device, Tensor};
 
@@ -175,27 +178,36 @@ impl KvCache {
 #[derive(Debug, Clone)]
 pub enum LayerCache {
     Attention(KvCache),
+    /// A Gated DeltaNet layer's conv window and delta-rule state.
+    Recurrent(RecurrentCache),
 }
 
 impl LayerCache {
     fn len(&self) -> usize {
         match self {
             LayerCache::Attention(c) => c.len(),
+            LayerCache::Recurrent(c) => c.len(),
         }
     }
     fn crop(&mut self, len: usize) {
         match self {
             LayerCache::Attention(c) => c.crop(len),
+            LayerCache::Recurrent(c) => c.crop(len),
         }
     }
     fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
         match self {
             LayerCache::Attention(c) => c.keep_rows(base, rows),
+            LayerCache::Recurrent(c) => c.keep_rows(base, rows),
         }
     }
     fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
         match self {
             LayerCache::Attention(c) => c.select_batch(rows),
+            LayerCache::Recurrent(_) if rows == [0] => Ok(()),
+            LayerCache::Recurrent(_) => Err(CoreError::InvalidInput(
+                "a recurrent layer's cache holds one sequence (no batched decoding)".into(),
+            )),
         }
     }
 }
@@ -212,9 +224,20 @@ pub struct SequenceCache {
 
 impl SequenceCache {
     pub fn attention_only(num_layers: usize, capacity: usize, device: &Device) -> Self {
+        let recurrent = vec![false; num_layers];
+        Self::hybrid(&recurrent, capacity, device)
+    }
+
+    /// One layer cache per entry of `recurrent`: a [`RecurrentCache`] where it is true, else a
+    /// [`KvCache`].
+    pub fn hybrid(recurrent: &[bool], capacity: usize, device: &Device) -> Self {
         Self {
-            layers: (0..num_layers)
-                .map(|_| LayerCache::Attention(KvCache::new(capacity)))
+            layers: recurrent
+                .iter()
+                .map(|&r| match r {
+                    true => LayerCache::Recurrent(RecurrentCache::new(capacity)),
+                    false => LayerCache::Attention(KvCache::new(capacity)),
+                })
                 .collect(),
             step_graphs: Default::default(),
             capacity,
@@ -250,7 +273,12 @@ impl SequenceCache {
         if self.device.is_cuda() && self.keep_rows_on_device(base, rows)? {
             return Ok(());
         }
-        for l in &mut self.layers {
+        // recurrent layers first: they refuse rows that are not a path before anything moves
+        let (rec, att): (Vec<_>, Vec<_>) = self
+            .layers
+            .iter_mut()
+            .partition(|l| matches!(l, LayerCache::Recurrent(_)));
+        for l in rec.into_iter().chain(att) {
             l.keep_rows(base, rows)?;
         }
         Ok(())
@@ -271,7 +299,9 @@ impl SequenceCache {
         }
         let mut buffers = Vec::with_capacity(2 * self.layers.len());
         for l in &self.layers {
-            let LayerCache::Attention(c) = l;
+            let LayerCache::Attention(c) = l else {
+                return Ok(false);
+            };
             match &c.buffers {
                 Some((k, v)) if k.dim(0)? == 1 => {
                     buffers.push(k.clone());
@@ -285,8 +315,9 @@ impl SequenceCache {
             crate::step_cuda::keep_rows_all(&buffers, base, rows)?;
         }
         for l in &mut self.layers {
-            let LayerCache::Attention(c) = l;
-            c.len = base + rows.len();
+            if let LayerCache::Attention(c) = l {
+                c.len = base + rows.len();
+            }
         }
         Ok(true)
     }
@@ -296,6 +327,11 @@ impl SequenceCache {
         for l in &mut self.layers {
             match l {
                 LayerCache::Attention(c) => c.advance(n)?,
+                LayerCache::Recurrent(_) => {
+                    return Err(CoreError::InvalidInput(
+                        "recurrent layers have no device step".into(),
+                    ))
+                }
             }
         }
         Ok(())

@@ -123,6 +123,129 @@ pub fn recurrent(x: &DeltaInputs, state: &Tensor, checkpoints: bool) -> Result<R
     })
 }
 
+/// One step of the rule for `m` independent sequences at once: states `[m, H, dk, dv]`, `k`
+/// `[m, H, dk]`, `v` `[m, H, dv]`, `alpha` (= e^g) and `beta` `[m, H]`; returns the new states.
+/// [`tree_recurrent`] and [`advance`] both step through here, so a state replayed along a path
+/// is computed by the same arithmetic as the forward that first reached it.
+fn step(s: &Tensor, k: &Tensor, v: &Tensor, alpha: &Tensor, beta: &Tensor) -> Result<Tensor> {
+    let (m, h, dk, dv) = s.dims4()?;
+    let s = s.reshape((m * h, dk, dv))?;
+    let k = k.reshape((m * h, dk, 1))?;
+    let v = v.reshape((m * h, 1, dv))?;
+    let a = alpha.reshape((m * h, 1, 1))?;
+    let b = beta.reshape((m * h, 1, 1))?;
+    let decayed = s.broadcast_mul(&a)?;
+    let predicted = k.transpose(1, 2)?.matmul(&decayed)?; // [mH, 1, dv]
+    let delta = (v - predicted)?.broadcast_mul(&b)?;
+    Ok((decayed + k.matmul(&delta)?)?.reshape((m, h, dk, dv))?)
+}
+
+/// Depth of every node of a tree given by `parents` (`parents[i] < i`, `-1` for a child of the
+/// starting state); an error names the first node that breaks the order.
+pub fn tree_depths(parents: &[i64]) -> Result<Vec<usize>> {
+    let mut depth = Vec::with_capacity(parents.len());
+    for (i, &p) in parents.iter().enumerate() {
+        if p < -1 || p >= i as i64 {
+            return Err(CoreError::InvalidInput(format!(
+                "tree: node {i} has parent {p} (parents must precede their children)"
+            )));
+        }
+        depth.push(if p < 0 { 0 } else { depth[p as usize] + 1 });
+    }
+    Ok(depth)
+}
+
+/// The rule over a token tree from `state`: node `i` continues from the state of its parent
+/// `parents[i]` (`-1`: from `state`), so every node's output is what the rule gives along its own
+/// path of ancestors. Nodes of one depth step together. Returns outputs `[T, H, dv]` and the state
+/// after the last node (the final state when the tree is a chain).
+pub fn tree_recurrent(
+    x: &DeltaInputs,
+    state: &Tensor,
+    parents: &[i64],
+) -> Result<(Tensor, Tensor)> {
+    let (t, h, dk, dv) = x.dims()?;
+    check_state(state, h, dk, dv)?;
+    if parents.len() != t || t == 0 {
+        return Err(CoreError::InvalidInput(format!(
+            "tree recurrence: {} parents for {t} tokens",
+            parents.len()
+        )));
+    }
+    let depth = tree_depths(parents)?;
+    let dev = state.device();
+    let max_depth = depth.iter().copied().max().unwrap_or(0);
+    let alpha = x.g.exp()?;
+    // slot[i]: node i's row among the states of its depth
+    let mut slot = vec![0usize; t];
+    let mut prev = state.unsqueeze(0)?;
+    let (mut outs, mut order) = (Vec::new(), Vec::with_capacity(t));
+    let mut last_state = None;
+    for d in 0..=max_depth {
+        let nodes: Vec<u32> = (0..t)
+            .filter(|&i| depth[i] == d)
+            .map(|i| i as u32)
+            .collect();
+        let from: Vec<u32> = nodes
+            .iter()
+            .map(|&i| match parents[i as usize] {
+                p if p < 0 => 0,
+                p => slot[p as usize] as u32,
+            })
+            .collect();
+        for (r, &i) in nodes.iter().enumerate() {
+            slot[i as usize] = r;
+        }
+        let idx = Tensor::from_slice(&nodes, nodes.len(), dev)?;
+        let from = Tensor::from_slice(&from, nodes.len(), dev)?;
+        let pick = |a: &Tensor| a.index_select(&idx, 0);
+        let s = step(
+            &prev.index_select(&from, 0)?,
+            &pick(x.k)?,
+            &pick(x.v)?,
+            &pick(&alpha)?,
+            &pick(x.beta)?,
+        )?;
+        let m = nodes.len();
+        let q = pick(x.q)?.reshape((m * h, 1, dk))?;
+        let o = q
+            .matmul(&s.reshape((m * h, dk, dv))?)?
+            .reshape((m, h, dv))?;
+        outs.push(o);
+        if let Some(r) = nodes.iter().position(|&i| i as usize == t - 1) {
+            last_state = Some(s.get(r)?);
+        }
+        order.extend(nodes);
+        prev = s;
+    }
+    // back from depth order to node order
+    let mut inverse = vec![0u32; t];
+    for (r, &i) in order.iter().enumerate() {
+        inverse[i as usize] = r as u32;
+    }
+    let out = Tensor::cat(&outs, 0)?.index_select(&Tensor::from_slice(&inverse, t, dev)?, 0)?;
+    Ok((out, last_state.expect("the last node has a depth")))
+}
+
+/// The state after feeding tokens `k`, `v`, `g`, `beta` (`[T, H, ·]`, f32) one by one from
+/// `state` — what [`tree_recurrent`] reaches at the end of that chain, without the outputs.
+pub fn advance(
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &Tensor,
+) -> Result<Tensor> {
+    let t = k.dim(0)?;
+    let alpha = g.exp()?;
+    let mut s = state.unsqueeze(0)?;
+    for i in 0..t {
+        let one = |a: &Tensor| a.narrow(0, i, 1);
+        s = step(&s, &one(k)?, &one(v)?, &one(&alpha)?, &one(beta)?)?;
+    }
+    Ok(s.squeeze(0)?)
+}
+
 /// `[n, n]` lower-triangular ones (diagonal included when `diag`).
 fn tril(n: usize, diag: bool, device: &candle_core::Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..n * n)
@@ -336,6 +459,43 @@ mod tests {
         let r = recurrent(&x, &f["state0"], false).unwrap();
         assert!(max_diff(&r.out, &f["out_recurrent"]) < 2e-5);
         assert!(max_diff(&r.state, &f["state_recurrent"]) < 2e-5);
+    }
+
+    #[test]
+    fn each_tree_node_gets_the_rule_along_its_own_path() {
+        let (h, dk, dv) = (2, 4, 3);
+        let parents = [-1i64, 0, 0, 1, 1, 2, 3, -1];
+        let t = parents.len();
+        let v = inputs(t, h, dk, dv, 21);
+        let s0 = Tensor::randn(0f32, 0.3, (h, dk, dv), &Device::Cpu).unwrap();
+        let (out, last) = tree_recurrent(&view(&v), &s0, &parents).unwrap();
+        assert_eq!(out.dims(), &[t, h, dv]);
+        for node in 0..t {
+            let mut path = vec![];
+            let mut i = node as i64;
+            while i >= 0 {
+                path.push(i as u32);
+                i = parents[i as usize];
+            }
+            path.reverse();
+            let idx = Tensor::from_slice(&path, path.len(), &Device::Cpu).unwrap();
+            let sub: Vec<Tensor> = v.iter().map(|x| x.index_select(&idx, 0).unwrap()).collect();
+            let r = recurrent(&view(&sub), &s0, false).unwrap();
+            let want = r.out.get(path.len() - 1).unwrap();
+            let err = max_diff(&out.get(node).unwrap(), &want);
+            assert!(err < 1e-5, "node {node}: {err}");
+            let s = advance(&sub[1], &sub[2], &sub[3], &sub[4], &s0).unwrap();
+            assert!(max_diff(&s, &r.state) < 1e-5);
+            if node == t - 1 {
+                assert!(max_diff(&last, &r.state) < 1e-5);
+            }
+        }
+        // a chain is the plain recurrence
+        let chain: Vec<i64> = (0..t as i64).map(|i| i - 1).collect();
+        let (o, s) = tree_recurrent(&view(&v), &s0, &chain).unwrap();
+        let r = recurrent(&view(&v), &s0, false).unwrap();
+        assert!(max_diff(&o, &r.out) < 1e-5 && max_diff(&s, &r.state) < 1e-5);
+        assert!(tree_recurrent(&view(&v), &s0, &[0, 0, 0, 0, 0, 0, 0, 0]).is_err());
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub mod fs;
 pub mod fused_grad;
 pub mod gated_delta;
 pub mod norm;
+pub mod recurrent_cache;
+#[cfg(feature = "cuda")]
+pub mod pdl;
 pub mod rope;
 pub mod rowwise;
 pub mod step;
@@ -37,6 +40,7 @@ pub use cache::{KvCache, LayerCache, SequenceCache};
 pub use device::{parse_device, parse_dtype};
 pub use error::{CoreError, Result};
 pub use norm::RmsNorm;
+pub use recurrent_cache::{RecurrentCache, RecurrentRecord, RecurrentState};
 pub use rope::{RopeConfig, RopeScaling, RotaryEmbedding};
 
 /// Whether a forward must keep gradients (training) or may use candle's fused no-backward kernels.

@@ -436,7 +436,11 @@ impl Decoder {
             };
         let mut next: Option<Tensor> = None;
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            let LayerCache::Attention(kv) = lc;
+            let LayerCache::Attention(kv) = lc else {
+                return Err(ModelError::InvalidInput(
+                    "a dense decoder was given a cache with recurrent layers".into(),
+                ));
+            };
             let h = match next.take() {
                 Some(h) => h,
                 None => layer.input_layernorm.forward(&x, Grad::Off)?,

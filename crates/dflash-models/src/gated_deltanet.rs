@@ -5,12 +5,13 @@
 //! `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`).
 //!
 //! Invariants:
-//! - A sequence's layer state is [`DeltaState`]: the last `K − 1` convolution inputs and the f32
-//!   recurrent state. A forward over n tokens equals n one-token forwards from the same state
-//!   (chunked rule for n > 1, recurrent for one token; tested), and
-//!   [`GatedDeltaNet::forward_checkpointed`] returns the state after every token, so a verify can
-//!   keep exactly an accepted prefix (the state after token a is the state of a forward over
-//!   tokens 0..=a alone).
+//! - A sequence's layer state is a [`RecurrentState`]: the last `K − 1` convolution inputs and the
+//!   f32 delta-rule state. A forward over n tokens equals n one-token forwards from the same state
+//!   (chunked rule for long causal blocks, the recurrence otherwise; tested).
+//! - A forward takes a causal chain or a token tree (`parents`): every token's convolution window
+//!   and rule state follow its own ancestors, so a tree verify gives each node what a chain along
+//!   its path gives (tested). It hands a [`RecurrentRecord`] of its per-token inputs to the
+//!   layer's [`RecurrentCache`], which replays exactly the kept tokens on crop / path compaction.
 //! - Gates and the rule run in f32 whatever the compute dtype; the output is cast back before
 //!   `out_proj`.
 //! - Not yet checked against transformers (the tiny Qwen3.5 fixture of `scripts/make_fixtures.py
@@ -20,6 +21,19 @@ use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use dflash_core::gated_delta::{self, DeltaInputs};
+use dflash_core::{RecurrentCache, RecurrentRecord, RecurrentState};
+
+/// Causal blocks of at least this many tokens run the chunked form of the rule (prefill); shorter
+/// ones (decode steps, verify blocks) and trees run the recurrence token by token.
+pub const CHUNKED_FROM: usize = 32;
+
+/// One forward of the layer: its output `[n, H]`, the per-token inputs a cache keeps for exact
+/// rollback, and the state after the last token when the tokens were a chain.
+pub struct DeltaForward {
+    pub out: Tensor,
+    pub record: RecurrentRecord,
+    pub end: Option<RecurrentState>,
+}
 
 /// The layer's shapes (Qwen3.5 `text_config` fields `linear_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,15 +76,6 @@ impl DeltaNetShape {
         }
         Ok(())
     }
-}
-
-/// One sequence's state of one Gated DeltaNet layer (see the module invariants).
-#[derive(Debug, Clone)]
-pub struct DeltaState {
-    /// The last `K − 1` inputs of the convolution `[K − 1, C]` (compute dtype; zeros at start).
-    pub conv: Tensor,
-    /// The rule's state `[Hv, dk, dv]` (f32).
-    pub recurrent: Tensor,
 }
 
 pub struct GatedDeltaNet {
@@ -123,41 +128,53 @@ impl GatedDeltaNet {
     }
 
     /// A fresh state (zeros) in the layer's dtype and device.
-    pub fn new_state(&self) -> Result<DeltaState> {
+    pub fn new_state(&self) -> Result<RecurrentState> {
         let s = &self.shape;
         let dev = self.conv1d.device();
-        Ok(DeltaState {
+        Ok(RecurrentState {
             conv: Tensor::zeros(
                 (s.conv_kernel - 1, s.conv_channels()),
                 self.conv1d.dtype(),
                 dev,
             )?,
-            recurrent: Tensor::zeros((s.value_heads, s.key_dim, s.value_dim), DType::F32, dev)?,
+            ssm: Tensor::zeros((s.value_heads, s.key_dim, s.value_dim), DType::F32, dev)?,
         })
     }
 
-    /// The layer over `x` `[n, H]` (one sequence) from `state`, which it advances by n tokens.
-    pub fn forward(&self, x: &Tensor, state: &mut DeltaState) -> Result<Tensor> {
-        let (y, _) = self.run(x, state, false)?;
-        Ok(y)
+    /// The layer over the causal block `x` `[n, H]` (one sequence) from `state`, which it
+    /// advances by n tokens.
+    pub fn forward(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
+        let f = self.forward_tree(x, state, None)?;
+        *state = f.end.expect("a chain has an end state");
+        Ok(f.out)
     }
 
-    /// [`GatedDeltaNet::forward`] that also returns the state after each token (the per-token
-    /// checkpoints of a speculative verify).
-    pub fn forward_checkpointed(
+    /// The layer over `x` from the state `cache` holds, committing the forward to it (so a later
+    /// crop or path compaction restores exactly the kept tokens' state).
+    pub fn forward_cached(
         &self,
         x: &Tensor,
-        state: &mut DeltaState,
-    ) -> Result<(Tensor, Vec<DeltaState>)> {
-        self.run(x, state, true)
+        cache: &mut RecurrentCache,
+        parents: Option<&[i64]>,
+    ) -> Result<Tensor> {
+        let state = match cache.state()? {
+            Some(s) => s,
+            None => self.new_state()?,
+        };
+        let f = self.forward_tree(x, &state, parents)?;
+        cache.commit(f.record, f.end)?;
+        Ok(f.out)
     }
 
-    fn run(
+    /// The layer over the tokens `x` `[n, H]` from `state`: a causal chain (`parents` `None`) or a
+    /// token tree (`parents[i] < i`, `-1` for a child of `state`), where each token's convolution
+    /// window and delta-rule state follow its own ancestors.
+    pub fn forward_tree(
         &self,
         x: &Tensor,
-        state: &mut DeltaState,
-        checkpoints: bool,
-    ) -> Result<(Tensor, Vec<DeltaState>)> {
+        state: &RecurrentState,
+        parents: Option<&[i64]>,
+    ) -> Result<DeltaForward> {
         let s = self.shape;
         let (n, _) = x.dims2()?;
         let (hk, hv, dk, dv, k) = (
@@ -167,20 +184,70 @@ impl GatedDeltaNet {
             s.value_dim,
             s.conv_kernel,
         );
-        let qkv = self.in_proj_qkv.forward(x)?; // [n, C]
-                                                // causal depthwise convolution over [state ; qkv], then SiLU
-        let padded = Tensor::cat(&[&state.conv, &qkv], 0)?; // [n + K − 1, C]
-        let mut conv = padded
-            .narrow(0, 0, n)?
-            .broadcast_mul(&self.conv1d.narrow(1, 0, 1)?.t()?)?;
-        for j in 1..k {
-            let w = self.conv1d.narrow(1, j, 1)?.t()?; // [1, C]
-            conv = (conv + padded.narrow(0, j, n)?.broadcast_mul(&w)?)?;
+        let chain: Vec<i64>;
+        let parents = match parents {
+            Some(p) => p,
+            None => {
+                chain = (0..n as i64).map(|i| i - 1).collect();
+                &chain
+            }
+        };
+        if parents.len() != n {
+            return Err(ModelError::InvalidInput(format!(
+                "Gated DeltaNet: {} parents for {n} tokens",
+                parents.len()
+            )));
         }
+        gated_delta::tree_depths(parents)?;
+        let is_chain = parents.iter().enumerate().all(|(i, &p)| p == i as i64 - 1);
+        let qkv = self.in_proj_qkv.forward(x)?; // [n, C]
+                                                // causal depthwise convolution over [state ; qkv] along each token's ancestors, then SiLU
+        let padded = Tensor::cat(&[&state.conv, &qkv], 0)?; // [K − 1 + n, C]
+        let conv = if is_chain {
+            let mut conv = padded
+                .narrow(0, 0, n)?
+                .broadcast_mul(&self.conv1d.narrow(1, 0, 1)?.t()?)?;
+            for j in 1..k {
+                let w = self.conv1d.narrow(1, j, 1)?.t()?; // [1, C]
+                conv = (conv + padded.narrow(0, j, n)?.broadcast_mul(&w)?)?;
+            }
+            conv
+        } else {
+            // window row j of token i (oldest first): an ancestor's input, else the state's
+            let mut idx = vec![0u32; n * k];
+            for i in 0..n {
+                let mut node = i as i64;
+                let mut back = 0usize; // state rows used so far
+                for j in (0..k).rev() {
+                    idx[i * k + j] = if node >= 0 {
+                        let r = (k - 1 + node as usize) as u32;
+                        node = parents[node as usize];
+                        r
+                    } else {
+                        back += 1;
+                        (k - 1 - back) as u32
+                    };
+                }
+            }
+            let idx = Tensor::from_slice(&idx, n * k, x.device())?;
+            let win = padded.index_select(&idx, 0)?.reshape((n, k, ()))?;
+            let mut conv = win
+                .narrow(1, 0, 1)?
+                .squeeze(1)?
+                .broadcast_mul(&self.conv1d.narrow(1, 0, 1)?.t()?)?;
+            for j in 1..k {
+                let w = self.conv1d.narrow(1, j, 1)?.t()?;
+                conv = (conv + win.narrow(1, j, 1)?.squeeze(1)?.broadcast_mul(&w)?)?;
+            }
+            conv
+        };
         let u = candle_nn::ops::silu(&conv)?.to_dtype(DType::F32)?;
         let q = u.narrow(1, 0, hk * dk)?.reshape((n, hk, dk))?;
         let kk = u.narrow(1, hk * dk, hk * dk)?.reshape((n, hk, dk))?;
-        let v = u.narrow(1, 2 * hk * dk, hv * dv)?.reshape((n, hv, dv))?;
+        let v = u
+            .narrow(1, 2 * hk * dk, hv * dv)?
+            .reshape((n, hv, dv))?
+            .contiguous()?;
         // value head h reads key head ⌊h·Hk/Hv⌋
         let rep = hv / hk;
         let expand = |t: Tensor| -> Result<Tensor> {
@@ -210,25 +277,28 @@ impl GatedDeltaNet {
             g: &g,
             beta: &beta,
         };
-        let mut states = vec![];
-        let o = if checkpoints || n == 1 {
-            let r = gated_delta::recurrent(&inputs, &state.recurrent, checkpoints)?;
-            if let Some(ck) = r.checkpoints {
-                for t in 0..n {
-                    states.push(DeltaState {
-                        conv: padded.narrow(0, t + 1, k - 1)?,
-                        recurrent: ck.get(t)?,
-                    });
-                }
-            }
-            state.recurrent = r.state;
-            r.out
+        let (o, last) = if is_chain && n >= CHUNKED_FROM {
+            gated_delta::chunked(&inputs, &state.ssm)?
         } else {
-            let (o, st) = gated_delta::chunked(&inputs, &state.recurrent)?;
-            state.recurrent = st;
-            o
+            gated_delta::tree_recurrent(&inputs, &state.ssm, parents)?
         };
-        state.conv = padded.narrow(0, n, k - 1)?.contiguous()?;
+        let end = if is_chain {
+            Some(RecurrentState {
+                conv: padded.narrow(0, n, k - 1)?.contiguous()?,
+                ssm: last,
+            })
+        } else {
+            None
+        };
+        let record = RecurrentRecord {
+            start: state.clone(),
+            conv_in: qkv,
+            k: kk,
+            v,
+            g,
+            beta,
+            parents: parents.to_vec(),
+        };
         // gated RMSNorm per value head (f32), weight applied as is, then SiLU(z)
         let ms = o.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = o.broadcast_mul(&(ms + self.eps)?.sqrt()?.recip()?)?;
@@ -241,7 +311,11 @@ impl GatedDeltaNet {
         let y = (normed * candle_nn::ops::silu(&z)?)?
             .reshape((n, hv * dv))?
             .to_dtype(x.dtype())?;
-        Ok((self.out_proj.forward(&y)?, states))
+        Ok(DeltaForward {
+            out: self.out_proj.forward(&y)?,
+            record,
+            end,
+        })
     }
 }
 
@@ -322,7 +396,7 @@ mod tests {
             .collect();
         let y1 = Tensor::cat(&ys, 0).unwrap();
         assert!(max_diff(&y, &y1) < 1e-4, "{}", max_diff(&y, &y1));
-        assert!(max_diff(&whole.recurrent, &step.recurrent) < 1e-4);
+        assert!(max_diff(&whole.ssm, &step.ssm) < 1e-4);
         assert!(max_diff(&whole.conv, &step.conv) < 1e-5); // the projection's row count rounds
                                                            // a prefill of 60 then a block of 15 over the state
         let mut split = l.new_state().unwrap();
@@ -335,28 +409,76 @@ mod tests {
     }
 
     #[test]
-    fn a_checkpoint_is_the_state_of_its_prefix_so_rejected_drafts_roll_back_exactly() {
+    fn a_cropped_verify_keeps_exactly_the_accepted_prefix() {
         let l = layer(SHAPE, 5);
         let x = Tensor::randn(0f32, 1.0, (30, SHAPE.hidden), &Device::Cpu).unwrap();
-        let mut st = l.new_state().unwrap();
-        l.forward(&x.narrow(0, 0, 20).unwrap(), &mut st).unwrap();
-        // verify a block of 10, accept 4 of them: the state must be that of 24 tokens
-        let mut verify = st.clone();
-        let (_, ck) = l
-            .forward_checkpointed(&x.narrow(0, 20, 10).unwrap(), &mut verify)
+        let mut cache = RecurrentCache::new(64);
+        l.forward_cached(&x.narrow(0, 0, 20).unwrap(), &mut cache, None)
             .unwrap();
-        assert_eq!(ck.len(), 10);
+        let st = cache.state().unwrap().unwrap();
+        // verify a block of 10, accept 4 of them: the state must be that of 24 tokens
+        l.forward_cached(&x.narrow(0, 20, 10).unwrap(), &mut cache, None)
+            .unwrap();
+        cache.crop(24);
+        let kept = cache.state().unwrap().unwrap();
         let mut direct = st.clone();
         l.forward(&x.narrow(0, 20, 4).unwrap(), &mut direct)
             .unwrap();
-        let kept = &ck[3];
-        assert!(max_diff(&kept.recurrent, &direct.recurrent) < 1e-5);
-        assert!(max_diff(&kept.conv, &direct.conv) < 1e-5);
-        // and continuing from the kept state gives what continuing from the direct one gives
-        let (mut a, mut b) = (kept.clone(), direct.clone());
-        let ya = l.forward(&x.narrow(0, 24, 6).unwrap(), &mut a).unwrap();
-        let yb = l.forward(&x.narrow(0, 24, 6).unwrap(), &mut b).unwrap();
+        assert!(max_diff(&kept.ssm, &direct.ssm) < 1e-5);
+        assert!(max_diff(&kept.conv, &direct.conv) < 1e-5); // the projection's rows round
+                                                            // and continuing from the kept state gives what continuing from the direct one gives
+        let ya = l
+            .forward_cached(&x.narrow(0, 24, 6).unwrap(), &mut cache, None)
+            .unwrap();
+        let yb = l
+            .forward(&x.narrow(0, 24, 6).unwrap(), &mut direct)
+            .unwrap();
         assert!(max_diff(&ya, &yb) < 1e-5);
+    }
+
+    #[test]
+    fn tree_tokens_follow_their_own_ancestors_and_a_kept_path_continues_like_a_chain() {
+        let l = layer(SHAPE, 7);
+        let x = Tensor::randn(0f32, 1.0, (12, SHAPE.hidden), &Device::Cpu).unwrap();
+        let prompt = x.narrow(0, 0, 5).unwrap();
+        let tree = x.narrow(0, 5, 7).unwrap();
+        // deeper than the conv window, with branches at the root and below
+        let parents = [-1i64, 0, 0, 1, 3, 4, 2];
+        let mut cache = RecurrentCache::new(64);
+        l.forward_cached(&prompt, &mut cache, None).unwrap();
+        let s0 = cache.state().unwrap().unwrap();
+        let y = l.forward_cached(&tree, &mut cache, Some(&parents)).unwrap();
+        let path_of = |node: usize| {
+            let mut p = vec![];
+            let mut i = node as i64;
+            while i >= 0 {
+                p.push(i as u32);
+                i = parents[i as usize];
+            }
+            p.reverse();
+            p
+        };
+        for node in 0..parents.len() {
+            let path = path_of(node);
+            let idx = Tensor::from_slice(&path, path.len(), &Device::Cpu).unwrap();
+            let mut s = s0.clone();
+            let want = l
+                .forward(&tree.index_select(&idx, 0).unwrap(), &mut s)
+                .unwrap();
+            let want = want.get(path.len() - 1).unwrap();
+            let err = max_diff(&y.get(node).unwrap(), &want);
+            assert!(err < 1e-5, "node {node}: {err}");
+        }
+        // keep root -> 1 -> 3 -> 4 -> 5, then one more token: as if the path had been fed alone
+        cache.keep_rows(5, &[0, 1, 3, 4, 5]).unwrap();
+        let next = x.narrow(0, 11, 1).unwrap();
+        let got = l.forward_cached(&next, &mut cache, None).unwrap();
+        let idx = Tensor::from_slice(&[0u32, 1, 3, 4, 5], 5, &Device::Cpu).unwrap();
+        let mut s = s0.clone();
+        l.forward(&tree.index_select(&idx, 0).unwrap(), &mut s)
+            .unwrap();
+        let want = l.forward(&next, &mut s).unwrap();
+        assert!(max_diff(&got, &want) < 1e-5);
     }
 
     #[test]

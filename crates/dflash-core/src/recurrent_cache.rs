@@ -1,0 +1,372 @@
+//! The cache of one recurrent (Gated DeltaNet) layer: a conv window and a delta-rule state instead
+//! of per-position keys and values, with the same `crop` / `keep_rows` contract as a
+//! [`crate::KvCache`], made exact by replay.
+//!
+//! Invariants:
+//! - `len` counts positions like a KV cache; the state "at `len`" is the layer's state after the
+//!   first `len` tokens of the sequence. A fresh cache (or `crop(0)`) is the all-zero state.
+//! - Each forward hands its per-token inputs ([`RecurrentRecord`]: the raw conv inputs and the
+//!   rule's k, v, g, beta, plus the tree's parents) and its end state (chains only). `crop(len)`
+//!   to any length inside the last forward, and `keep_rows(base, rows)` along any root path of its
+//!   tree, set the state to the last forward's starting state advanced along exactly the kept
+//!   tokens (`gated_delta::advance`, the arithmetic the forward's tree recurrence used), lazily on
+//!   the next [`RecurrentCache::state`] — so a rejected draft or an unaccepted branch leaves no
+//!   trace, and a tree node's kept state follows its own ancestors.
+//! - What cannot be restored is refused, never approximated: after a tree forward the state is
+//!   undefined until a crop or a path compaction picks one; cropping below the last forward's
+//!   start, or inside a forward longer than [`MAX_RECORDED_ROWS`] tokens (prefill: its inputs are
+//!   not kept), poisons the cache and the next forward fails with the reason. `keep_rows` on rows
+//!   that are not a path fails at once.
+
+use crate::gated_delta;
+use crate::{CoreError, Result};
+use candle_core::{Device, Tensor};
+
+/// Forwards up to this many tokens keep their inputs for rollback (verify blocks and trees);
+/// longer ones (prefill) keep only their end state.
+pub const MAX_RECORDED_ROWS: usize = 1025;
+
+/// A recurrent layer's state after some prefix of a sequence.
+#[derive(Debug, Clone)]
+pub struct RecurrentState {
+    /// The last `K − 1` inputs of the causal convolution `[K − 1, C]` (compute dtype).
+    pub conv: Tensor,
+    /// The delta rule's state `[H, dk, dv]` (f32).
+    pub ssm: Tensor,
+}
+
+/// What one forward fed a recurrent layer, per token, to replay the state along any root path.
+#[derive(Debug, Clone)]
+pub struct RecurrentRecord {
+    /// The state the forward started from.
+    pub start: RecurrentState,
+    /// The convolution's raw inputs `[n, C]` (the `in_proj_qkv` rows).
+    pub conv_in: Tensor,
+    /// The rule's keys `[n, H, dk]`, values `[n, H, dv]`, log decays and write strengths `[n, H]`.
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+    /// Each token's parent in the forward (`-1`: the starting state); a chain for causal blocks.
+    pub parents: Vec<i64>,
+}
+
+impl RecurrentRecord {
+    fn len(&self) -> usize {
+        self.parents.len()
+    }
+
+    /// Whether tokens `0..n` form a chain (`parents[i] = i − 1`).
+    fn chain_prefix(&self, n: usize) -> bool {
+        self.parents[..n]
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p == i as i64 - 1)
+    }
+
+    /// The record restricted to `nodes` (a root path, in order), as a chain.
+    fn select(&self, nodes: &[u32]) -> Result<Self> {
+        let idx = Tensor::from_slice(nodes, nodes.len(), self.k.device())?;
+        let pick = |t: &Tensor| t.index_select(&idx, 0);
+        Ok(Self {
+            start: self.start.clone(),
+            conv_in: pick(&self.conv_in)?,
+            k: pick(&self.k)?,
+            v: pick(&self.v)?,
+            g: pick(&self.g)?,
+            beta: pick(&self.beta)?,
+            parents: (0..nodes.len() as i64).map(|i| i - 1).collect(),
+        })
+    }
+
+    /// The state after the first `n` tokens (which form a chain) from the starting state.
+    fn state_after(&self, n: usize) -> Result<RecurrentState> {
+        if n == 0 {
+            return Ok(self.start.clone());
+        }
+        let head = |t: &Tensor| t.narrow(0, 0, n);
+        let ssm = gated_delta::advance(
+            &head(&self.k)?,
+            &head(&self.v)?,
+            &head(&self.g)?,
+            &head(&self.beta)?,
+            &self.start.ssm,
+        )?;
+        let window = self.start.conv.dim(0)?;
+        let all = Tensor::cat(&[&self.start.conv, &head(&self.conv_in)?], 0)?;
+        let conv = all.narrow(0, all.dim(0)? - window, window)?.contiguous()?;
+        Ok(RecurrentState { conv, ssm })
+    }
+}
+
+/// Where the state at `len` comes from.
+#[derive(Debug, Clone)]
+enum At {
+    /// This state (`None`: all zeros, nothing fed yet).
+    State(Option<RecurrentState>),
+    /// The last forward's starting state advanced along its first `n` tokens (a chain).
+    Replay(usize),
+    /// No state can be given (the reason).
+    Lost(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct RecurrentCache {
+    capacity: usize,
+    len: usize,
+    /// The last forward's inputs (absent for long forwards) and the length before it.
+    last: Option<(usize, RecurrentRecord)>,
+    at: At,
+}
+
+impl RecurrentCache {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            len: 0,
+            last: None,
+            at: At::State(None),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The state at `len` (`None`: the zero state), replaying a pending crop or compaction.
+    pub fn state(&mut self) -> Result<Option<RecurrentState>> {
+        let s = match &self.at {
+            At::State(s) => return Ok(s.clone()),
+            At::Lost(why) => return Err(CoreError::InvalidInput(why.clone())),
+            At::Replay(n) => {
+                let (_, rec) = self.last.as_ref().expect("a replay has a record");
+                rec.state_after(*n)?
+            }
+        };
+        self.at = At::State(Some(s.clone()));
+        Ok(Some(s))
+    }
+
+    /// Counts a forward of `record.parents.len()` tokens fed from the state at `len`; `end` is the
+    /// state after its last token when the forward was a chain (`None` after a branching tree).
+    pub fn commit(&mut self, record: RecurrentRecord, end: Option<RecurrentState>) -> Result<()> {
+        let n = record.len();
+        let needed = self.len + n;
+        if needed > self.capacity {
+            return Err(CoreError::CacheOverflow {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        self.at = match end {
+            Some(s) => At::State(Some(s)),
+            None => At::Lost(format!(
+                "a recurrent layer's state after a token tree is defined only once crop or \
+                 keep_rows picks a path (tree of {n} tokens at position {})",
+                self.len
+            )),
+        };
+        self.last = (n <= MAX_RECORDED_ROWS).then_some((self.len, record));
+        self.len = needed;
+        Ok(())
+    }
+
+    /// Forgets every position at or past `len` (see the module invariants).
+    pub fn crop(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        if len == 0 {
+            *self = Self::new(self.capacity);
+            return;
+        }
+        self.at = match &mut self.last {
+            Some((base, rec)) if len >= *base && rec.chain_prefix(len - *base) => {
+                let n = len - *base;
+                rec.parents.truncate(n);
+                At::Replay(n)
+            }
+            Some((base, _)) if len >= *base => At::Lost(format!(
+                "crop to {len}: positions {base}..{len} of the last forward are not a chain, so a \
+                 recurrent state for them does not exist"
+            )),
+            _ => At::Lost(format!(
+                "crop to {len}: a recurrent state can only return inside the last forward \
+                 (from position {}, at most {MAX_RECORDED_ROWS} tokens)",
+                self.last.as_ref().map_or(self.len, |(b, _)| *b)
+            )),
+        };
+        self.len = len;
+    }
+
+    /// Keeps rows `base + rows[i]` as positions `base + i` (the accepted path of a verified tree):
+    /// they must continue, in order, a root path of the last forward's tree.
+    pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
+        if rows.iter().any(|&r| base + r as usize >= self.len) {
+            return Err(CoreError::InvalidInput(format!(
+                "keep_rows: row out of range (base {base}, len {}, rows {rows:?})",
+                self.len
+            )));
+        }
+        if rows.is_empty() {
+            self.crop(base);
+            return Ok(());
+        }
+        let Some((start, rec)) = &self.last else {
+            return Err(CoreError::InvalidInput(format!(
+                "keep_rows at {base}: the recurrent layer kept no inputs of its last forward"
+            )));
+        };
+        let start = *start;
+        if base < start || !rec.chain_prefix(base - start) {
+            return Err(CoreError::InvalidInput(format!(
+                "keep_rows at {base}: the rows before it are not a chain of the last forward \
+                 (which started at {start})"
+            )));
+        }
+        let prefix = base - start;
+        let mut nodes: Vec<u32> = (0..prefix as u32).collect();
+        let mut prev = prefix as i64 - 1;
+        for &r in rows {
+            let node = prefix + r as usize;
+            if rec.parents[node] != prev {
+                return Err(CoreError::InvalidInput(format!(
+                    "keep_rows: rows {rows:?} at {base} are not a root path of the last forward's \
+                     tree (node {node}'s parent is {}, not {prev})",
+                    rec.parents[node]
+                )));
+            }
+            nodes.push(node as u32);
+            prev = node as i64;
+        }
+        let kept = rec.select(&nodes)?;
+        let n = kept.len();
+        self.last = Some((start, kept));
+        self.at = At::Replay(n);
+        self.len = base + rows.len();
+        Ok(())
+    }
+
+    /// The device of the kept tensors, if any.
+    pub fn device(&self) -> Option<&Device> {
+        self.last.as_ref().map(|(_, r)| r.k.device())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::max_abs_diff;
+
+    const H: usize = 2;
+    const DK: usize = 3;
+    const DV: usize = 2;
+    const C: usize = 4;
+    const W: usize = 2;
+
+    fn rnd(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn record(parents: &[i64], start: &RecurrentState, seed: u64) -> RecurrentRecord {
+        let n = parents.len();
+        RecurrentRecord {
+            start: start.clone(),
+            conv_in: rnd(&[n, C], seed),
+            k: rnd(&[n, H, DK], seed + 1),
+            v: rnd(&[n, H, DV], seed + 2),
+            g: (rnd(&[n, H], seed + 3) - 0.6).unwrap(),
+            beta: (rnd(&[n, H], seed + 4) + 0.5).unwrap(),
+            parents: parents.to_vec(),
+        }
+    }
+
+    fn start() -> RecurrentState {
+        RecurrentState {
+            conv: rnd(&[W, C], 7),
+            ssm: rnd(&[H, DK, DV], 8),
+        }
+    }
+
+    #[test]
+    fn crop_and_keep_rows_replay_exactly_the_kept_tokens() {
+        let s0 = start();
+        let mut c = RecurrentCache::new(32);
+        c.commit(record(&[-1], &s0, 1), Some(s0.clone())).unwrap();
+        assert!(c.state().unwrap().is_some());
+        // a chain of 5 from the state at 1, cropped to 3 tokens of it
+        let chain = record(&[-1, 0, 1, 2, 3], &s0, 2);
+        c.commit(chain.clone(), None).unwrap();
+        assert!(c.state().is_err(), "unresolved after an unchained commit");
+        c.crop(4);
+        let got = c.state().unwrap().unwrap();
+        let want = chain.state_after(3).unwrap();
+        assert_eq!(max_abs_diff(&got.ssm, &want.ssm), 0.0);
+        // the conv window is the last W raw inputs: tokens 1 and 2 of the chain
+        assert_eq!(
+            max_abs_diff(&got.conv, &chain.conv_in.narrow(0, 1, 2).unwrap()),
+            0.0
+        );
+        // a tree at 4; keep root -> 2 -> 4 (rows 0, 2, 4)
+        let parents = [-1i64, 0, 0, 1, 2, 4];
+        let tree = record(&parents, &got, 3);
+        c.commit(tree.clone(), None).unwrap();
+        assert!(c.keep_rows(4, &[0, 1, 4]).is_err(), "1 -> 4 is not an edge");
+        assert!(c.keep_rows(4, &[1]).is_err(), "a path starts at a root");
+        c.keep_rows(4, &[0, 2, 4]).unwrap();
+        assert_eq!(c.len(), 7);
+        let path = tree.select(&[0, 2, 4]).unwrap();
+        let want = path.state_after(3).unwrap();
+        let got = c.state().unwrap().unwrap();
+        assert_eq!(max_abs_diff(&got.ssm, &want.ssm), 0.0);
+        let conv_want = Tensor::cat(
+            &[
+                tree.conv_in.get(2).unwrap().unsqueeze(0).unwrap(),
+                tree.conv_in.get(4).unwrap().unsqueeze(0).unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
+        assert_eq!(max_abs_diff(&got.conv, &conv_want), 0.0);
+        // the compacted path crops like a chain
+        c.crop(5);
+        let s5 = c.state().unwrap().unwrap();
+        assert_eq!(
+            max_abs_diff(
+                &s5.ssm,
+                &tree.select(&[0]).unwrap().state_after(1).unwrap().ssm
+            ),
+            0.0
+        );
+        // below the last forward: refused, not approximated; crop(0) is the zero state
+        c.crop(2);
+        assert!(c.state().is_err());
+        c.crop(0);
+        assert!(c.state().unwrap().is_none());
+        assert_eq!(c.len(), 0);
+        let mut small = RecurrentCache::new(3);
+        let r = record(&[-1, 0, 1, 2], &s0, 5);
+        assert!(matches!(
+            small.commit(r, None),
+            Err(CoreError::CacheOverflow { .. })
+        ));
+    }
+}
