@@ -2,8 +2,9 @@
 """Probes crates/dflash-core/src/stream_gemm.cu on the GPU machine, outside the Rust binary (CuPy
 NVRTC, the same source): correctness against an f32 product, row invariance (each row of an M-row
 call bit-identical to a 1-row call), and time per call against torch.mm (cuBLAS) at the decode
-shapes of Qwen3-8B and SmolLM2-135M, both as CUDA-graph replays of 50 calls (the same weight each
-time, so weights under ~50 MB partly stay in L2: inside a decode step they come from DRAM), beside
+shapes of Qwen3-8B and SmolLM2-135M, both as CUDA-graph replays of 50 calls (COLD=1, the default:
+over copies of the weight that together exceed L2, so weights come from DRAM as inside a decode
+step; COLD=0: the same weight each time, partly from L2), beside
 the bandwidth floor (weight bytes / device-to-device copy bandwidth measured here), then the
 kernel's pipeline depth (SG_STAGES) against warps per block. Prints a table and writes
 JSON to $OUT/stream-gemm-probe.json. Usage: python3 scripts/probe-stream-gemm.py"""
@@ -20,6 +21,16 @@ STAGES = [int(x) for x in os.environ.get("STAGES", "1 2 4 8").split()]
 mods = {st: cp.RawModule(code=src, options=("--std=c++17", f"-DSG_STAGES={st}")) for st in STAGES}
 mod = mods[4 if 4 in mods else STAGES[0]]
 REPS = 50
+COLD = os.environ.get("COLD", "1") == "1"
+L2_BYTES = 60 << 20
+
+
+def copies(w):
+    """The weight and enough copies of it to exceed L2 twice over (COLD), else the weight alone."""
+    if not COLD:
+        return [w]
+    n = max(1, -(-2 * L2_BYTES // (w.numel() * 2)))
+    return [w] + [w.clone() for _ in range(min(n, 256) - 1)]
 
 
 def kw_for(n, k):
@@ -53,17 +64,20 @@ def launch(spec):
 
 
 def graph_time(fn):
-    """Median over 5 replays of a CUDA graph of REPS calls, per call, in microseconds."""
+    """Median over 5 replays of a CUDA graph of REPS calls, per call, in microseconds. `fn` is one
+    callable, or a list of them taken in turn (COLD: weight copies that together exceed L2, so each
+    call reads its weight from DRAM as inside a decode step)."""
+    fns = fn if isinstance(fn, list) else [fn]
     s = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
-        fn()
-        fn()
+        for f in fns:
+            f()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        for _ in range(REPS):
-            fn()
+        for i in range(REPS):
+            fns[i % len(fns)]()
     torch.cuda.synchronize()
     out = []
     for _ in range(5):
@@ -117,13 +131,12 @@ def main():
                 for r in range(m):
                     y1 = launch(stream_gemm(x[r:r + 1].contiguous(), w, f32_out)).float()
                     inv &= torch.equal(y1[0], y[r])
-            t_ours = graph_time(lambda: launch(spec))
-            if f32_out:
-                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                t_torch = graph_time(lambda: torch.mm(x, w.t(), out=out))  # bf16 out: a lower bound
-            else:
-                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                t_torch = graph_time(lambda: torch.mm(x, w.t(), out=out))
+            ws = copies(w)
+            specs = [stream_gemm(x, wc, f32_out) for wc in ws]
+            t_ours = graph_time([lambda sp=sp: launch(sp) for sp in specs])
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")  # bf16 out even for the head
+            t_torch = graph_time([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in ws])
+            del ws, specs
             good = err < 2e-2 and inv
             ok &= good
             rows.append(dict(shape=name, n=n, k=k, m=m, kw=kw_for(n, k), floor_us=floor_us, ours_us=t_ours,
@@ -136,6 +149,7 @@ def main():
         if not name.startswith("qwen3-8b") and "qkv" not in name:
             continue
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        ws = copies(w)
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             base = kw_for(n, k)
@@ -144,8 +158,8 @@ def main():
                 for kw in sorted({max(1, base // 2), base, min(8, base * 2), 8}):
                     if 64 * kw > k:
                         continue
-                    spec = stream_gemm(x, w, "lm_head" in name, kw=kw, module=module)
-                    t = graph_time(lambda: launch(spec))
+                    specs = [stream_gemm(x, wc, "lm_head" in name, kw=kw, module=module) for wc in ws]
+                    t = graph_time([lambda sp=sp: launch(sp) for sp in specs])
                     line.append((t, st, kw))
                     rows.append(dict(shape=name, m=m, stages=st, kw=kw, ours_us=t, variant=True))
             line.sort()

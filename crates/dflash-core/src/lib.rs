@@ -21,9 +21,9 @@ pub mod fs;
 pub mod fused_grad;
 pub mod gated_delta;
 pub mod norm;
-pub mod recurrent_cache;
 #[cfg(feature = "cuda")]
 pub mod pdl;
+pub mod recurrent_cache;
 pub mod rope;
 pub mod rowwise;
 pub mod step;

@@ -11,7 +11,8 @@
 //   query row r sees every committed key and the step rows that are r or its ancestors. Keys are
 //   cut into fixed chunks of `chunk` keys (split s = keys s·chunk ..); each block takes one kv
 //   head, one split and up to VPB query vectors (vector v of kv head g is head g·rep + v / n, row
-//   v mod n), stages 32-key tiles of K and V in shared memory, and keeps an online softmax per
+//   v mod n), stages 32-key tiles of K and V in shared memory (16-byte loads, all in flight at
+//   once), and keeps an online softmax per
 //   vector (one warp per vector, a lane per key for the scores, a lane per channel for the
 //   values). Scores and softmax are f32 whatever the dtype. It writes, per (vector, split), the
 //   running max, the sum of exponentials and the unnormalised output (m = −inf where the split
@@ -23,6 +24,13 @@
 // A row's result depends only on its own visible keys, the chunk size and its q: not on how many
 // rows the step has.
 typedef unsigned short bf16_t;
+// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
+// grids it depends on to complete (their writes visible), then lets its dependents launch
+#if defined(DFLASH_PDL)
+#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_ENTRY()
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 #define TK 32
 #define WARPS 8
@@ -61,11 +69,13 @@ __device__ void kv_append(const T* k, const T* v, T* kb, T* vb, const unsigned i
 
 extern "C" __global__ void kv_append_f32(const float* k, const float* v, float* kb, float* vb,
                                          const unsigned int* meta, int KV, int n, int cap, int d) {
+  PDL_ENTRY();
   kv_append(k, v, kb, vb, meta, KV, n, cap, d);
 }
 extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16_t* kb,
                                           bf16_t* vb, const unsigned int* meta, int KV, int n,
                                           int cap, int d) {
+  PDL_ENTRY();
   kv_append(k, v, kb, vb, meta, KV, n, cap, d);
 }
 
@@ -74,6 +84,7 @@ extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16
 // its ancestors-or-self by depth (root first). Rows walked once per step, not per layer or block.
 // One thread per row; parents staged in shared memory.
 extern "C" __global__ void tree_ancestors(const unsigned int* meta, int n, unsigned int* anc) {
+  PDL_ENTRY();
   __shared__ int par[MAX_ROWS];
   const int* parents = (const int*)(meta + 1 + 3 * n);
   for (int i = threadIdx.x; i < n; i += blockDim.x) par[i] = parents[i];
@@ -96,6 +107,23 @@ extern "C" __global__ void tree_ancestors(const unsigned int* meta, int n, unsig
       out[ANC_BITS + 1 + t] = (unsigned int)x;
       x = par[x];
     }
+  }
+}
+
+// a 16-byte unit of the cache as floats (the first argument names the cache's type): 4 f32 or
+// 8 bf16 values, exactly what ldv reads one by one
+__device__ __forceinline__ void unpack_unit(const float*, uint4 u, float* dst) {
+  dst[0] = __uint_as_float(u.x);
+  dst[1] = __uint_as_float(u.y);
+  dst[2] = __uint_as_float(u.z);
+  dst[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack_unit(const bf16_t*, uint4 u, float* dst) {
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dst[2 * i] = __uint_as_float(w[i] << 16);
+    dst[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
 }
 
@@ -133,7 +161,7 @@ __device__ __forceinline__ void combine_channel(const float* part, int vec, int 
 // With `counters` (one per block column, zero between launches): the last split of each
 // (kv head, vector group) to finish merges the group's records into `out` (the combine, fused)
 // and resets its counter.
-template <typename T>
+template <typename T, bool VEC>
 __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const unsigned int* meta,
                                   const unsigned int* ancestors, int stride, int logical, int n,
                                   int H, int KV, int cap, int d, int chunk, int groups,
@@ -178,15 +206,44 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
     l[u] = 0.0f;
     for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] = 0.0f;
   }
+  // K and V tiles move in 16-byte units, all of a thread's loads in flight at once (a tile's
+  // rows are contiguous in the cache); the loads live only while staging, so scoring keeps the
+  // registers (and the occupancy) it had
+  constexpr int EPU = 16 / sizeof(T);                   // elements per unit
+  constexpr int UPT = TK * MAX_D / EPU / (WARPS * 32);  // units per thread, at most
   for (int t0 = k0; t0 < k1; t0 += TK) {
     const int nt = min(TK, k1 - t0);
     __syncthreads();
-    const T* kt = kb + ((long long)g * cap + t0) * d;  // the tile's rows are contiguous
-    const T* vt = vb + ((long long)g * cap + t0) * d;
-    for (int e = tid; e < nt * d; e += blockDim.x) {
-      const int j = e / d, c = e - j * d;
-      ks[j][c] = ldv(kt, e);
-      vs[j][c] = ldv(vt, e);
+    if (!VEC) {  // element by element: fewer registers, for the widest steps
+      const T* kt = kb + ((long long)g * cap + t0) * d;
+      const T* vt = vb + ((long long)g * cap + t0) * d;
+      for (int e = tid; e < nt * d; e += blockDim.x) {
+        const int j = e / d, c = e - j * d;
+        ks[j][c] = ldv(kt, e);
+        vs[j][c] = ldv(vt, e);
+      }
+    } else {
+      const int units = nt * d / EPU;
+      const uint4* kt = (const uint4*)(kb + ((long long)g * cap + t0) * d);
+      const uint4* vt = (const uint4*)(vb + ((long long)g * cap + t0) * d);
+      uint4 pk[UPT], pv[UPT];
+#pragma unroll
+      for (int i = 0; i < UPT; ++i) {
+        const int u = tid + i * WARPS * 32;
+        if (u < units) {
+          pk[i] = __ldcg(kt + u);
+          pv[i] = __ldcg(vt + u);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < UPT; ++i) {
+        const int u = tid + i * WARPS * 32;
+        if (u < units) {
+          const int e = u * EPU, j = e / d, c = e - j * d;
+          unpack_unit(kb, pk[i], &ks[j][c]);
+          unpack_unit(vb, pv[i], &vs[j][c]);
+        }
+      }
     }
     __syncthreads();
     // this warp's vectors share each key row: lane j scores key t0 + j for all of them
@@ -299,25 +356,22 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   if (tid == 0) counters[blockIdx.x] = 0u;
 }
 
-extern "C" __global__ void tree_attn_partial_f32(const float* q, const float* kb, const float* vb,
-                                                 const unsigned int* meta,
-                                                 const unsigned int* anc, int stride, int logical,
-                                                 int n, int H, int KV, int cap, int d, int chunk,
-                                                 int groups, float scale, float* part,
-                                                 unsigned int* counters, float* out) {
-  tree_attn_partial(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
-                    part, counters, out);
-}
-extern "C" __global__ void tree_attn_partial_bf16(const bf16_t* q, const bf16_t* kb,
-                                                  const bf16_t* vb, const unsigned int* meta,
-                                                  const unsigned int* anc, int stride,
-                                                  int logical, int n, int H, int KV, int cap,
-                                                  int d, int chunk, int groups, float scale,
-                                                  float* part, unsigned int* counters,
-                                                  bf16_t* out) {
-  tree_attn_partial(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
-                    part, counters, out);
-}
+// tree_attn_partial_<dtype> stages K/V with 16-byte loads; tree_attn_partial_wide_<dtype>
+// element by element, with fewer registers (more blocks a multiprocessor: the faster choice for
+// the widest trees, whose blocks fill the GPU several times over). Same arithmetic.
+#define TREE_ATTN_PARTIAL(NAME, TY, VEC)                                                        \
+  extern "C" __global__ void NAME(const TY* q, const TY* kb, const TY* vb,                     \
+                                  const unsigned int* meta, const unsigned int* anc,           \
+                                  int stride, int logical, int n, int H, int KV, int cap,      \
+                                  int d, int chunk, int groups, float scale, float* part,      \
+                                  unsigned int* counters, TY* out) { PDL_ENTRY();                           \
+    tree_attn_partial<TY, VEC>(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, \
+                               groups, scale, part, counters, out);                            \
+  }
+TREE_ATTN_PARTIAL(tree_attn_partial_f32, float, true)
+TREE_ATTN_PARTIAL(tree_attn_partial_bf16, bf16_t, true)
+TREE_ATTN_PARTIAL(tree_attn_partial_wide_f32, float, false)
+TREE_ATTN_PARTIAL(tree_attn_partial_wide_bf16, bf16_t, false)
 
 // grid (H · n), block d threads (d ≤ MAX_D): out [n, H, d].
 template <typename T>
@@ -327,10 +381,12 @@ __device__ void tree_attn_combine(const float* part, int n, int H, int d, int sp
 
 extern "C" __global__ void tree_attn_combine_f32(const float* part, int n, int H, int d,
                                                  int splits, float* out) {
+  PDL_ENTRY();
   tree_attn_combine(part, n, H, d, splits, out);
 }
 extern "C" __global__ void tree_attn_combine_bf16(const float* part, int n, int H, int d,
                                                   int splits, bf16_t* out) {
+  PDL_ENTRY();
   tree_attn_combine(part, n, H, d, splits, out);
 }
 
@@ -355,10 +411,12 @@ __device__ void kv_keep_rows(const unsigned long long* bufs, const unsigned int*
 extern "C" __global__ void kv_keep_rows_f32(const unsigned long long* bufs,
                                             const unsigned int* rows, int m, int base, int KV,
                                             int cap, int d) {
+  PDL_ENTRY();
   kv_keep_rows<float>(bufs, rows, m, base, KV, cap, d);
 }
 extern "C" __global__ void kv_keep_rows_bf16(const unsigned long long* bufs,
                                              const unsigned int* rows, int m, int base, int KV,
                                              int cap, int d) {
+  PDL_ENTRY();
   kv_keep_rows<bf16_t>(bufs, rows, m, base, KV, cap, d);
 }

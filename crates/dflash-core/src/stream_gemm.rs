@@ -46,6 +46,27 @@ pub const FAST_MAX_ROWS: usize = 16;
 /// DRAM at a lower rate than cuBLAS's on large weights).
 pub const STREAM_MAX_BYTES: usize = 16 << 20;
 
+/// Rows up to which the fast policy also streams layer weights larger than [`STREAM_MAX_BYTES`]
+/// (up to [`stream_max_few_rows_bytes`]): the AR step and small batches. Measured on the H200
+/// (scripts/probe-stream-gemm.py, weights from DRAM): Qwen3-8B's o projection (33.5 MB) 11.1 µs
+/// streamed against 13.4 µs on cuBLAS at one row, q/k/v (50 MB) 15.7 against 16.2; at 16 rows
+/// cuBLAS wins (q/k/v 15.2 against 20.3).
+pub const FEW_ROWS: usize = 4;
+
+/// The largest layer weight the fast policy streams for calls of up to [`FEW_ROWS`] rows: 64 MiB
+/// (Qwen3-8B's q/k/v and o projections; its down projection, 100 MB, measured even and its
+/// gate-up, 201 MB, slower), or `DFLASH_STREAM_FEW_ROWS_MB` (a documented override for A/B runs;
+/// 0 turns it off).
+pub fn stream_max_few_rows_bytes() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::env::var("DFLASH_STREAM_FEW_ROWS_MB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(64 << 20, |mb| mb << 20)
+    })
+}
+
 /// The largest LM head the fast policy streams: cuBLAS's bf16 × bf16 → f32 product of a few rows
 /// took ~0.17 ms longer on SmolLM2's 56 MB head (AR step 1.31 → 1.13 ms streamed, drafter block
 /// 0.61 → 0.54), but the stream lost 0.18 ms on Qwen3-8B's 1.2 GB head (AR 5.84 → 6.02).
@@ -90,7 +111,8 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
             } else {
                 STREAM_MAX_BYTES
             };
-            rows <= FAST_MAX_ROWS && bytes <= limit
+            (rows <= FAST_MAX_ROWS && bytes <= limit)
+                || (!logits && rows <= FEW_ROWS && bytes <= stream_max_few_rows_bytes())
         }
         StreamPolicy::All => rows <= STREAM_MAX_ROWS,
     }
@@ -194,7 +216,7 @@ mod cuda {
     use crate::step_cuda::address;
     use crate::Result;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    use candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Tensor};
     use std::sync::OnceLock;
@@ -206,10 +228,7 @@ mod cuda {
     fn ptx() -> Option<&'static str> {
         static PTX: OnceLock<Option<String>> = OnceLock::new();
         PTX.get_or_init(|| {
-            let opts = CompileOptions {
-                arch: Some("compute_80"),
-                ..Default::default()
-            };
+            let opts = crate::pdl::nvrtc_options(Some("compute_80"));
             compile_ptx_with_opts(SOURCE, opts).map(|p| p.to_src()).ok()
         })
         .as_deref()
@@ -262,6 +281,7 @@ mod cuda {
             shared_mem_bytes: 0,
         };
         let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
+        crate::pdl::mark(&f);
         let (mi, ni, ki) = (m as i32, n as i32, k as i32);
         let mut b = f.builder();
         b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
