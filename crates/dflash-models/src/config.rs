@@ -1,8 +1,12 @@
-//! `config.json` of Llama-family and Qwen3 decoders, mirrored with serde.
+//! `config.json` of Llama-family, Qwen3 dense and Qwen3.5 / Qwen3.6 dense hybrid decoders,
+//! mirrored with serde.
 //!
 //! Invariants: accepts both the transformers v4 layout (`rope_theta` + `rope_scaling`) and the v5
 //! layout (`rope_parameters`); every accessor returns a validated value, and `validate` refuses
 //! configs whose shapes cannot work (heads not dividing, zero sizes) with a message naming the field.
+//! A multimodal checkpoint's `text_config` is read as the config, with the top level's keys it
+//! lacks (and the top level's `tie_word_embeddings`) merged in ([`flatten_text_config`]). Hybrid
+//! fields take transformers' `Qwen3_5TextConfig` defaults when absent.
 
 use dflash_core::{RopeConfig, RopeScaling};
 use serde::Deserialize;
@@ -15,6 +19,9 @@ pub enum Architecture {
     Llama,
     /// Qwen3 dense: Llama plus per-head RMSNorm on q and k.
     Qwen3,
+    /// Qwen3.5 / Qwen3.6 dense hybrids: Gated DeltaNet and gated full-attention layers
+    /// ([`crate::hybrid::HybridDecoder`]).
+    Qwen35,
 }
 
 impl Architecture {
@@ -22,6 +29,7 @@ impl Architecture {
         match t {
             "llama" | "mistral" | "smollm" => Some(Self::Llama),
             "qwen3" => Some(Self::Qwen3),
+            "qwen3_5" | "qwen3_5_text" => Some(Self::Qwen35),
             _ => None,
         }
     }
@@ -29,6 +37,7 @@ impl Architecture {
         match self {
             Self::Llama => "llama",
             Self::Qwen3 => "qwen3",
+            Self::Qwen35 => "qwen3_5",
         }
     }
 }
@@ -75,6 +84,49 @@ pub struct DecoderConfig {
     pub bos_token_id: Option<Value>,
     #[serde(default)]
     pub eos_token_id: Option<Value>,
+    /// Qwen3.5 / Qwen3.6 hybrid fields (absent for dense models).
+    #[serde(flatten)]
+    pub hybrid: HybridFields,
+}
+
+/// The `config.json` fields of a Qwen3.5 / Qwen3.6 hybrid (`Qwen3_5TextConfig`).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct HybridFields {
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub full_attention_interval: Option<usize>,
+    #[serde(default)]
+    pub linear_num_key_heads: Option<usize>,
+    #[serde(default)]
+    pub linear_num_value_heads: Option<usize>,
+    #[serde(default)]
+    pub linear_key_head_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_value_head_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_conv_kernel_dim: Option<usize>,
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    #[serde(default)]
+    pub attn_output_gate: Option<bool>,
+}
+
+/// A multimodal config's `text_config` with the top level's other keys merged in where it lacks
+/// them (the top level's `tie_word_embeddings` wins: it is the causal LM's); other configs as
+/// they are.
+pub fn flatten_text_config(v: Value) -> Value {
+    let Value::Object(mut top) = v else { return v };
+    let Some(Value::Object(mut text)) = top.remove("text_config") else {
+        return Value::Object(top);
+    };
+    top.remove("vision_config");
+    for (k, val) in top {
+        if k == "tie_word_embeddings" || !text.contains_key(&k) {
+            text.insert(k, val);
+        }
+    }
+    Value::Object(text)
 }
 
 /// Reads an int or a list of ints (`eos_token_id` is either).
@@ -104,6 +156,9 @@ impl DecoderConfig {
             match a.as_str() {
                 "LlamaForCausalLM" | "MistralForCausalLM" => return Ok(Architecture::Llama),
                 "Qwen3ForCausalLM" => return Ok(Architecture::Qwen3),
+                "Qwen3_5ForCausalLM" | "Qwen3_5ForConditionalGeneration" => {
+                    return Ok(Architecture::Qwen35)
+                }
                 _ => {}
             }
         }
@@ -152,7 +207,98 @@ impl DecoderConfig {
         if self.attention_bias {
             return Err("attention_bias=true is not supported".into());
         }
+        if self.architecture() == Ok(Architecture::Qwen35) {
+            self.validate_hybrid()?;
+        }
         self.rope().map(|_| ())
+    }
+
+    /// Per layer, whether it is a Gated DeltaNet (linear attention) layer: `layer_types`, else
+    /// every layer but each `full_attention_interval`-th (default 4). All false for dense models.
+    pub fn recurrent_layers(&self) -> Vec<bool> {
+        if self.architecture() != Ok(Architecture::Qwen35) {
+            return vec![false; self.num_hidden_layers];
+        }
+        match &self.hybrid.layer_types {
+            Some(t) => t.iter().map(|t| t == "linear_attention").collect(),
+            None => {
+                let every = self.hybrid.full_attention_interval.unwrap_or(4).max(1);
+                (0..self.num_hidden_layers)
+                    .map(|i| (i + 1) % every != 0)
+                    .collect()
+            }
+        }
+    }
+
+    /// The Gated DeltaNet layers' shape (transformers' defaults where a field is absent).
+    pub fn delta_net_shape(&self) -> crate::gated_deltanet::DeltaNetShape {
+        let h = &self.hybrid;
+        crate::gated_deltanet::DeltaNetShape {
+            hidden: self.hidden_size,
+            key_heads: h.linear_num_key_heads.unwrap_or(16),
+            value_heads: h.linear_num_value_heads.unwrap_or(32),
+            key_dim: h.linear_key_head_dim.unwrap_or(128),
+            value_dim: h.linear_value_head_dim.unwrap_or(128),
+            conv_kernel: h.linear_conv_kernel_dim.unwrap_or(4),
+        }
+    }
+
+    /// Whether full-attention layers gate their output (`q_proj` doubled; Qwen3.5 default true).
+    pub fn attn_output_gate(&self) -> bool {
+        self.hybrid.attn_output_gate.unwrap_or(true)
+    }
+
+    fn validate_hybrid(&self) -> Result<(), String> {
+        if let Some(t) = &self.hybrid.layer_types {
+            if t.len() != self.num_hidden_layers {
+                return Err(format!(
+                    "layer_types has {} entries for {} layers",
+                    t.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            if let Some(bad) = t
+                .iter()
+                .find(|t| *t != "linear_attention" && *t != "full_attention")
+            {
+                return Err(format!(
+                    "layer type '{bad}' is not supported (linear_attention, full_attention)"
+                ));
+            }
+        }
+        let s = self.delta_net_shape();
+        for (name, v) in [
+            ("linear_num_key_heads", s.key_heads),
+            ("linear_num_value_heads", s.value_heads),
+            ("linear_key_head_dim", s.key_dim),
+            ("linear_value_head_dim", s.value_dim),
+            ("linear_conv_kernel_dim", s.conv_kernel),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be > 0"));
+            }
+        }
+        if !s.value_heads.is_multiple_of(s.key_heads) {
+            return Err(format!(
+                "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+                s.value_heads, s.key_heads
+            ));
+        }
+        Ok(())
+    }
+
+    /// The fraction of each head that rotates: `rope_parameters.partial_rotary_factor`, else the
+    /// top-level field, else 1 (0.25 for Qwen3.5 hybrids, transformers' default).
+    fn partial_rotary_factor(&self) -> f64 {
+        let default = match self.architecture() {
+            Ok(Architecture::Qwen35) => 0.25,
+            _ => 1.0,
+        };
+        self.rope_parameters
+            .as_ref()
+            .and_then(|p| f(p, "partial_rotary_factor"))
+            .or(self.hybrid.partial_rotary_factor)
+            .unwrap_or(default)
     }
 
     /// The RoPE settings from either config layout.
@@ -168,10 +314,11 @@ impl DecoderConfig {
             None | Some(Value::Null) => None,
             Some(p) => rope_scaling(p, self.max_position_embeddings)?,
         };
+        let rotary_dim = (self.head_dim() as f64 * self.partial_rotary_factor()) as usize;
         Ok(RopeConfig {
             theta,
             head_dim: self.head_dim(),
-            rotary_dim: self.head_dim(),
+            rotary_dim,
             scaling,
         })
     }

@@ -9,7 +9,7 @@ pub enum ModelError {
     MissingFile { path: PathBuf, what: String },
     #[error("{}: corrupt or truncated: {msg}", path.display())]
     Corrupt { path: PathBuf, msg: String },
-    #[error("{}: unsupported architecture '{arch}' (supported: llama, qwen3)", path.display())]
+    #[error("{}: unsupported architecture '{arch}' (supported: llama, qwen3, qwen3_5 dense hybrids; mixture-of-experts models are not)", path.display())]
     UnknownArchitecture { path: PathBuf, arch: String },
     #[error("{}: bad config: {msg}", path.display())]
     Config { path: PathBuf, msg: String },

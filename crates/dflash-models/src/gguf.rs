@@ -126,6 +126,7 @@ impl GgufFile {
                 .get("tokenizer.ggml.eos_token_id")
                 .and_then(int)
                 .map(|x| x.into()),
+            hybrid: Default::default(),
         })
     }
 

@@ -1,4 +1,5 @@
-//! dflash-models: target models (Llama family, Qwen3 dense) and, later, the DFlash drafter.
+//! dflash-models: target models (Llama family, Qwen3 dense, Qwen3.5 / Qwen3.6 dense hybrids) and
+//! the DFlash drafter.
 //!
 //! Invariants: models are written here (not wrapped from candle-transformers) so every forward takes
 //! explicit positions and attention layouts over a croppable cache and can return hidden-state taps;
@@ -10,6 +11,7 @@ pub mod drafter;
 pub mod error;
 pub mod gated_deltanet;
 pub mod gguf;
+pub mod hybrid;
 pub mod loader;
 mod projection;
 pub mod random;
@@ -20,6 +22,7 @@ pub use config::{Architecture, DecoderConfig};
 pub use decoder::Decoder;
 pub use drafter::{load_drafter, DFlashConfig, DFlashDrafter, DraftCache};
 pub use error::{ModelError, Result};
+pub use hybrid::HybridDecoder;
 pub use loader::{load_target, target_tensors, LoadedTarget};
 pub use random::{random_drafter, random_target, random_target_tensors};
 pub use target::{

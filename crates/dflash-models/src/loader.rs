@@ -4,8 +4,9 @@
 //! without tokenizer files still loads (tests drive tiny models by token ids) with `text == None`;
 //! all input problems are [`ModelError`]s with `is_bad_input() == true`.
 
-use crate::config::DecoderConfig;
+use crate::config::{Architecture, DecoderConfig};
 use crate::decoder::Decoder;
+use crate::hybrid::HybridDecoder;
 use crate::target::TargetModel;
 use crate::weights::{safetensors_files, safetensors_var_builder, GgufFile};
 use crate::{ModelError, Result};
@@ -46,9 +47,15 @@ pub(crate) fn read_json_config<T: serde::de::DeserializeOwned>(
     Ok((cfg, path))
 }
 
-/// Reads and validates `config.json` of an HF directory.
+/// Reads and validates `config.json` of an HF directory (a multimodal checkpoint's
+/// `text_config`, see [`crate::config::flatten_text_config`]).
 pub fn read_config(dir: &Path) -> Result<DecoderConfig> {
-    let (cfg, path): (DecoderConfig, _) = read_json_config(dir, "model config")?;
+    let (raw, path): (serde_json::Value, _) = read_json_config(dir, "model config")?;
+    let cfg: DecoderConfig = serde_json::from_value(crate::config::flatten_text_config(raw))
+        .map_err(|e| ModelError::Config {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
     cfg.validate()
         .map_err(|msg| ModelError::Config { path, msg })?;
     Ok(cfg)
@@ -148,20 +155,24 @@ fn load_gguf(path: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget>
 
 fn build(
     cfg: &DecoderConfig,
-    arch: crate::config::Architecture,
+    arch: Architecture,
     vb: VarBuilder,
     path: &Path,
 ) -> Result<Box<dyn TargetModel>> {
-    Decoder::new(cfg, arch, vb)
-        .map(|m| Box::new(m) as Box<dyn TargetModel>)
-        .map_err(|e| match e {
-            ModelError::Candle(c) => ModelError::Weight {
-                path: path.to_path_buf(),
-                name: "(see message)".into(),
-                msg: c.to_string(),
-            },
-            other => other,
-        })
+    let model = match arch {
+        Architecture::Qwen35 => {
+            HybridDecoder::new(cfg, vb).map(|m| Box::new(m) as Box<dyn TargetModel>)
+        }
+        _ => Decoder::new(cfg, arch, vb).map(|m| Box::new(m) as Box<dyn TargetModel>),
+    };
+    model.map_err(|e| match e {
+        ModelError::Candle(c) => ModelError::Weight {
+            path: path.to_path_buf(),
+            name: "(see message)".into(),
+            msg: c.to_string(),
+        },
+        other => other,
+    })
 }
 
 fn finish(

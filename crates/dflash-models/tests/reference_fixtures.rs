@@ -9,7 +9,7 @@ use dflash_core::AttentionMask;
 use dflash_models::{load_target, ForwardRequest, LogitRows, TargetModel};
 use std::collections::HashMap;
 
-const TINY: [&str; 3] = ["tiny-llama", "tiny-llama31", "tiny-qwen3"];
+const TINY: [&str; 4] = ["tiny-llama", "tiny-llama31", "tiny-qwen3", "tiny-qwen3.5"];
 
 fn reference(name: &str) -> HashMap<String, Tensor> {
     let p = fixtures().join(name).join("reference.safetensors");

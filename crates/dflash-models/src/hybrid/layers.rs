@@ -1,0 +1,155 @@
+//! The pieces of a Qwen3.5 / Qwen3.6 decoder layer other than Gated DeltaNet: the zero-centred
+//! RMSNorm, the gated full-attention layer and the SiLU-gated MLP.
+//!
+//! Invariants:
+//! - Every norm of these models (decoder, q/k, final) computes `rmsnorm(x)·(1 + w)` with a
+//!   zero-initialised checkpoint weight `w`; [`zero_centred_norm`] folds the `1 +` into the weight
+//!   once at load (exact in f32), so the norm is an ordinary [`RmsNorm`]. The Gated DeltaNet's own
+//!   gated norm is not of this kind (its weight applies as is).
+//! - Gated attention: `q_proj` yields, per head, `head_dim` query channels followed by
+//!   `head_dim` gate channels; the attention output is multiplied by `sigmoid(gate)` before
+//!   `o_proj`. q and k are normed per head before a partial NeoX rotary (the first
+//!   `rotary_dim` channels; for text, Qwen3.5's interleaved M-RoPE is exactly this). Causal GQA,
+//!   scale `head_dim^-½`, keys and values in a croppable [`KvCache`].
+
+use crate::projection::project;
+use crate::{ModelError, Result};
+use candle_core::{DType, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use dflash_core::{attention, Grad, KvCache, RmsNorm, RotaryEmbedding};
+
+fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
+    Ok(Linear::new(
+        vb.get((out_dim, in_dim), &format!("{name}.weight"))?,
+        None,
+    ))
+}
+
+/// A Qwen3.5 norm `rmsnorm(x)·(1 + w)` from the checkpoint weight `w` at `vb`.
+pub fn zero_centred_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<RmsNorm> {
+    let w = vb.get(size, "weight")?;
+    let dtype = w.dtype();
+    let w = (w.to_dtype(DType::F32)? + 1.0)?.to_dtype(dtype)?;
+    Ok(RmsNorm::new(w, eps))
+}
+
+/// The rotary tables of one forward, shared by every attention layer.
+pub struct Rope<'a> {
+    pub emb: &'a RotaryEmbedding,
+    pub cos: Tensor,
+    pub sin: Tensor,
+}
+
+/// The gated full-attention layer (`self_attn`).
+pub struct GatedAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    gated: bool,
+}
+
+impl GatedAttention {
+    pub fn new(
+        hidden: usize,
+        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+        gated: bool,
+        eps: f64,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let q_rows = n_heads * head_dim * if gated { 2 } else { 1 };
+        Ok(Self {
+            q_proj: linear(&vb, hidden, q_rows, "q_proj")?,
+            k_proj: linear(&vb, hidden, n_kv_heads * head_dim, "k_proj")?,
+            v_proj: linear(&vb, hidden, n_kv_heads * head_dim, "v_proj")?,
+            o_proj: linear(&vb, n_heads * head_dim, hidden, "o_proj")?,
+            q_norm: zero_centred_norm(vb.pp("q_norm"), head_dim, eps)?,
+            k_norm: zero_centred_norm(vb.pp("k_norm"), head_dim, eps)?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            gated,
+        })
+    }
+
+    /// The layer over `x` `[1, n, H]` seeing the cached keys and its own under `mask` (additive
+    /// `[n, past + n]`, `None`: all visible); appends its keys and values to `cache`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let hd = self.head_dim;
+        let qg = project(&self.q_proj, x)?;
+        let (q, gate) = if self.gated {
+            let qg = qg.reshape((b, n, self.n_heads, 2 * hd))?;
+            let gate = qg.narrow(3, hd, hd)?.reshape((b, n, self.n_heads * hd))?;
+            (qg.narrow(3, 0, hd)?, Some(gate))
+        } else {
+            (qg.reshape((b, n, self.n_heads, hd))?, None)
+        };
+        let heads = |t: Tensor, norm: Option<&RmsNorm>| -> Result<Tensor> {
+            let t = match norm {
+                Some(nm) => nm.forward(&t.contiguous()?, Grad::Off)?,
+                None => t,
+            };
+            Ok(t.transpose(1, 2)?.contiguous()?)
+        };
+        let q = heads(q, Some(&self.q_norm))?;
+        let k = project(&self.k_proj, x)?.reshape((b, n, self.n_kv_heads, hd))?;
+        let k = heads(k, Some(&self.k_norm))?;
+        let v = project(&self.v_proj, x)?.reshape((b, n, self.n_kv_heads, hd))?;
+        let v = heads(v, None)?;
+        let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
+        let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
+        let (k_all, v_all) = cache.append(&k, &v)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?
+            .transpose(1, 2)?
+            .reshape((b, n, self.n_heads * hd))?;
+        let o = match gate {
+            Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
+            None => o,
+        };
+        project(&self.o_proj, &o)
+    }
+}
+
+/// The SiLU-gated MLP (`mlp.gate_proj`, `up_proj`, `down_proj`).
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    pub fn new(hidden: usize, intermediate: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            gate_proj: linear(&vb, hidden, intermediate, "gate_proj")?,
+            up_proj: linear(&vb, hidden, intermediate, "up_proj")?,
+            down_proj: linear(&vb, intermediate, hidden, "down_proj")?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h =
+            (candle_nn::ops::silu(&project(&self.gate_proj, x)?)? * project(&self.up_proj, x)?)?;
+        project(&self.down_proj, &h)
+    }
+}
+
+/// An error for a mask a recurrent layer cannot follow.
+pub fn unsupported_mask(what: &str) -> ModelError {
+    ModelError::InvalidInput(format!(
+        "Qwen3.5 hybrids take causal blocks and token trees only ({what} masks would let a \
+         recurrent layer see tokens it cannot)"
+    ))
+}

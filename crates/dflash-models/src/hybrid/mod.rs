@@ -1,0 +1,286 @@
+//! Qwen3.5 / Qwen3.6 dense hybrid text models (`Qwen3_5ForCausalLM`, and the text part of
+//! `Qwen3_5ForConditionalGeneration`): Gated DeltaNet layers ([`crate::gated_deltanet`]) and
+//! gated full-attention layers ([`layers::GatedAttention`]), each followed by a SiLU MLP, with
+//! zero-centred norms; a [`TargetModel`] like the dense [`crate::Decoder`].
+//!
+//! Invariants:
+//! - Weights are read under `model.language_model.` (multimodal checkpoints) or `model.`
+//!   (causal-LM checkpoints), whichever holds the embeddings; `lm_head.weight` is the head unless
+//!   the embeddings are tied or it is absent. Vision and MTP weights are ignored.
+//! - A forward takes a causal block or a token tree (`AttentionMask::Causal` / `Tree`); attention
+//!   layers see the cache and their visible keys, recurrent layers follow each token's
+//!   ancestors, so every tree node's logits are those of a causal forward along its path.
+//!   `Full` and additive masks are refused (a recurrent layer has no way to hide a token).
+//! - The cache has a [`dflash_core::RecurrentCache`] per Gated DeltaNet layer and a KV cache per
+//!   attention layer; `crop` / `keep_rows` after a verify restore exactly the accepted tokens'
+//!   state in both, so the decoding loops drive this model unchanged.
+//! - Taps are decoder-layer outputs (HF `hidden_states[l + 1]`, before the final norm); logits
+//!   are f32. CPU path only for now: no fused decode kernels, no device step, no batched forward.
+
+pub mod layers;
+
+use crate::config::DecoderConfig;
+use crate::gated_deltanet::GatedDeltaNet;
+use crate::target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};
+use crate::{ModelError, Result};
+use candle_core::{DType, Module, Tensor, D};
+use candle_nn::{Embedding, VarBuilder};
+use dflash_core::{AttentionMask, Grad, LayerCache, RmsNorm, RotaryEmbedding, SequenceCache};
+use layers::{unsupported_mask, zero_centred_norm, GatedAttention, Mlp, Rope};
+
+/// A layer's token mixer.
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Attention(GatedAttention),
+}
+
+struct HybridLayer {
+    mixer: Mixer,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+/// A Qwen3.5 / Qwen3.6 dense hybrid causal LM.
+pub struct HybridDecoder {
+    embed_tokens: Embedding,
+    layers: Vec<HybridLayer>,
+    norm: RmsNorm,
+    /// `[vocab, hidden]` in the compute dtype.
+    lm_head: Tensor,
+    lm_head_f32: std::sync::OnceLock<Tensor>,
+    rotary: RotaryEmbedding,
+    recurrent: Vec<bool>,
+    info: TargetInfo,
+    cache_pool: dflash_core::cache_pool::CachePool<SequenceCache>,
+}
+
+/// The prefix the text model's weights live under in `vb`.
+pub fn text_prefix(vb: &VarBuilder) -> &'static str {
+    if vb.contains_tensor("model.language_model.embed_tokens.weight") {
+        "model.language_model"
+    } else {
+        "model"
+    }
+}
+
+impl HybridDecoder {
+    /// Builds the model from HF-named weights; `vb` is at the checkpoint root.
+    pub fn new(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate().map_err(ModelError::InvalidInput)?;
+        let m = vb.pp(text_prefix(&vb));
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let embed_w = m.get((cfg.vocab_size, h), "embed_tokens.weight")?;
+        let recurrent = cfg.recurrent_layers();
+        let heads = (cfg.num_attention_heads, cfg.num_kv_heads(), cfg.head_dim());
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, &rec) in recurrent.iter().enumerate() {
+            let l = m.pp(format!("layers.{i}"));
+            let mixer = if rec {
+                Mixer::Linear(GatedDeltaNet::new(
+                    cfg.delta_net_shape(),
+                    eps,
+                    l.pp("linear_attn"),
+                )?)
+            } else {
+                Mixer::Attention(GatedAttention::new(
+                    h,
+                    heads,
+                    cfg.attn_output_gate(),
+                    eps,
+                    l.pp("self_attn"),
+                )?)
+            };
+            layers.push(HybridLayer {
+                mixer,
+                mlp: Mlp::new(h, cfg.intermediate_size, l.pp("mlp"))?,
+                input_layernorm: zero_centred_norm(l.pp("input_layernorm"), h, eps)?,
+                post_attention_layernorm: zero_centred_norm(
+                    l.pp("post_attention_layernorm"),
+                    h,
+                    eps,
+                )?,
+            });
+        }
+        let norm = zero_centred_norm(m.pp("norm"), h, eps)?;
+        let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            embed_w.clone()
+        } else {
+            vb.get((cfg.vocab_size, h), "lm_head.weight")?
+        };
+        let rotary = RotaryEmbedding::new(&cfg.rope().map_err(ModelError::InvalidInput)?)?;
+        Ok(Self {
+            embed_tokens: Embedding::new(embed_w, h),
+            layers,
+            norm,
+            lm_head,
+            lm_head_f32: std::sync::OnceLock::new(),
+            rotary,
+            recurrent,
+            info: TargetInfo {
+                architecture: "qwen3_5",
+                hidden_size: h,
+                num_layers: cfg.num_hidden_layers,
+                vocab_size: cfg.vocab_size,
+                max_position_embeddings: cfg.max_position_embeddings,
+                dtype: vb.dtype(),
+                device: vb.device().clone(),
+            },
+            cache_pool: Default::default(),
+        })
+    }
+
+    /// The LM head as f32 (the weight itself in f32, else a copy made once).
+    fn lm_head_f32(&self) -> Result<&Tensor> {
+        if self.lm_head.dtype() == DType::F32 {
+            return Ok(&self.lm_head);
+        }
+        if self.lm_head_f32.get().is_none() {
+            let _ = self.lm_head_f32.set(self.lm_head.to_dtype(DType::F32)?);
+        }
+        Ok(self.lm_head_f32.get().expect("set above"))
+    }
+}
+
+impl TargetModel for HybridDecoder {
+    fn info(&self) -> &TargetInfo {
+        &self.info
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<SequenceCache> {
+        Ok(SequenceCache::hybrid(
+            &self.recurrent,
+            capacity,
+            &self.info.device,
+        ))
+    }
+
+    fn take_cache(&self, capacity: usize) -> Result<SequenceCache> {
+        match self.cache_pool.take(capacity) {
+            Some(c) => Ok(c),
+            None => self.new_cache(dflash_core::cache_pool::pooled_capacity(capacity)),
+        }
+    }
+
+    fn recycle_cache(&self, cache: SequenceCache) {
+        self.cache_pool.give(cache);
+    }
+
+    fn forward(&self, req: &ForwardRequest, cache: &mut SequenceCache) -> Result<ForwardOutput> {
+        let n = req.tokens.len();
+        if n == 0 || req.positions.len() != n {
+            return Err(ModelError::InvalidInput(format!(
+                "forward: {} tokens with {} positions",
+                n,
+                req.positions.len()
+            )));
+        }
+        if let Some(&t) = req.taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(ModelError::InvalidInput(format!(
+                "tap layer {t} >= {} layers",
+                self.layers.len()
+            )));
+        }
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "a cache of {} layers for a model of {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let parents: Option<&[i64]> = match &req.mask {
+            AttentionMask::Causal => None,
+            AttentionMask::Tree { parents } => Some(parents),
+            AttentionMask::Full => return Err(unsupported_mask("full")),
+            AttentionMask::Additive(_) => return Err(unsupported_mask("additive")),
+        };
+        if let Some(p) = parents {
+            dflash_core::gated_delta::tree_depths(p)?;
+        }
+        let dev = &self.info.device;
+        let past = cache.len();
+        let mask = req.mask.build(n, past + n, dev)?;
+        let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
+        let rope = Rope {
+            emb: &self.rotary,
+            cos,
+            sin,
+        };
+        let ids = Tensor::from_slice(req.tokens, n, dev)?;
+        let mut x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
+        let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
+        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
+            let a = match (&layer.mixer, lc) {
+                (Mixer::Linear(d), LayerCache::Recurrent(rc)) => d
+                    .forward_cached(&h.squeeze(0)?, rc, parents)?
+                    .unsqueeze(0)?,
+                (Mixer::Attention(att), LayerCache::Attention(kv)) => {
+                    att.forward(&h, &rope, mask.as_ref(), kv)?
+                }
+                _ => {
+                    return Err(ModelError::InvalidInput(format!(
+                        "layer {i}: the cache's layer kind does not match the model's"
+                    )))
+                }
+            };
+            x = (x + a)?;
+            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+            for (slot, &t) in taps.iter_mut().zip(req.taps) {
+                if t == i {
+                    *slot = Some(x.squeeze(0)?);
+                }
+            }
+        }
+        let taps = taps
+            .into_iter()
+            .map(|t| t.expect("every tap layer ran"))
+            .collect();
+        let logits = match req.logits {
+            LogitRows::None => None,
+            rows => {
+                let x = match rows {
+                    LogitRows::Last => x.narrow(1, n - 1, 1)?,
+                    _ => x,
+                };
+                let h = self.norm.forward(&x.squeeze(0)?, Grad::Off)?;
+                Some(self.lm_head(&h)?)
+            }
+        };
+        Ok(ForwardOutput::new(logits, taps))
+    }
+
+    fn final_norm_weight(&self) -> Option<Tensor> {
+        // the effective weight (1 + w): what a plain-weight norm needs to compute the same
+        Some(self.norm.weight().clone())
+    }
+
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        Ok(self.embed_tokens.forward(tokens)?)
+    }
+
+    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let w = &self.lm_head;
+        if let Some(y) = dflash_core::stream_gemm::stream_matmul(hidden, w, true)? {
+            return Ok(y);
+        }
+        if hidden.device().is_cuda() && hidden.dtype() == w.dtype() && w.dtype() != DType::F32 {
+            let (lead, h) = (&hidden.dims()[..hidden.rank() - 1], hidden.dim(D::Minus1)?);
+            let mut shape = lead.to_vec();
+            shape.push(w.dim(0)?);
+            let x = hidden.reshape(((), h))?;
+            return Ok(dflash_core::decode_ops::matmul_t_f32(&x, w)?.reshape(shape)?);
+        }
+        Ok(hidden
+            .to_dtype(DType::F32)?
+            .broadcast_matmul(&self.lm_head_f32()?.t()?)?)
+    }
+
+    fn lm_head_input_grad(&self, grad_logits: &Tensor) -> Result<Tensor> {
+        Ok(grad_logits
+            .to_dtype(DType::F32)?
+            .contiguous()?
+            .matmul(self.lm_head_f32()?)?)
+    }
+}
