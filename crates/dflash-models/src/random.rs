@@ -1,18 +1,21 @@
 //! Random weights at a model's real shapes, for benchmarks and tests that need the shapes and not
-//! the values: a target (Llama / Qwen3, Hugging Face names) or a DFlash drafter (z-lab names).
+//! the values: a target (Llama / Qwen3 / Qwen3.5 hybrid, Hugging Face names) or a DFlash drafter
+//! (z-lab names).
 //!
 //! Invariants:
 //! - Tensors are made on the device they are used on, in the compute dtype: an accelerator draws
 //!   them with its own generator (seeded by `seed`), so a model of many GB never passes through
 //!   host memory; on the CPU they come from a seeded ChaCha8 stream. Matrices are N(0, 0.02²),
 //!   every norm weight is 1.
-//! - The names and shapes are exactly those [`crate::Decoder::new`] and
-//!   [`crate::DFlashDrafter::new`] read, so the models are built through their ordinary
+//! - The names and shapes are exactly those [`crate::Decoder::new`],
+//!   [`crate::HybridDecoder::new`] and [`crate::DFlashDrafter::new`] read, so the models are built through their ordinary
 //!   constructors (a config that cannot work is refused there, as when loading).
 
 use crate::config::{Architecture, DecoderConfig};
 use crate::decoder::Decoder;
 use crate::drafter::{parameter_shapes, DFlashConfig, DFlashDrafter};
+use crate::hybrid::HybridDecoder;
+use crate::target::TargetModel;
 use crate::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -36,7 +39,10 @@ pub fn target_parameter_shapes(
     );
     let (nh, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
     let mut p = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..cfg.num_hidden_layers {
+    if arch == Architecture::Qwen35 {
+        hybrid_layer_shapes(cfg, &mut p);
+    }
+    for l in (0..cfg.num_hidden_layers).filter(|_| arch != Architecture::Qwen35) {
         let n = |s: &str| format!("model.layers.{l}.{s}.weight");
         p.extend([
             (n("input_layernorm"), vec![h]),
@@ -65,13 +71,54 @@ pub fn target_parameter_shapes(
     p
 }
 
+/// The decoder layers of a Qwen3.5 / Qwen3.6 hybrid (`model.layers.N.`, the causal-LM layout).
+fn hybrid_layer_shapes(cfg: &DecoderConfig, p: &mut Vec<(String, Vec<usize>)>) {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim(), cfg.intermediate_size);
+    let (nh, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+    let d = cfg.delta_net_shape();
+    let (c, vdim) = (d.conv_channels(), d.value_heads * d.value_dim);
+    let q_rows = nh * hd * if cfg.attn_output_gate() { 2 } else { 1 };
+    for (l, rec) in cfg.recurrent_layers().into_iter().enumerate() {
+        let n = |s: &str| format!("model.layers.{l}.{s}");
+        p.push((n("input_layernorm.weight"), vec![h]));
+        if rec {
+            p.extend([
+                (n("linear_attn.in_proj_qkv.weight"), vec![c, h]),
+                (n("linear_attn.in_proj_z.weight"), vec![vdim, h]),
+                (n("linear_attn.in_proj_b.weight"), vec![d.value_heads, h]),
+                (n("linear_attn.in_proj_a.weight"), vec![d.value_heads, h]),
+                (n("linear_attn.conv1d.weight"), vec![c, 1, d.conv_kernel]),
+                (n("linear_attn.dt_bias"), vec![d.value_heads]),
+                (n("linear_attn.A_log"), vec![d.value_heads]),
+                (n("linear_attn.norm.weight"), vec![d.value_dim]),
+                (n("linear_attn.out_proj.weight"), vec![h, vdim]),
+            ]);
+        } else {
+            p.extend([
+                (n("self_attn.q_proj.weight"), vec![q_rows, h]),
+                (n("self_attn.k_proj.weight"), vec![nkv * hd, h]),
+                (n("self_attn.v_proj.weight"), vec![nkv * hd, h]),
+                (n("self_attn.o_proj.weight"), vec![h, nh * hd]),
+                (n("self_attn.q_norm.weight"), vec![hd]),
+                (n("self_attn.k_norm.weight"), vec![hd]),
+            ]);
+        }
+        p.extend([
+            (n("post_attention_layernorm.weight"), vec![h]),
+            (n("mlp.gate_proj.weight"), vec![i, h]),
+            (n("mlp.up_proj.weight"), vec![i, h]),
+            (n("mlp.down_proj.weight"), vec![h, i]),
+        ]);
+    }
+}
+
 /// The architecture of `cfg`, or an input error naming it.
 fn architecture(cfg: &DecoderConfig) -> Result<Architecture> {
     cfg.validate()
         .map_err(|m| ModelError::InvalidInput(format!("target config: {m}")))?;
     cfg.architecture().map_err(|a| {
         ModelError::InvalidInput(format!(
-            "unsupported architecture '{a}' (supported: llama, qwen3)"
+            "unsupported architecture '{a}' (supported: llama, qwen3, qwen3_5)"
         ))
     })
 }
@@ -139,8 +186,38 @@ pub fn random_target(
     seed: u64,
 ) -> Result<Decoder> {
     let arch = architecture(cfg)?;
+    if arch == Architecture::Qwen35 {
+        return Err(ModelError::InvalidInput(
+            "a Qwen3.5 hybrid is not a dense decoder (random_hybrid / random_target_model)".into(),
+        ));
+    }
     let w = fill(target_parameter_shapes(cfg, arch), dtype, device, seed)?;
     Decoder::new(cfg, arch, VarBuilder::from_tensors(w, dtype, device))
+}
+
+/// A Qwen3.5 / Qwen3.6 hybrid with config `cfg` and random weights, built by
+/// [`HybridDecoder::new`].
+pub fn random_hybrid(
+    cfg: &DecoderConfig,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<HybridDecoder> {
+    let w = random_target_tensors(cfg, dtype, device, seed)?;
+    HybridDecoder::new(cfg, VarBuilder::from_tensors(w, dtype, device))
+}
+
+/// A target of any supported architecture with config `cfg` and random weights.
+pub fn random_target_model(
+    cfg: &DecoderConfig,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<Box<dyn TargetModel>> {
+    Ok(match architecture(cfg)? {
+        Architecture::Qwen35 => Box::new(random_hybrid(cfg, dtype, device, seed)?),
+        _ => Box::new(random_target(cfg, dtype, device, seed)?),
+    })
 }
 
 /// Random weights of a drafter with config `cfg` (z-lab names), on `device` in `dtype`.
@@ -167,7 +244,6 @@ pub fn random_drafter(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::TargetModel;
 
     fn tiny(model_type: &str, tied: bool) -> DecoderConfig {
         serde_json::from_value(serde_json::json!({
