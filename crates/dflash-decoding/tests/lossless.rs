@@ -158,6 +158,35 @@ fn greedy_oracle_drafters_accept_long_and_equal_ar() {
     assert!(full_blocks > 0);
 }
 
+#[test]
+fn greedy_hybrid_target_modes_equal_ar() {
+    // Qwen3.5 hybrid: rejected drafts and unaccepted branches must leave no trace in the
+    // recurrent states (random drafters reject often, oracles accept long)
+    let t = tiny("tiny-qwen3.5");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    for i in 0..6 {
+        let block = [16, 3, 8, 5, 12, 2][i];
+        let budget = [1, 8, 64, 17, 3, 32][i];
+        let prompt: Vec<u32> = (0..rng.random_range(1..15))
+            .map(|_| rng.random_range(0..263))
+            .collect();
+        let max_new = rng.random_range(10..40);
+        let what = format!("tiny-qwen3.5 case {i} block {block}");
+        if i % 2 == 0 {
+            let drafter = random_drafter(&t, 1 + i % 2, block, i as u64);
+            let mut runner = DFlashRunner::new(&drafter);
+            let cfg = greedy(max_new, vec![]);
+            check_modes(t.model.as_ref(), &mut runner, &prompt, &cfg, budget, &what);
+        } else {
+            let mut oracle = OracleDrafter::new(block, [0.0, 0.2][i % 4 / 2], i as u64);
+            let cfg = greedy(max_new, vec![]);
+            let (tau_d, _) =
+                check_modes(t.model.as_ref(), &mut oracle, &prompt, &cfg, budget, &what);
+            assert!(tau_d >= 1.0);
+        }
+    }
+}
+
 /// Exact probability of the first three generated tokens under the sampler's filtered distribution.
 fn exact_triples(
     target: &dyn TargetModel,
@@ -234,8 +263,17 @@ fn chi2_crit(dof: usize) -> f64 {
 
 #[test]
 fn sampled_modes_have_the_targets_distribution() {
-    let vocab = 6;
-    let target = tiny_vocab_target(vocab, 3);
+    check_sampled_modes(&tiny_vocab_target(6, 3), 6, 2000);
+}
+
+#[test]
+fn sampled_modes_have_the_hybrid_targets_distribution() {
+    // half the draws: its distributions are concentrated (20 dof after pooling) and a hybrid
+    // step costs more
+    check_sampled_modes(&tiny_vocab_hybrid(6, 4), 6, 1000);
+}
+
+fn check_sampled_modes(target: &dyn TargetModel, vocab: usize, n: usize) {
     let prompt = [1u32, 4, 2];
     let s = SamplingConfig {
         temperature: 0.9,
@@ -243,8 +281,7 @@ fn sampled_modes_have_the_targets_distribution() {
         top_k: 0,
         seed: 0,
     };
-    let exact = exact_triples(&target, &prompt, &s, vocab);
-    let n = 2000;
+    let exact = exact_triples(target, &prompt, &s, vocab);
     let run = |mode: Option<SpecMode>| -> Vec<usize> {
         let mut counts = vec![0usize; vocab * vocab * vocab];
         let mut oracle = OracleDrafter::new(4, 0.3, 9);
@@ -258,11 +295,9 @@ fn sampled_modes_have_the_targets_distribution() {
                 },
             };
             let g = match mode {
-                None => generate_ar(&target, &prompt, &cfg, &mut |_| {}).unwrap(),
-                Some(m) => {
-                    generate_speculative(&target, &mut oracle, &prompt, &cfg, m, &mut |_| {})
-                        .unwrap()
-                }
+                None => generate_ar(target, &prompt, &cfg, &mut |_| {}).unwrap(),
+                Some(m) => generate_speculative(target, &mut oracle, &prompt, &cfg, m, &mut |_| {})
+                    .unwrap(),
             };
             counts[(g.tokens[0] as usize * vocab + g.tokens[1] as usize) * vocab
                 + g.tokens[2] as usize] += 1;
@@ -305,7 +340,13 @@ fn sampled_modes_have_the_targets_distribution() {
 fn recycled_caches_give_what_fresh_caches_give() {
     // a target and drafter that served a longer answer first (their pooled caches hold its rows
     // past the new answer's length) produce exactly what fresh ones produce
-    let (used, fresh) = (tiny("tiny-qwen3"), tiny("tiny-qwen3"));
+    for name in ["tiny-qwen3", "tiny-qwen3.5"] {
+        recycled_caches_equal_fresh(name);
+    }
+}
+
+fn recycled_caches_equal_fresh(name: &str) {
+    let (used, fresh) = (tiny(name), tiny(name));
     let (d_used, d_fresh) = (
         random_drafter(&used, 2, 8, 3),
         random_drafter(&fresh, 2, 8, 3),

@@ -101,6 +101,34 @@ pub fn tiny_vocab_target(vocab: usize, seed: u64) -> Decoder {
     .unwrap()
 }
 
+/// A Qwen3.5 hybrid (two Gated DeltaNet layers, one gated attention layer) with a tiny
+/// vocabulary (for exact distribution tests) and random weights large enough that its
+/// next-token distributions are far from uniform.
+pub fn tiny_vocab_hybrid(vocab: usize, seed: u64) -> dflash_models::HybridDecoder {
+    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 3, "full_attention_interval": 3,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "max_position_embeddings": 128, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let w = dflash_models::random::random_target_tensors(&cfg, DType::F32, &Device::Cpu, seed)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| {
+            let v = if k.ends_with("norm.weight") {
+                v
+            } else {
+                (v * 12.0).unwrap()
+            };
+            (k, v)
+        })
+        .collect();
+    dflash_models::HybridDecoder::new(&cfg, VarBuilder::from_tensors(w, DType::F32, &Device::Cpu))
+        .unwrap()
+}
+
 /// Proposes the target's own greedy continuation (its logits as the draft logits), corrupting each
 /// position with probability `noise` so that acceptance lengths vary.
 pub struct OracleDrafter {
