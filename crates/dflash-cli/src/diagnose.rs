@@ -136,6 +136,7 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         integrity_positions: 32,
         recorded_stats: recorded,
         target_rope: target.config.rope().ok().map(|r| (r.theta, r.scaling)),
+        mask_token_candidates: mask_token_candidates(&target),
     };
     let mut d = diagnose(target.model.as_ref(), &drafter, &samples, &opts)?;
     let declared = d
@@ -224,6 +225,29 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
         return Err(Reported(1).into());
     }
     Ok(())
+}
+
+/// The mask tokens the conventions scan tries instead of the declared one, most plausible first:
+/// the token `dflash draft init` would choose ("init rule"), the target's first EOS, the
+/// vocabulary's last id, the BOS token.
+fn mask_token_candidates(t: &dflash_models::LoadedTarget) -> Vec<(String, u32)> {
+    let vocab = t.config.vocab_size as u32;
+    let mut out = vec![("init rule".to_string(), crate::draft::default_mask_token(t))];
+    if let Some(&e) = t.eos_token_ids.first() {
+        out.push(("eos".into(), e));
+    }
+    out.push(("last id".into(), vocab.saturating_sub(1)));
+    if let Some(text) = &t.text {
+        if let Some(b) = text
+            .bos_token
+            .as_deref()
+            .and_then(|b| text.tokenizer.token_to_id(b))
+        {
+            out.push(("bos".into(), b));
+        }
+    }
+    out.retain(|&(_, id)| id < vocab);
+    out
 }
 
 /// The checks (verdict, evidence, cause and fix), on stderr.

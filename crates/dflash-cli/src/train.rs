@@ -96,6 +96,10 @@ pub struct TrainArgs {
     /// vs evaluation, target integrity; RUN/diagnosis.json); 0 skips it.
     #[arg(long, default_value_t = 2)]
     diagnose_prompts: usize,
+    /// Debugging only: train with every block slot's position moved by this much (slot `j` at
+    /// `anchor + j + N`), a deliberate mismatch with decoding for testing `dflash diagnose`.
+    #[arg(long, default_value_t = 0, hide = true, allow_hyphen_values = true)]
+    block_position_offset: i64,
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -137,6 +141,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         batch_tokens: a.batch_tokens,
         micro_batch_tokens: a.micro_batch_tokens,
         distill: a.distill,
+        block_position_offset: a.block_position_offset,
     };
     let lengths: Vec<usize> = train.iter().map(|e| e.tokens.len()).collect();
     let mut plan = plan_steps(&lengths, &cfg);

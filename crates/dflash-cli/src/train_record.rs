@@ -140,8 +140,8 @@ pub fn record(run: &Path, r: &RecordInputs) -> Result<RunManifest> {
             block_size: r.draft_cfg.block_size,
             num_layers: r.draft_cfg.num_hidden_layers,
             mask_token_id: r.draft_cfg.mask_token_id().unwrap_or(0),
-            // training's forward: BlockConvention::default()
-            position_offset: 0,
+            // training's forward: BlockConvention::default() but for the debugging offset
+            position_offset: r.cfg.block_position_offset,
             anchor_slot_masked: false,
             rope_theta: r.draft_cfg.rope_theta,
             export_dtype: dtype_name(r.export_dtype),

@@ -214,6 +214,69 @@ fn a_planted_rope_theta_fails_and_names_the_target_theta() {
     assert!(fix.contains("rope_theta to 100000"), "{fix}");
 }
 
+/// A copy of the shipped drafter with `edit` applied to its config, diagnosed on two short
+/// answers: (exit code, the conventions check, stderr).
+fn diagnose_planted(edit: impl Fn(&mut serde_json::Value)) -> (i32, serde_json::Value, String) {
+    let g = smollm2().expect("checked by the caller");
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("drafter");
+    copy_drafter(&draft);
+    let cfg_path = draft.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let (code, out, err) = diagnose(
+        &g,
+        &draft,
+        &[
+            "--bench",
+            "gsm8k,humaneval",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "40",
+        ],
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: JSON on stdout: {err}"));
+    (code, check(&v, "conventions").clone(), err)
+}
+
+/// A config declaring another mask token (the target's EOS, 2) than the drafter was trained
+/// with (16, `draft init`'s rule) is a FAIL naming 16.
+#[test]
+fn a_planted_mask_token_fails_and_names_the_token() {
+    if smollm2().is_none() {
+        return;
+    }
+    let (code, c, err) = diagnose_planted(|cfg| {
+        assert_eq!(cfg["dflash_config"]["mask_token_id"], 16);
+        cfg["dflash_config"]["mask_token_id"] = serde_json::json!(2);
+    });
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let fix = c["fix"].as_str().unwrap();
+    assert!(fix.contains("mask_token_id to 16"), "{fix}\n{err}");
+}
+
+/// A config declaring sliding-window layers (window 4) for a drafter trained with full
+/// attention is a FAIL naming full attention.
+#[test]
+fn a_planted_sliding_window_fails_and_names_full_attention() {
+    if smollm2().is_none() {
+        return;
+    }
+    let (code, c, err) = diagnose_planted(|cfg| {
+        cfg["layer_types"] = serde_json::json!(vec!["sliding_attention"; 5]);
+        cfg["sliding_window"] = serde_json::json!(4);
+    });
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let fix = c["fix"].as_str().unwrap();
+    assert!(fix.contains("full_attention"), "{fix}\n{err}");
+}
+
 #[test]
 fn bad_input_exits_2_naming_it() {
     let Some(g) = smollm2() else { return };

@@ -130,6 +130,17 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
         (replayed - recorded_tau).abs() < 1e-3 * recorded_tau,
         "the exported f32 drafter replays the validation's own text as validate did: {replayed} vs {recorded_tau}"
     );
+    // a two-step drafter barely drafts: too weak to judge its conventions, a warn, never a FAIL
+    let conv = check(&v, "conventions");
+    let declared = v["conventions"]["variants"][0]["ddtree_tau"]
+        .as_f64()
+        .unwrap();
+    assert!(declared < 1.5, "{declared}");
+    assert_eq!(conv["verdict"], "warn", "{conv}");
+    assert!(
+        conv["cause"].as_str().unwrap().contains("too weak"),
+        "{conv}"
+    );
     let stats = check(&v, "tap_statistics");
     assert_eq!(stats["verdict"], "ok", "{stats}");
     assert!(

@@ -106,6 +106,10 @@ pub struct Options {
     /// The target's RoPE base and scaling (its config), for the drafter-fed-the-target's-RoPE
     /// variant.
     pub target_rope: Option<(f64, Option<dflash_core::RopeScaling>)>,
+    /// Mask tokens to try instead of the drafter's declared one, labelled by where they come
+    /// from (the target's EOS, `dflash draft init`'s rule, the vocabulary's last id…), in order of
+    /// preference; the scan measures the first [`conventions::MAX_MASK_VARIANTS`] distinct ones.
+    pub mask_token_candidates: Vec<(String, u32)>,
 }
 
 /// Everything a diagnosis measured, and the verdicts.

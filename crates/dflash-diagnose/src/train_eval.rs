@@ -221,6 +221,7 @@ pub fn measure(
         integrity_positions: 0,
         recorded_stats: None,
         target_rope: None,
+        mask_token_candidates: vec![],
     };
     let zero = Tau {
         tau: 0.0,

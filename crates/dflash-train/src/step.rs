@@ -160,6 +160,8 @@ pub struct TrainStep {
     pub micro_batch_tokens: usize,
     /// Share of the soft (target-distribution) term in each row's loss; 0 = labels only.
     pub distill: f64,
+    /// The blocks' layout in the drafter's forward (the default is decoding's).
+    pub convention: dflash_models::drafter::BlockConvention,
 }
 
 /// The largest f32 logits tensor the loss materialises at once (rows × vocab elements).
@@ -299,7 +301,14 @@ impl TrainStep {
                 self.distill > 0.0,
             )?;
             timer.mark("target_taps")?;
-            let hidden = drafter.forward_train_batch(target, &taps, &tokens, &anchors, Grad::On)?;
+            let hidden = drafter.forward_train_batch_with(
+                target,
+                &taps,
+                &tokens,
+                &anchors,
+                Grad::On,
+                &self.convention,
+            )?;
             timer.mark("drafter_forward")?;
             let lm_head = |x: &Tensor| Ok(target.lm_head(x)?);
             let input_grad = |g: &Tensor| Ok(target.lm_head_input_grad(g)?);

@@ -120,6 +120,7 @@ fn train(
         },
         micro_batch_tokens: 1 << 20,
         distill: 0.0,
+        convention: Default::default(),
     };
     steps
         .map(|s| {
@@ -248,6 +249,7 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
         // smaller than the group: several padded micro-batches, gradients accumulated
         micro_batch_tokens: 100,
         distill: 0.0,
+        convention: Default::default(),
     };
     let group = sequences(&data);
     let mut losses = vec![];
@@ -298,6 +300,7 @@ fn micro_batching_and_padding_do_not_change_the_step() {
             },
             micro_batch_tokens: cap,
             distill: 0.0,
+            convention: Default::default(),
         };
         let group = sequences(&data);
         let mut rng = ChaCha8Rng::seed_from_u64(3);
@@ -380,6 +383,7 @@ fn soft_labels_point_at_the_target_output_for_each_block_row() {
         },
         micro_batch_tokens: 1 << 20,
         distill: 0.5,
+        convention: Default::default(),
     };
     let group = sequences(&data);
     let r = step_once(&ts, &t, &d, &mut opt, &group, 4);

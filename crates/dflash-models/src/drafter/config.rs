@@ -5,7 +5,9 @@
 //! `round(1 + i·(Nt−4)/(Nd−1))` with Python's round-half-to-even; `layer_attention(i)` resolves
 //! per-layer causality/window as the later z-lab reference and vLLM do. Scalar settings are read
 //! as the z-lab package (PyPI `dflash` 0.1.0) reads them: `dflash_config` first, then the top
-//! level (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`). DFlash 2
+//! level (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`); RoPE from
+//! `rope_parameters` (transformers ≥ 5, what the package saves) before `rope_theta` /
+//! `rope_scaling`. DFlash 2
 //! checkpoints (dynamic convolutions and a candidate selector) are refused, never half-loaded.
 
 use crate::config::rope_scaling;
@@ -73,6 +75,10 @@ pub struct DFlashConfig {
     pub rope_theta: f64,
     #[serde(default)]
     pub rope_scaling: Option<Value>,
+    /// transformers ≥ 5 writes RoPE here (`rope_theta`, `rope_type` and the scaling's fields)
+    /// instead of top-level `rope_theta` / `rope_scaling`; it wins when present.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<Value>,
     pub max_position_embeddings: usize,
     pub vocab_size: usize,
     #[serde(default)]
@@ -195,7 +201,12 @@ impl DFlashConfig {
     }
 
     pub fn rope(&self) -> Result<RopeConfig, String> {
-        let scaling = match &self.rope_scaling {
+        let params = self
+            .rope_parameters
+            .as_ref()
+            .filter(|p| !p.is_null())
+            .or(self.rope_scaling.as_ref());
+        let scaling = match params {
             None | Some(Value::Null) => None,
             Some(p) => rope_scaling(p, self.max_position_embeddings)?,
         };
@@ -212,6 +223,14 @@ impl DFlashConfig {
     pub fn resolved(mut self) -> Self {
         if let Some(b) = self.dflash_config.block_size {
             self.block_size = b;
+        }
+        if let Some(theta) = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(|t| t.as_f64())
+        {
+            self.rope_theta = theta;
         }
         self
     }
@@ -288,6 +307,24 @@ mod tests {
         assert_eq!(cfg.final_logit_softcapping(), Some(30.0));
         assert_eq!(cfg.input_embedding_scale(), 1.5);
         assert_eq!(cfg.target_layer_ids(), vec![1, 9, 17, 25, 33]);
+        // no top-level rope_theta: the default base
+        assert_eq!(cfg.rope().unwrap().theta, 1e6);
+        // transformers >= 5 writes RoPE as rope_parameters (what the package's save_pretrained
+        // gives): it wins over the top-level fields
+        let mut v5 = json.clone();
+        v5["rope_theta"] = serde_json::json!(5e5);
+        v5["rope_parameters"] = serde_json::json!({"rope_theta": 100000.0, "rope_type": "default"});
+        let c5: DFlashConfig = serde_json::from_value(v5.clone()).unwrap();
+        let c5 = c5.resolved();
+        assert_eq!(c5.rope_theta, 100000.0);
+        let r = c5.rope().unwrap();
+        assert_eq!((r.theta, r.scaling.is_none()), (100000.0, true));
+        v5["rope_parameters"] =
+            serde_json::json!({"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0});
+        let c5: DFlashConfig = serde_json::from_value(v5).unwrap();
+        let r = c5.resolved().rope().unwrap();
+        assert_eq!(r.theta, 1e6);
+        assert!(r.scaling.is_some());
         let mut v2 = json;
         v2["dflash_config"]["conv_kernel_size"] = serde_json::json!(4);
         let v2: DFlashConfig = serde_json::from_value(v2).unwrap();

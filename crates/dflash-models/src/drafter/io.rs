@@ -97,6 +97,7 @@ pub fn config_for_decoder(
         rms_norm_eps: t.rms_norm_eps,
         rope_theta: t.rope().map(|r| r.theta).unwrap_or(1e6),
         rope_scaling: None,
+        rope_parameters: None,
         max_position_embeddings: t.max_position_embeddings,
         vocab_size: t.vocab_size,
         tie_word_embeddings: false,

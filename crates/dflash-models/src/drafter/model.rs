@@ -208,6 +208,29 @@ impl DFlashDrafter {
         d.rope_table = std::sync::OnceLock::new();
         Ok(d)
     }
+    /// The same weights with another mask token (`dflash diagnose` measures the alternatives).
+    pub fn with_mask_token(&self, id: u32) -> Self {
+        let mut d = self.clone();
+        d.cfg.dflash_config.mask_token_id = Some(id);
+        d.cfg.mask_token_id = None;
+        d
+    }
+
+    /// The same weights with every layer's attention set to `attn` (`dflash diagnose` measures
+    /// full attention against a declared sliding window, and the reverse).
+    pub fn with_attention(&self, attn: LayerAttention) -> Self {
+        let mut d = self.clone();
+        for l in &mut d.layers {
+            l.attn = attn;
+        }
+        d.fused = std::sync::OnceLock::new();
+        d
+    }
+    /// Each layer's attention (causality and window), in order.
+    pub fn layer_attention(&self) -> Vec<LayerAttention> {
+        self.layers.iter().map(|l| l.attn).collect()
+    }
+
     pub fn block_size(&self) -> usize {
         self.cfg.block_size
     }

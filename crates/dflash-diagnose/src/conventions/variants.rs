@@ -1,0 +1,366 @@
+//! The conventions scan's variants: the declared setting and each alternative it measures (see
+//! the parent module's invariants for what a variant may change).
+
+use dflash_models::drafter::{BlockConvention, LayerAttention};
+use serde::Serialize;
+
+/// What the drafter is fed in one variant.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Variant {
+    pub name: String,
+    /// The tap layers, in concatenation order.
+    pub target_layer_ids: Vec<usize>,
+    /// The target's final RMSNorm applied to the last tap.
+    pub final_norm_on_last_tap: bool,
+    /// Every tap shifted by this many layers from the declared ones.
+    pub shift: i64,
+    /// Added to every block slot's position (the declared layout: slot `j` at `anchor + j`).
+    pub position_offset: i64,
+    /// Slot 0 holds the mask token instead of the anchor's token.
+    pub anchor_slot_masked: bool,
+    /// The drafter's RoPE replaced by the target's (base θ here; scaling too).
+    pub target_rope_theta: Option<f64>,
+    /// Another mask token in the block's slots than the declared one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_token_id: Option<u32>,
+    /// Every drafter layer's attention replaced by this one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention: Option<Attention>,
+    /// What the variant changes.
+    pub alteration: Alteration,
+}
+
+/// A drafter layer's attention in a variant (see `LayerAttention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Attention {
+    /// Block queries see only block keys at or before their own position.
+    pub causal: bool,
+    /// Keys visible only within this many positions (`None`: full attention).
+    pub window: Option<usize>,
+}
+
+impl From<Attention> for LayerAttention {
+    fn from(a: Attention) -> LayerAttention {
+        LayerAttention {
+            causal: a.causal,
+            window: a.window,
+        }
+    }
+}
+
+impl Variant {
+    /// A variant equal to the declared setting (taps `declared`) but for its name and kind; the
+    /// callers set the field the alteration changes.
+    fn base(name: impl Into<String>, declared: &[usize], alteration: Alteration) -> Variant {
+        Variant {
+            name: name.into(),
+            target_layer_ids: declared.to_vec(),
+            final_norm_on_last_tap: false,
+            shift: 0,
+            position_offset: 0,
+            anchor_slot_masked: false,
+            target_rope_theta: None,
+            mask_token_id: None,
+            attention: None,
+            alteration,
+        }
+    }
+
+    pub(super) fn convention(&self) -> BlockConvention {
+        BlockConvention {
+            position_offset: self.position_offset,
+            anchor_slot_masked: self.anchor_slot_masked,
+        }
+    }
+
+    /// Whether the variant needs another drafter than the declared one (RoPE, mask token,
+    /// attention).
+    pub(super) fn alters_drafter(&self) -> bool {
+        self.target_rope_theta.is_some() || self.mask_token_id.is_some() || self.attention.is_some()
+    }
+}
+
+/// What a [`Variant`] changes from the declared setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Alteration {
+    Declared,
+    /// Every tap moved by [`Variant::shift`] layers.
+    Shift,
+    /// The target's final RMSNorm on the last tap.
+    FinalNorm,
+    /// The last tap moved to the target's last layer (the fc fed the target's last layer).
+    LastLayer,
+    /// The last tap, declared on the target's last layer, moved to the default taps' last layer
+    /// (the fc not fed the target's last layer).
+    NotLastLayer,
+    /// The z-lab default taps for the target's depth and the declared tap count (a config saved
+    /// with other layers than the drafter was trained on).
+    DefaultLayout,
+    /// Block positions moved by [`Variant::position_offset`].
+    Positions,
+    /// The mask token in slot 0.
+    AnchorSlot,
+    /// The target's RoPE (θ and scaling) instead of the drafter's declared one.
+    TargetRope,
+    /// Another mask token ([`Variant::mask_token_id`]).
+    MaskToken,
+    /// Every layer's attention full, or windowed ([`Variant::attention`]).
+    Attention,
+}
+
+/// The declared setting (first) and each applicable alternative.
+/// `target_rope`: the target's RoPE θ when it differs from the drafter's declared RoPE (θ or
+/// scaling), which adds the target-RoPE variant.
+pub fn variants(
+    declared: &[usize],
+    num_layers: usize,
+    has_final_norm: bool,
+    target_rope: Option<f64>,
+) -> Vec<Variant> {
+    let mut out = vec![Variant::base("declared", declared, Alteration::Declared)];
+    for shift in [-1i64, 1] {
+        let moved: Option<Vec<usize>> = declared
+            .iter()
+            .map(|&l| {
+                let m = l as i64 + shift;
+                (0..num_layers as i64).contains(&m).then_some(m as usize)
+            })
+            .collect();
+        if let Some(layers) = moved {
+            out.push(Variant {
+                target_layer_ids: layers,
+                shift,
+                ..Variant::base(format!("taps {shift:+}"), declared, Alteration::Shift)
+            });
+        }
+    }
+    if has_final_norm && !declared.is_empty() {
+        out.push(Variant {
+            final_norm_on_last_tap: true,
+            ..Variant::base("final norm on last tap", declared, Alteration::FinalNorm)
+        });
+    }
+    // taps-only alternatives not already in the list
+    let mut push_new = |name: &str, layers: Vec<usize>, alteration: Alteration| {
+        if !out
+            .iter()
+            .any(|v| v.target_layer_ids == layers && !v.final_norm_on_last_tap)
+        {
+            out.push(Variant {
+                target_layer_ids: layers,
+                ..Variant::base(name, declared, alteration)
+            });
+        }
+    };
+    if let Some((&l, rest)) = declared.split_last() {
+        let last = num_layers.saturating_sub(1);
+        if l != last && num_layers > 0 {
+            let mut layers = rest.to_vec();
+            layers.push(last);
+            push_new("last tap on last layer", layers, Alteration::LastLayer);
+        }
+        let default = dflash_models::drafter::default_target_layers(num_layers, declared.len());
+        if default.iter().all(|&x| x < num_layers) {
+            if l == last && num_layers > 0 {
+                if let Some(&d) = default.last() {
+                    let mut layers = rest.to_vec();
+                    layers.push(d);
+                    // the same list as the default taps is measured once, as the default taps
+                    if layers != default {
+                        push_new("last tap off last layer", layers, Alteration::NotLastLayer);
+                    }
+                }
+            }
+            push_new("default taps", default, Alteration::DefaultLayout);
+        }
+    }
+    // the block's layout: positions off by one, slot 0 masked
+    for offset in [-1i64, 1] {
+        out.push(Variant {
+            position_offset: offset,
+            ..Variant::base(
+                format!("positions {offset:+}"),
+                declared,
+                Alteration::Positions,
+            )
+        });
+    }
+    out.push(Variant {
+        anchor_slot_masked: true,
+        ..Variant::base("slot 0 masked", declared, Alteration::AnchorSlot)
+    });
+    if let Some(theta) = target_rope {
+        out.push(Variant {
+            target_rope_theta: Some(theta),
+            ..Variant::base(
+                format!("target's RoPE (theta {theta})"),
+                declared,
+                Alteration::TargetRope,
+            )
+        });
+    }
+    out
+}
+
+/// At most this many mask-token alternatives are measured (each costs a full replay).
+pub const MAX_MASK_VARIANTS: usize = 2;
+
+/// The drafter's own alternatives, after [`variants`]: the mask token (each of `mask_candidates`,
+/// labelled, that is not `declared_mask`, the first [`MAX_MASK_VARIANTS`] distinct ones), and
+/// the layers' attention: every layer full when any declared layer is windowed or causal, every
+/// layer windowed (causal, as z-lab's sliding layers are) when all are full and the config gives
+/// a `sliding_window`.
+pub fn drafter_variants(
+    declared: &[usize],
+    declared_mask: u32,
+    mask_candidates: &[(String, u32)],
+    layers: &[LayerAttention],
+    sliding_window: Option<usize>,
+) -> Vec<Variant> {
+    let mut out: Vec<Variant> = vec![];
+    for (label, id) in mask_candidates {
+        if *id == declared_mask || out.iter().any(|v| v.mask_token_id == Some(*id)) {
+            continue;
+        }
+        if out.len() == MAX_MASK_VARIANTS {
+            break;
+        }
+        out.push(Variant {
+            mask_token_id: Some(*id),
+            ..Variant::base(
+                format!("mask {id} ({label})"),
+                declared,
+                Alteration::MaskToken,
+            )
+        });
+    }
+    let full = LayerAttention {
+        causal: false,
+        window: None,
+    };
+    if layers.iter().any(|a| *a != full) {
+        out.push(Variant {
+            attention: Some(Attention {
+                causal: false,
+                window: None,
+            }),
+            ..Variant::base("full attention", declared, Alteration::Attention)
+        });
+    } else if let Some(w) = sliding_window.filter(|&w| w > 0) {
+        out.push(Variant {
+            attention: Some(Attention {
+                causal: true,
+                window: Some(w),
+            }),
+            ..Variant::base(
+                format!("sliding window {w}"),
+                declared,
+                Alteration::Attention,
+            )
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variants_skip_shifts_that_leave_the_target() {
+        let v = variants(&[1, 8, 14, 20, 27], 30, true, None);
+        let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "declared",
+                "taps -1",
+                "taps +1",
+                "final norm on last tap",
+                "last tap on last layer",
+                "positions -1",
+                "positions +1",
+                "slot 0 masked"
+            ]
+        );
+        assert_eq!(v[1].target_layer_ids, [0, 7, 13, 19, 26]);
+        assert_eq!(v[2].target_layer_ids, [2, 9, 15, 21, 28]);
+        assert_eq!(v[4].target_layer_ids, [1, 8, 14, 20, 29]);
+        // a config whose fc is fed the last layer: the default taps are the alternative
+        let v = variants(&[1, 8, 14, 20, 29], 30, true, Some(10000.0));
+        let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(
+            &names[..4],
+            [
+                "declared",
+                "taps -1",
+                "final norm on last tap",
+                "default taps"
+            ]
+        );
+        assert_eq!(v[3].target_layer_ids, [1, 8, 14, 20, 27]);
+        let rope = v.last().unwrap();
+        assert_eq!(rope.alteration, Alteration::TargetRope);
+        assert_eq!(rope.target_rope_theta, Some(10000.0));
+        assert_eq!(rope.target_layer_ids, [1, 8, 14, 20, 29]);
+        // layer 0 has no −1; layer 29 of 30 has no +1; no final norm, no norm variant; the last
+        // tap is the last layer already; the default taps for two taps of 30 layers are [1, 27]
+        let v = variants(&[0, 29], 30, false, None);
+        let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
+        // the fc fed the last layer: the last tap moved off it (to the default's 27), and the
+        // default taps
+        assert_eq!(
+            &names[..3],
+            ["declared", "last tap off last layer", "default taps"]
+        );
+        assert_eq!(v[1].target_layer_ids, [0, 27]);
+        assert_eq!(v[1].alteration, Alteration::NotLastLayer);
+        assert_eq!(v[2].target_layer_ids, [1, 27]);
+        assert_eq!(v[3].position_offset, -1);
+        assert!(v[5].anchor_slot_masked && v[5].target_layer_ids == [0, 29]);
+    }
+
+    #[test]
+    fn drafter_variants_skip_the_declared_mask_and_flip_the_attention() {
+        let full = LayerAttention {
+            causal: false,
+            window: None,
+        };
+        let cands = [
+            ("draft init's rule".to_string(), 16),
+            ("eos".to_string(), 2),
+            ("eos".to_string(), 2),
+            ("vocab - 1".to_string(), 49151),
+            ("bos".to_string(), 1),
+        ];
+        // the declared mask is skipped, a repeated id measured once, at most two
+        let v = drafter_variants(&[1, 27], 16, &cands, &[full; 3], None);
+        let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(names, ["mask 2 (eos)", "mask 49151 (vocab - 1)"]);
+        assert!(v
+            .iter()
+            .all(|v| v.alters_drafter() && v.target_layer_ids == [1, 27]));
+        // a declared window: the full-attention alternative
+        let sliding = LayerAttention {
+            causal: true,
+            window: Some(8),
+        };
+        let v = drafter_variants(&[1, 27], 0, &cands[..1], &[full, sliding], Some(8));
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[0].mask_token_id, Some(16));
+        assert_eq!(v[1].alteration, Alteration::Attention);
+        assert_eq!(
+            v[1].attention,
+            Some(Attention {
+                causal: false,
+                window: None
+            })
+        );
+        // all full with a window in the config: the sliding alternative; none without one
+        let v = drafter_variants(&[1, 27], 16, &[], &[full; 2], Some(8));
+        assert_eq!(v[0].name, "sliding window 8");
+        assert_eq!(v[0].attention.unwrap().window, Some(8));
+        assert!(drafter_variants(&[1, 27], 16, &[], &[full; 2], None).is_empty());
+    }
+}
