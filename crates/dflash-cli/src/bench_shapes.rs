@@ -6,7 +6,9 @@
 //! - A named shape is exactly its model's published config (dimensions, RoPE, norms, tying); only
 //!   the weights are random. `tiny` is a made-up shape for tests.
 //! - `step_bytes` counts every weight once in the compute dtype (the embedding table as one row,
-//!   unless tied, when the LM head reads it whole) plus the K and V cache at the context.
+//!   unless tied, when the LM head reads it whole) plus the K and V cache at the context (of the
+//!   full-attention layers only, for Qwen3.5 / Qwen3.6 hybrids, plus each Gated DeltaNet layer's
+//!   f32 rule state and conv window, which do not grow with the context).
 //! - Copy bandwidth counts bytes read plus bytes written, so `bytes / bandwidth` is the time a
 //!   perfect kernel would need to stream `bytes` once.
 
@@ -24,7 +26,14 @@ pub struct NamedShape {
 }
 
 /// The names `--shape` accepts.
-pub const SHAPE_NAMES: &[&str] = &["tiny", "smollm2-135m", "qwen3-0.6b", "qwen3-8b"];
+pub const SHAPE_NAMES: &[&str] = &[
+    "tiny",
+    "smollm2-135m",
+    "qwen3-0.6b",
+    "qwen3-8b",
+    "qwen3.5-4b",
+    "qwen3.6-27b",
+];
 
 /// The config of a named shape, or `None` for an unknown name.
 pub fn named_shape(name: &str) -> Result<Option<NamedShape>> {
@@ -79,6 +88,42 @@ pub fn named_shape(name: &str) -> Result<Option<NamedShape>> {
             }),
             151669,
         ),
+        // Qwen/Qwen3.5-4B config.json, text_config (a Gated DeltaNet / gated attention hybrid)
+        "qwen3.5-4b" => (
+            serde_json::json!({
+                "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5_text",
+                "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216,
+                "num_hidden_layers": 32, "full_attention_interval": 4,
+                "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4, "attn_output_gate": true, "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                    "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                    "mrope_interleaved": true},
+                "max_position_embeddings": 262144, "tie_word_embeddings": true,
+                "hidden_act": "silu", "attention_bias": false, "eos_token_id": 248044,
+            }),
+            248070, // z-lab's Qwen3.5 / Qwen3.6 drafters
+        ),
+        // Qwen/Qwen3.6-27B config.json, text_config
+        "qwen3.6-27b" => (
+            serde_json::json!({
+                "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5_text",
+                "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+                "num_hidden_layers": 64, "full_attention_interval": 4,
+                "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4, "attn_output_gate": true, "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                    "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                    "mrope_interleaved": true},
+                "max_position_embeddings": 262144, "tie_word_embeddings": false,
+                "hidden_act": "silu", "attention_bias": false, "eos_token_id": 248044,
+            }),
+            248070,
+        ),
         _ => return Ok(None),
     };
     let config: DecoderConfig = serde_json::from_value(json)?;
@@ -113,8 +158,18 @@ pub fn step_bytes(cfg: &DecoderConfig, dtype: DType, context: usize) -> Result<(
             }
         })
         .sum();
-    let kv = 2 * cfg.num_hidden_layers * cfg.num_kv_heads() * cfg.head_dim() * context;
-    Ok((elems * dtype.size_in_bytes(), kv * dtype.size_in_bytes()))
+    let recurrent = cfg.recurrent_layers();
+    let linear = recurrent.iter().filter(|&&r| r).count();
+    let full = recurrent.len() - linear;
+    let kv = 2 * full * cfg.num_kv_heads() * cfg.head_dim() * context;
+    // Gated DeltaNet layers read their f32 rule state and their conv window instead
+    let d = cfg.delta_net_shape();
+    let state = linear * d.value_heads * d.key_dim * d.value_dim * 4;
+    let conv = linear * (d.conv_kernel - 1) * d.conv_channels() * dtype.size_in_bytes();
+    Ok((
+        elems * dtype.size_in_bytes(),
+        kv * dtype.size_in_bytes() + state + conv,
+    ))
 }
 
 /// Parameters of a target with this config (every tensor, the embedding included).
@@ -216,4 +271,31 @@ fn tensor_copy(dev: &Device, rounds: usize) -> Result<Bandwidth> {
         method: "candle affine kernel (1 GiB)",
         bytes: n,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hybrid_shapes_have_their_models_sizes_and_caches() {
+        let b4 = named_shape("qwen3.5-4b").unwrap().unwrap().config;
+        let b27 = named_shape("qwen3.6-27b").unwrap().unwrap().config;
+        for (cfg, layers) in [(&b4, 32), (&b27, 64)] {
+            // every 4th layer is full attention, the others Gated DeltaNet
+            let want: Vec<bool> = (0..layers).map(|i| (i + 1) % 4 != 0).collect();
+            assert_eq!(cfg.recurrent_layers(), want);
+        }
+        let p4 = target_params(&b4).unwrap() as f64;
+        let p27 = target_params(&b27).unwrap() as f64;
+        eprintln!("text parameters: 4B shape {p4:.3e}, 27B shape {p27:.3e}");
+        assert!((3.5e9..4.6e9).contains(&p4), "{p4}");
+        assert!((25.0e9..28.0e9).contains(&p27), "{p27}");
+        // bf16 at context 2048: K and V of the 16 attention layers, f32 states of the 48 others
+        let (_, cache) = step_bytes(&b27, DType::BF16, 2048).unwrap();
+        let kv = 2 * 16 * 4 * 256 * 2048 * 2;
+        let state = 48 * 48 * 128 * 128 * 4;
+        let conv = 48 * 3 * (2 * 16 * 128 + 48 * 128) * 2;
+        assert_eq!(cache, kv + state + conv);
+    }
 }
