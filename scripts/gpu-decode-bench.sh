@@ -17,7 +17,6 @@ ROUNDS=${ROUNDS:-30}
 # rows on the row-invariant streaming GEMM (DFLASH_STREAM_GEMM=all, what --bit-exact sets);
 # nofew: graphs without streaming large weights for calls of ≤ 4 rows (DFLASH_STREAM_FEW_ROWS_MB=0);
 # scalar: graphs with the attention's earlier element-by-element K/V staging (DFLASH_ATTN_STAGING=scalar);
-# nopdl: graphs without programmatic dependent launch (DFLASH_PDL=0);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -49,15 +48,14 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging="" pdl=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _PDL: empty = default
+    stream="" few="" staging=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       nofew) fused=1 graphs=1 few=0;;
       scalar) fused=1 graphs=1 staging=scalar;;
-      nopdl) fused=1 graphs=1 pdl=0;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_PDL=$pdl DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
   done

@@ -592,24 +592,9 @@ fn report(r: &ReportIn) -> Value {
         "ratio_to_ar_step": to_ar,
         "ratio_to_floor": to_floor,
         "setup_seconds": r.build_s,
-        "step_graph": step_graph_stats(),
         "dflash_version": env!("CARGO_PKG_VERSION"),
         "git": git_commit(),
     })
-}
-
-/// What the last captured step graph holds and how many of its edges are programmatic (PDL);
-/// null without CUDA.
-fn step_graph_stats() -> serde_json::Value {
-    #[cfg(feature = "cuda")]
-    {
-        let g = dflash_core::pdl::last_graph_stats();
-        json!({"pdl": dflash_core::pdl::enabled(), "nodes": g.nodes, "kernels": g.kernels,
-               "allocs": g.allocs, "frees": g.frees, "programmatic_edges": g.programmatic,
-               "through_allocs": g.through_allocs})
-    }
-    #[cfg(not(feature = "cuda"))]
-    serde_json::Value::Null
 }
 
 /// The human table on stderr: op, median / min / p90 ms, × AR step, × floor.

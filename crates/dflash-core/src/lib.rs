@@ -21,8 +21,6 @@ pub mod fs;
 pub mod fused_grad;
 pub mod gated_delta;
 pub mod norm;
-#[cfg(feature = "cuda")]
-pub mod pdl;
 pub mod recurrent_cache;
 pub mod rope;
 pub mod rowwise;

@@ -8,7 +8,7 @@
 use crate::{CoreError, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    self, sys, DevicePtr, LaunchConfig, PushKernelArg,
+    self, sys, CudaGraph, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Storage, Tensor};
@@ -50,8 +50,7 @@ const VECTORS_PER_BLOCK: usize = 16;
 fn ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        let opts = crate::pdl::nvrtc_options(None);
-        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE)
             .map(|p| p.to_src())
             .map_err(|e| format!("step kernels: NVRTC failed: {e:?}"))
     })
@@ -101,7 +100,6 @@ fn suffix(dtype: DType) -> Result<&'static str> {
 macro_rules! launch {
     ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let f = $dev.get_or_load_custom_func($name, MODULE, ptx()?)?;
-        crate::pdl::mark(&f);
         let mut b = f.builder();
         $( b.arg($arg); )+
         // SAFETY: every caller passes arguments in the kernel's order and types, with device
@@ -380,24 +378,7 @@ pub(crate) fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
 /// A captured step and the outputs its replays overwrite (dropped before the graph).
 pub(crate) struct Captured {
     pub outputs: Vec<Tensor>,
-    graph: StepGraph,
-}
-
-/// An instantiated step graph (its edges possibly made programmatic, [`crate::pdl`]).
-struct StepGraph {
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
-    stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-}
-
-impl Drop for StepGraph {
-    fn drop(&mut self) {
-        // SAFETY: both handles were made by `capture` and are destroyed once, here.
-        unsafe {
-            let _ = sys::cuGraphExecDestroy(self.exec);
-            let _ = sys::cuGraphDestroy(self.graph);
-        }
-    }
+    graph: CudaGraph,
 }
 
 // SAFETY: the graph is only launched from the thread that owns its cache, which holds it by
@@ -406,12 +387,7 @@ unsafe impl Send for Captured {}
 
 impl Captured {
     pub fn launch(&self) -> Result<()> {
-        let g = &self.graph;
-        g.stream.context().bind_to_thread().w()?;
-        // SAFETY: a live exec launched on the stream it was captured from.
-        unsafe { sys::cuGraphLaunch(g.exec, g.stream.cu_stream()) }
-            .result()
-            .w()?;
+        self.graph.launch().w()?;
         Ok(())
     }
 }
@@ -430,50 +406,13 @@ pub(crate) fn capture(
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .w()?;
     let outputs = body();
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above on the same stream.
-    let ended = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) }.result();
-    let destroy = |graph: sys::CUgraph| {
-        // SAFETY: a graph this function owns and no one else saw.
-        unsafe {
-            let _ = sys::cuGraphDestroy(graph);
-        }
-    };
-    let outputs = match (outputs, ended) {
-        (Ok(o), Ok(())) if !graph.is_null() => o,
-        (o, e) => {
-            if !graph.is_null() {
-                destroy(graph);
-            }
-            o?;
-            e.w()?;
-            return Err(CoreError::InvalidInput(
-                "device step: empty CUDA graph".into(),
-            ));
-        }
-    };
-    // SAFETY: a valid graph, not yet instantiated.
-    if let Err(e) = unsafe { crate::pdl::make_programmatic(graph) } {
-        destroy(graph);
-        return Err(CoreError::InvalidInput(e));
-    }
     let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: instantiates the graph above.
-    if let Err(e) =
-        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, flags.0 as u64) }.result()
-    {
-        destroy(graph);
-        return Err(e).w()?;
-    }
-    Ok(Captured {
-        outputs,
-        graph: StepGraph {
-            graph,
-            exec,
-            stream: stream.clone(),
-        },
-    })
+    let graph = stream.end_capture(flags);
+    let outputs = outputs?;
+    let graph = graph
+        .w()?
+        .ok_or_else(|| CoreError::InvalidInput("device step: empty CUDA graph".into()))?;
+    Ok(Captured { outputs, graph })
 }
 
 /// Runs `body` eagerly with candle's host-to-device parameter cache on, so that a later capture

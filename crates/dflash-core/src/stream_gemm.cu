@@ -18,13 +18,6 @@
 // products are per element), so a row's result is bit-identical whether it is computed alone or
 // among any number of rows. KW is chosen from N and K alone. Needs K % 64 == 0.
 typedef unsigned short bf16_t;
-// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
-// grids it depends on to complete (their writes visible), then lets its dependents launch
-#if defined(DFLASH_PDL)
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTRY()
-#endif
 #define SG_MAX_KW 8
 #ifndef SG_STAGES
 #define SG_STAGES 2  // 1, 2, 4, 8 measured: 2 is best or within 3 % at every decode shape
@@ -175,31 +168,25 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
 
 extern "C" __global__ void stream_gemm_m8_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
                                                int K, bf16_t* y) {
-  PDL_ENTRY();
   stream_gemm<1, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_m16_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
                                                 int K, bf16_t* y) {
-  PDL_ENTRY();
   stream_gemm<2, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_m8_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
                                                  int K, float* y) {
-  PDL_ENTRY();
   stream_gemm<1, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_m16_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
                                                   int K, float* y) {
-  PDL_ENTRY();
   stream_gemm<2, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_silu_m8_bf16(const bf16_t* x, const bf16_t* w, int M,
                                                     int N, int K, bf16_t* y) {
-  PDL_ENTRY();
   stream_gemm<1, true>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_silu_m16_bf16(const bf16_t* x, const bf16_t* w, int M,
                                                      int N, int K, bf16_t* y) {
-  PDL_ENTRY();
   stream_gemm<2, true>(x, w, M, N, K, y);
 }
