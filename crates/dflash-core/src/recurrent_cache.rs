@@ -29,7 +29,7 @@ pub const MAX_RECORDED_ROWS: usize = 1025;
 /// A recurrent layer's state after some prefix of a sequence.
 #[derive(Debug, Clone)]
 pub struct RecurrentState {
-    /// The last `K − 1` inputs of the causal convolution `[K − 1, C]` (compute dtype).
+    /// The last `K − 1` inputs of the causal convolution `[K − 1, C]` (f32).
     pub conv: Tensor,
     /// The delta rule's state `[H, dk, dv]` (f32).
     pub ssm: Tensor,
@@ -40,7 +40,7 @@ pub struct RecurrentState {
 pub struct RecurrentRecord {
     /// The state the forward started from.
     pub start: RecurrentState,
-    /// The convolution's raw inputs `[n, C]` (the `in_proj_qkv` rows).
+    /// The convolution's raw inputs `[n, C]` (the `in_proj_qkv` rows, f32).
     pub conv_in: Tensor,
     /// The rule's keys `[n, H, dk]`, values `[n, H, dv]`, log decays and write strengths `[n, H]`.
     pub k: Tensor,

@@ -12,10 +12,10 @@
 //!   and rule state follow its own ancestors, so a tree verify gives each node what a chain along
 //!   its path gives (tested). It hands a [`RecurrentRecord`] of its per-token inputs to the
 //!   layer's [`RecurrentCache`], which replays exactly the kept tokens on crop / path compaction.
-//! - Gates and the rule run in f32 whatever the compute dtype; the output is cast back before
-//!   `out_proj`.
-//! - Not yet checked against transformers (the tiny Qwen3.5 fixture of `scripts/make_fixtures.py
-//!   --only-hybrid` is written but was not run); the rule itself is (dflash-core's fixture).
+//! - The convolution (its window state included), gates and the rule run in f32 whatever the
+//!   compute dtype; the output is cast back before `out_proj`.
+//! - Checked against transformers through the whole model (fixtures/tiny-qwen3.5, the reference
+//!   tests) and the rule alone (dflash-core's fixture).
 
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
@@ -83,7 +83,7 @@ pub struct GatedDeltaNet {
     in_proj_z: Linear,
     in_proj_b: Linear,
     in_proj_a: Linear,
-    /// `[C, K]` (the checkpoint's `[C, 1, K]`).
+    /// `[C, K]` f32 (the checkpoint's `[C, 1, K]`).
     conv1d: Tensor,
     /// `[Hv]` f32.
     dt_bias: Tensor,
@@ -111,7 +111,8 @@ impl GatedDeltaNet {
         let vdim = hv * shape.value_dim;
         let conv1d = vb
             .get((c, 1, shape.conv_kernel), "conv1d.weight")?
-            .reshape((c, shape.conv_kernel))?;
+            .reshape((c, shape.conv_kernel))?
+            .to_dtype(DType::F32)?;
         Ok(Self {
             in_proj_qkv: linear(&vb, h, c, "in_proj_qkv")?,
             in_proj_z: linear(&vb, h, vdim, "in_proj_z")?,
@@ -127,7 +128,7 @@ impl GatedDeltaNet {
         })
     }
 
-    /// A fresh state (zeros) in the layer's dtype and device.
+    /// A fresh state (zeros, f32) on the layer's device.
     pub fn new_state(&self) -> Result<RecurrentState> {
         let s = &self.shape;
         let dev = self.conv1d.device();
@@ -202,7 +203,8 @@ impl GatedDeltaNet {
         let is_chain = parents.iter().enumerate().all(|(i, &p)| p == i as i64 - 1);
         let qkv = self.in_proj_qkv.forward(x)?; // [n, C]
                                                 // causal depthwise convolution over [state ; qkv] along each token's ancestors, then SiLU
-        let padded = Tensor::cat(&[&state.conv, &qkv], 0)?; // [K − 1 + n, C]
+        let qkv = qkv.to_dtype(DType::F32)?;
+        let padded = Tensor::cat(&[&state.conv, &qkv], 0)?; // [K − 1 + n, C] f32
         let conv = if is_chain {
             let mut conv = padded
                 .narrow(0, 0, n)?
