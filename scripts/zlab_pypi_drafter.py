@@ -28,9 +28,11 @@ ap.add_argument("--layers", type=int, default=1)
 ap.add_argument("--seed", type=int, default=1)
 a = ap.parse_args()
 
-layers = a.layers
+layers, taps = a.layers, None
 if a.weights:
-    layers = json.load(open(os.path.join(a.weights, "config.json")))["num_hidden_layers"]
+    src = json.load(open(os.path.join(a.weights, "config.json")))
+    layers = src["num_hidden_layers"]
+    taps = src.get("dflash_config", {}).get("target_layer_ids")
 torch.manual_seed(a.seed)
 # SmolLM2-135M-Instruct's shape (the target: 30 layers, hidden 576, vocab 49152)
 cfg = Qwen3Config(
@@ -51,12 +53,12 @@ cfg = Qwen3Config(
 )
 cfg.num_target_layers = 30
 cfg.block_size = 16
-# the package's default taps for 30 target layers (build_target_layer_ids), mask: <jupyter_text>
-# (16, the highest special token that is neither EOS nor BOS, as `dflash draft init` picks)
-cfg.dflash_config = {"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27][: max(layers, 1)]
-                     if layers == 5 else None}
-if cfg.dflash_config["target_layer_ids"] is None:
-    del cfg.dflash_config["target_layer_ids"]
+# mask: <jupyter_text> (16, the highest special token that is neither EOS nor BOS, as
+# `dflash draft init` picks); taps: the weights' own, else the package's default
+# (build_target_layer_ids: [15] for one layer, [1, 8, 14, 20, 27] for five)
+cfg.dflash_config = {"mask_token_id": 16}
+if taps is not None:
+    cfg.dflash_config["target_layer_ids"] = taps
 model = DFlashDraftModel(cfg).to(torch.bfloat16)
 if a.weights:
     state = {}

@@ -1,7 +1,10 @@
 //! `dflash diagnose` end to end on SmolLM2 (f32, CPU): the shipped pair gets no FAIL and every
 //! check in its JSON; a copy of the shipped drafter whose config declares every tap one layer too
 //! deep is a FAIL of the conventions scan naming the −1 shift (exit 1, no "error:" line); recorded
-//! tap statistics round-trip and a planted shift in them is a FAIL; bad input exits 2.
+//! tap statistics round-trip and a planted shift in them is a FAIL; planted configs (the last tap
+//! on the last layer, another RoPE base, another mask token, sliding-window layers) are each a FAIL
+//! naming the setting; a drafter saved by z-lab's own package is diagnosed without a run directory;
+//! bad input exits 2.
 
 use std::path::Path;
 
@@ -83,7 +86,9 @@ fn shipped_pair_passes_and_recorded_statistics_catch_a_shift() {
             "last tap on last layer",
             "positions -1",
             "positions +1",
-            "slot 0 masked"
+            "slot 0 masked",
+            "mask 2 (eos)",
+            "mask 49151 (last id)"
         ]
     );
     assert_eq!(
@@ -226,18 +231,7 @@ fn diagnose_planted(edit: impl Fn(&mut serde_json::Value)) -> (i32, serde_json::
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     edit(&mut cfg);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
-    let (code, out, err) = diagnose(
-        &g,
-        &draft,
-        &[
-            "--bench",
-            "gsm8k,humaneval",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "40",
-        ],
-    );
+    let (code, out, err) = diagnose(&g, &draft, &["--bench", "gsm8k,humaneval", "--limit", "1"]);
     let v: serde_json::Value =
         serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: JSON on stdout: {err}"));
     (code, check(&v, "conventions").clone(), err)
@@ -275,6 +269,38 @@ fn a_planted_sliding_window_fails_and_names_full_attention() {
     assert_eq!(c["verdict"], "FAIL", "{c}");
     let fix = c["fix"].as_str().unwrap();
     assert!(fix.contains("full_attention"), "{fix}\n{err}");
+}
+
+/// A drafter saved by z-lab's own package (PyPI `dflash`, transformers 5's config layout:
+/// `rope_parameters` instead of `rope_theta`, fixtures/zlab-pypi-smollm2) with the shipped weights
+/// is diagnosed without a run directory as the shipped drafter is: no FAIL, the declared taps, the
+/// RoPE base read (no target-RoPE variant), and the drafter drafts.
+#[test]
+fn a_zlab_package_drafter_is_diagnosed_without_a_run() {
+    let Some(g) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("drafter");
+    copy_drafter(&draft);
+    std::fs::copy(
+        root().join("fixtures/zlab-pypi-smollm2/config.json"),
+        draft.join("config.json"),
+    )
+    .unwrap();
+    let (code, out, err) = diagnose(&g, &draft, &["--bench", "gsm8k", "--limit", "1"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_ne!(v["verdict"], "FAIL", "{err}");
+    let variants = v["conventions"]["variants"].as_array().unwrap();
+    assert_eq!(
+        variants[0]["target_layer_ids"],
+        serde_json::json!([1, 8, 14, 20, 27])
+    );
+    assert!(
+        variants.iter().all(|x| x["alteration"] != "target_rope"),
+        "rope_parameters' theta is read: {err}"
+    );
+    let declared = variants[0]["ddtree_tau"].as_f64().unwrap();
+    assert!(declared > 1.5, "the package's drafter drafts: {declared}");
 }
 
 #[test]
