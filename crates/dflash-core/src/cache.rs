@@ -9,8 +9,7 @@
 //! - A [`SequenceCache`] holds one [`LayerCache`] per decoder layer; all layers always have the same
 //!   length. Recurrent layers (Gated DeltaNet) are [`LayerCache::Recurrent`], whose `crop` /
 //!   `keep_rows` restore exactly the kept tokens' state ([`crate::recurrent_cache`]), so decoding
-//!   code never needs to change. Recurrent layers hold one sequence (no `select_batch`) and have
-//!   no device step (`advance` refuses them).
+//!   code never needs to change. Recurrent layers have no device step (`advance` refuses them).
 
 use crate::recurrent_cache::RecurrentCache;
 use crate::{CoreError, Result};
@@ -204,10 +203,7 @@ impl LayerCache {
     fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
         match self {
             LayerCache::Attention(c) => c.select_batch(rows),
-            LayerCache::Recurrent(_) if rows == [0] => Ok(()),
-            LayerCache::Recurrent(_) => Err(CoreError::InvalidInput(
-                "a recurrent layer's cache holds one sequence (no batched decoding)".into(),
-            )),
+            LayerCache::Recurrent(c) => c.select_batch(rows),
         }
     }
 }

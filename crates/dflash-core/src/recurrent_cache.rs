@@ -17,6 +17,9 @@
 //!   start, or inside a forward longer than [`MAX_RECORDED_ROWS`] tokens (prefill: its inputs are
 //!   not kept), poisons the cache and the next forward fails with the reason. `keep_rows` on rows
 //!   that are not a path fails at once.
+//! - Batched decoding (data regeneration, training features) keeps one state per sequence
+//!   ([`RecurrentCache::batch_states`] / [`RecurrentCache::commit_batch`]); such a cache can only
+//!   grow, drop sequences ([`RecurrentCache::select_batch`]) or be emptied (`crop(0)`).
 
 use crate::gated_delta;
 use crate::{CoreError, Result};
@@ -117,6 +120,8 @@ pub struct RecurrentCache {
     /// The last forward's inputs (absent for long forwards) and the length before it.
     last: Option<(usize, RecurrentRecord)>,
     at: At,
+    /// One state per sequence of a batched cache.
+    batch: Option<Vec<RecurrentState>>,
 }
 
 impl RecurrentCache {
@@ -126,6 +131,7 @@ impl RecurrentCache {
             len: 0,
             last: None,
             at: At::State(None),
+            batch: None,
         }
     }
 
@@ -253,6 +259,56 @@ impl RecurrentCache {
         self.at = At::Replay(n);
         self.len = base + rows.len();
         Ok(())
+    }
+
+    /// The state of each of `b` sequences of a batched cache (`None`: the zero state, an empty
+    /// cache).
+    pub fn batch_states(&self, b: usize) -> Result<Vec<Option<RecurrentState>>> {
+        match &self.batch {
+            None if self.len == 0 => Ok(vec![None; b]),
+            Some(s) if s.len() == b => Ok(s.iter().cloned().map(Some).collect()),
+            _ => Err(CoreError::InvalidInput(format!(
+                "a recurrent cache of {} positions holds no batch of {b} sequences",
+                self.len
+            ))),
+        }
+    }
+
+    /// Counts `n` positions fed to every sequence of a batch, which end in `states`.
+    pub fn commit_batch(&mut self, n: usize, states: Vec<RecurrentState>) -> Result<()> {
+        let needed = self.len + n;
+        if needed > self.capacity {
+            return Err(CoreError::CacheOverflow {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        self.batch = Some(states);
+        self.last = None;
+        self.at = At::Lost("a batched recurrent cache has no single state".into());
+        self.len = needed;
+        Ok(())
+    }
+
+    /// Keeps sequences `rows` (in that order) of a batched cache.
+    pub fn select_batch(&mut self, rows: &[u32]) -> Result<()> {
+        match &mut self.batch {
+            None if rows == [0] => Ok(()),
+            None if self.len == 0 => Ok(()),
+            None => Err(CoreError::InvalidInput(
+                "select_batch on a single-sequence recurrent cache".into(),
+            )),
+            Some(states) => {
+                if let Some(&r) = rows.iter().find(|&&r| r as usize >= states.len()) {
+                    return Err(CoreError::InvalidInput(format!(
+                        "select_batch: row {r} of a batch of {}",
+                        states.len()
+                    )));
+                }
+                *states = rows.iter().map(|&r| states[r as usize].clone()).collect();
+                Ok(())
+            }
+        }
     }
 
     /// The device of the kept tensors, if any.

@@ -1,5 +1,6 @@
 //! Batched decoding (left padding, chunked prefill, sequences leaving the batch) equals decoding
-//! each prompt alone, greedy and sampled, on every tiny architecture.
+//! each prompt alone, greedy and sampled, on every tiny architecture (the Qwen3.5 hybrid included:
+//! its recurrent layers must ignore left padding).
 
 mod support;
 use dflash_decoding::{
@@ -19,7 +20,7 @@ fn prompts(vocab: u32, seed: u64) -> Vec<Vec<u32>> {
 
 #[test]
 fn batched_greedy_and_sampled_equal_one_prompt_at_a_time() {
-    for name in ["tiny-llama", "tiny-llama31", "tiny-qwen3"] {
+    for name in ["tiny-llama", "tiny-llama31", "tiny-qwen3", "tiny-qwen3.5"] {
         let t = tiny(name);
         let target = t.model.as_ref();
         let vocab = t.config.vocab_size as u32;

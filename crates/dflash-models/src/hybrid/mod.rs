@@ -15,13 +15,19 @@
 //!   attention layer; `crop` / `keep_rows` after a verify restore exactly the accepted tokens'
 //!   state in both, so the decoding loops drive this model unchanged.
 //! - Taps are decoder-layer outputs (HF `hidden_states[l + 1]`, before the final norm); logits
-//!   are f32. CPU path only for now: no fused decode kernels, no device step, no batched forward.
+//!   are f32. CPU path only for now: no fused decode kernels, no device step.
+//! - Batched forwards (data regeneration, training features) take causal rows behind left
+//!   padding (`causal_from`); recurrent layers read padding as zeros, which leave their state at
+//!   zero, so each sequence gets exactly its unpadded result. Each sequence's recurrence runs on
+//!   its own.
 
 pub mod layers;
 
 use crate::config::DecoderConfig;
 use crate::gated_deltanet::GatedDeltaNet;
-use crate::target::{ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel};
+use crate::target::{
+    BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
+};
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
@@ -249,6 +255,109 @@ impl TargetModel for HybridDecoder {
             }
         };
         Ok(ForwardOutput::new(logits, taps))
+    }
+
+    fn forward_batch(
+        &self,
+        req: &BatchForwardRequest,
+        cache: &mut SequenceCache,
+    ) -> Result<ForwardOutput> {
+        let b = req.batch;
+        let total = req.tokens.len();
+        if b == 0 || total == 0 || !total.is_multiple_of(b) || req.positions.len() != total {
+            return Err(ModelError::InvalidInput(format!(
+                "batched forward: {total} tokens, {} positions for a batch of {b}",
+                req.positions.len()
+            )));
+        }
+        let Some(first) = req.causal_from.filter(|f| f.len() == b) else {
+            return Err(unsupported_mask("arbitrary batched"));
+        };
+        if let Some(&t) = req.taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(ModelError::InvalidInput(format!(
+                "tap layer {t} >= {} layers",
+                self.layers.len()
+            )));
+        }
+        let n = total / b;
+        let dev = &self.info.device;
+        let past = cache.len();
+        if req.mask.dims() != [b, n, past + n] {
+            return Err(ModelError::InvalidInput(format!(
+                "batched forward: mask {:?}, expected [{b}, {n}, {}]",
+                req.mask.dims(),
+                past + n
+            )));
+        }
+        let (cos, sin) = self.rotary.cos_sin(req.positions, dev, self.info.dtype)?;
+        let half = cos.dim(1)?;
+        let rope = Rope {
+            emb: &self.rotary,
+            cos: cos.reshape((b, n, half))?,
+            sin: sin.reshape((b, n, half))?,
+        };
+        let mask = req.mask.to_dtype(DType::F32)?;
+        // a recurrent layer reads left padding as zeros, which keep its state at zero (exact)
+        let keep: Vec<f32> = (0..b)
+            .flat_map(|r| (0..n).map(move |i| ((past + i) as u32 >= first[r]) as u8 as f32))
+            .collect();
+        let keep = Tensor::from_vec(keep, (b, n, 1), dev)?.to_dtype(self.info.dtype)?;
+        let ids = Tensor::from_slice(req.tokens, (b, n), dev)?;
+        let mut x = self.embed_tokens.forward(&ids)?;
+        let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
+        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
+            let a = match (&layer.mixer, lc) {
+                (Mixer::Linear(d), LayerCache::Recurrent(rc)) => {
+                    let h = h.broadcast_mul(&keep)?;
+                    let mut outs = Vec::with_capacity(b);
+                    let mut ends = Vec::with_capacity(b);
+                    for (r, st) in rc.batch_states(b)?.into_iter().enumerate() {
+                        let st = match st {
+                            Some(s) => s,
+                            None => d.new_state()?,
+                        };
+                        let f = d.forward_tree(&h.get(r)?, &st, None)?;
+                        outs.push(f.out);
+                        ends.push(f.end.expect("a chain has an end state"));
+                    }
+                    rc.commit_batch(n, ends)?;
+                    Tensor::stack(&outs, 0)?
+                }
+                (Mixer::Attention(att), LayerCache::Attention(kv)) => {
+                    att.forward(&h, &rope, Some(&mask), kv)?
+                }
+                _ => {
+                    return Err(ModelError::InvalidInput(format!(
+                        "layer {i}: the cache's layer kind does not match the model's"
+                    )))
+                }
+            };
+            x = (x + a)?;
+            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+            for (slot, &t) in taps.iter_mut().zip(req.taps) {
+                if t == i {
+                    *slot = Some(x.clone());
+                }
+            }
+        }
+        let taps = taps
+            .into_iter()
+            .map(|t| t.expect("every tap layer ran"))
+            .collect();
+        let x = match req.logits {
+            LogitRows::None => return Ok(ForwardOutput::new(None, taps)),
+            LogitRows::Last => x.narrow(1, n - 1, 1)?,
+            LogitRows::All => x,
+        };
+        let rows = x.dim(1)?;
+        let h = self.norm.forward(&x.contiguous()?, Grad::Off)?;
+        let logits = self.lm_head(&h.reshape((b * rows, ()))?)?;
+        Ok(ForwardOutput::new(
+            Some(logits.reshape((b, rows, ()))?),
+            taps,
+        ))
     }
 
     fn final_norm_weight(&self) -> Option<Tensor> {
