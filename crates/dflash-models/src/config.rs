@@ -354,3 +354,66 @@ pub fn rope_scaling(p: &Value, max_pos: usize) -> Result<Option<RopeScaling>, St
         other => return Err(format!("unsupported rope type '{other}'")),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(v: Value) -> DecoderConfig {
+        serde_json::from_value(flatten_text_config(v)).unwrap()
+    }
+
+    #[test]
+    fn hybrid_fields_take_transformers_defaults_and_bad_ones_are_refused() {
+        let base = serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 8, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16,
+        });
+        let c = cfg(base.clone());
+        assert_eq!(c.architecture(), Ok(Architecture::Qwen35));
+        c.validate().unwrap();
+        // partial rotary 0.25 by default, every 4th layer full attention, output gate on
+        assert_eq!(c.rope().unwrap().rotary_dim, 4);
+        assert_eq!(
+            c.recurrent_layers(),
+            [true, true, true, false, true, true, true, false]
+        );
+        assert!(c.attn_output_gate());
+        assert_eq!(c.delta_net_shape().value_heads, 32);
+        // the top-level field, and rope_parameters' over it
+        let mut v = base.clone();
+        v["partial_rotary_factor"] = serde_json::json!(0.5);
+        assert_eq!(cfg(v.clone()).rope().unwrap().rotary_dim, 8);
+        v["rope_parameters"] = serde_json::json!({"rope_theta": 1e7, "partial_rotary_factor": 1.0});
+        let r = cfg(v).rope().unwrap();
+        assert_eq!((r.rotary_dim, r.theta), (16, 1e7));
+        // a dense Qwen3 rotates the whole head
+        let mut d = base.clone();
+        d["model_type"] = serde_json::json!("qwen3");
+        assert_eq!(cfg(d.clone()).rope().unwrap().rotary_dim, 16);
+        assert_eq!(cfg(d).recurrent_layers(), [false; 8]);
+        // nested text_config: its keys win, the top level's tie_word_embeddings wins
+        let nested = serde_json::json!({
+            "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "tie_word_embeddings": true, "text_config": base, "vision_config": {"depth": 1}
+        });
+        let n = cfg(nested);
+        assert!(n.tie_word_embeddings);
+        assert_eq!(n.model_type.as_deref(), Some("qwen3_5_text"));
+        assert_eq!(n.architectures, ["Qwen3_5ForConditionalGeneration"]);
+        for (k, val) in [
+            (
+                "layer_types",
+                serde_json::json!(vec!["linear_attention"; 3]),
+            ),
+            ("layer_types", serde_json::json!(vec!["mamba"; 8])),
+            ("linear_num_key_heads", serde_json::json!(3)),
+            ("linear_conv_kernel_dim", serde_json::json!(0)),
+        ] {
+            let mut v = base.clone();
+            v[k] = val;
+            assert!(cfg(v).validate().is_err(), "{k}");
+        }
+    }
+}
