@@ -7,7 +7,9 @@ over copies of the weight that together exceed L2, so weights come from DRAM as 
 step; COLD=0: the same weight each time, partly from L2), beside
 the bandwidth floor (weight bytes / device-to-device copy bandwidth measured here), then the
 kernel's pipeline depth (SG_STAGES) against warps per block. Prints a table and writes
-JSON to $OUT/stream-gemm-probe.json. Usage: python3 scripts/probe-stream-gemm.py"""
+JSON to $OUT/stream-gemm-probe.json. WIDE=1 instead probes the candidate wide kernel
+(scripts/lab/stream_gemm_wide.cu: bit-identity with the shipped kernel, time at 17–257 rows).
+Usage: python3 scripts/probe-stream-gemm.py"""
 import json
 import os
 import sys
@@ -104,7 +106,77 @@ def copy_bandwidth():
     return 2 * a.numel() * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3)
 
 
+WIDE_VARIANTS = [(1, 2), (1, 4), (2, 2), (2, 4)]
+
+
+def wide_main():
+    """WIDE=1: the candidate wide kernel (scripts/lab/stream_gemm_wide.cu) against the shipped
+    kernel's grouped launch (what --bit-exact runs for more than 16 rows): every output bit for
+    bit, then time per call (cold weights) beside cuBLAS."""
+    wsrc = src + open(os.path.join(root, "scripts/lab/stream_gemm_wide.cu")).read()
+    wmod = cp.RawModule(code=wsrc, options=("--std=c++17",))
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    shapes = {"qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
+              "qwen3-8b down": (4096, 12288), "smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576),
+              "smollm2 down": (576, 1536)}
+    rows, ok = [], True
+
+    def grouped(x, w, silu):
+        m = x.shape[0]
+        n, k = w.shape
+        y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        f = wmod.get_function("stream_gemm_silu_m16_bf16" if silu else "stream_gemm_m16_bf16")
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.uint64(y.data_ptr()))
+        return f, ((n + 15) // 16, (m + 15) // 16), (32 * kw_for(n, k),), args, y
+
+    def wide(x, w, silu, nt, tg):
+        m = x.shape[0]
+        n, k = w.shape
+        y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        name = f"stream_gemm_wide_{'silu_' if silu else ''}n{nt}t{tg}_bf16"
+        f = wmod.get_function(name)
+        tiles = (m + 7) // 8
+        warps = max(1, min(16, -(-tiles // tg)))
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.int32(kw_for(n, k)), cp.uint64(y.data_ptr()))
+        return f, (-(-n // (16 * nt)),), (32 * warps,), args, y
+
+    for name, (n, k) in shapes.items():
+        silu = "down" in name
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        ws = copies(w)
+        for m in (17, 65, 257):
+            x = torch.randn(m, 2 * k if silu else k, device="cuda").to(torch.bfloat16)
+            ref = launch(grouped(x, w, silu))
+            line = []
+            t_g = graph_time([lambda sp=grouped(x, wc, silu): launch(sp) for wc in ws])
+            if silu:
+                h = (torch.nn.functional.silu(x[:, :k].float()) * x[:, k:].float()).to(torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                t_c = graph_time([lambda wc=wc: torch.mm(h, wc.t(), out=out) for wc in ws])
+            else:
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                t_c = graph_time([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in ws])
+            for nt, tg in WIDE_VARIANTS:
+                y = launch(wide(x, w, silu, nt, tg))
+                same = torch.equal(y, ref)
+                ok &= same
+                t = graph_time([lambda sp=wide(x, wc, silu, nt, tg): launch(sp) for wc in ws])
+                line.append(f"n{nt}t{tg} {t:8.2f}{'' if same else ' DIFFERS'}")
+                rows.append(dict(shape=name, m=m, variant=f"n{nt}t{tg}", us=t, grouped_us=t_g, cublas_us=t_c,
+                                 bit_identical=same))
+            print(f"{name:17} m={m:3} grouped {t_g:8.2f}  cublas {t_c:8.2f}  | " + "  ".join(line), flush=True)
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "stream-gemm-wide-probe.json"), "w") as f:
+        json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
 def main():
+    if os.environ.get("WIDE") == "1":
+        return wide_main()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -136,9 +136,10 @@ pub fn tiny_qwen3(
     .unwrap()
 }
 
-/// Every row of a bf16 tree verify (40 nodes, branching) and of a 16-token causal verify, at two
-/// cache lengths, against one-token AR steps along the row's path: the logits must be equal bit for
-/// bit (the bit-exact policy must be in force). Panics naming the first row that differs.
+/// Every row of bf16 tree verifies (40, 64 and 257 nodes, branching) and of a 16-token causal
+/// verify, at two cache lengths, against one-token AR steps along the row's path: the logits must
+/// be equal bit for bit (the bit-exact policy must be in force). Panics naming the first row that
+/// differs.
 pub fn check_verify_rows_equal_ar_steps(dev: &Device) {
     use dflash_core::AttentionMask;
     use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
@@ -183,12 +184,20 @@ pub fn check_verify_rows_equal_ar_steps(dev: &Device) {
             AttentionMask::Causal,
             LogitRows::Last,
         );
-        // a tree (branching at several depths) and a chain
-        let tree: Vec<i64> = (0..40i64)
-            .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
-            .collect();
+        // trees (branching at several depths) of 40, 64 and 257 nodes (a DDTree of budget 256
+        // with its root: wider than any chunk-size or GEMM row-count switch) and a chain
+        let binary = |n: i64| -> Vec<i64> {
+            (0..n)
+                .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
+                .collect()
+        };
         let chain: Vec<i64> = (0..16i64).map(|i| i - 1).collect();
-        for (what, parents) in [("tree", tree), ("chain", chain)] {
+        for (what, parents) in [
+            ("tree", binary(40)),
+            ("tree", binary(64)),
+            ("tree", binary(257)),
+            ("chain", chain),
+        ] {
             let n = parents.len();
             let tokens: Vec<u32> = (0..n).map(|i| (i * 53 % 320) as u32).collect();
             let depth = |mut r: usize| {
@@ -231,7 +240,7 @@ pub fn check_verify_rows_equal_ar_steps(dev: &Device) {
                 assert_eq!(
                     max_abs_diff(&row, &ar),
                     0.0,
-                    "{what} at past {past}: row {r} (depth {}) differs from AR",
+                    "{what} of {n} at past {past}: row {r} (depth {}) differs from AR",
                     path.len() - 1
                 );
             }

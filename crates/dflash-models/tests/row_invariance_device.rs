@@ -145,8 +145,8 @@ fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps() {
 
 /// The weight-streaming tensor-core GEMM against an f32 GEMM of the upcast operands, and
 /// bit-identical whatever the row count: each row alone, or in any smaller call, gives exactly its
-/// row of the 40-row product (three 16-row groups; the property bf16 losslessness needs). CUDA
-/// only.
+/// row of the 130-row product (calls of up to 16 rows take the narrow kernel, wider ones the wide
+/// kernel; the property bf16 losslessness needs). CUDA only.
 #[test]
 fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
     use dflash_core::stream_gemm::stream_matmul_always as stream_matmul;
@@ -161,7 +161,7 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
         (false, 4096, 1000),
         (true, 1088, 777),
     ] {
-        // 130 rows: the 64-row groups' kernel (and its last partial group) against every width
+        // 130 rows (the wide kernel, a partial last row tile) against narrow and wide widths
         let x = Tensor::randn(0f32, 1.0, (130, k), &dev)
             .unwrap()
             .to_dtype(DType::BF16)
