@@ -3,9 +3,9 @@
 //!
 //! Invariants:
 //! - Every norm of these models (decoder, q/k, final) computes `rmsnorm(x)·(1 + w)` with a
-//!   zero-initialised checkpoint weight `w`; [`zero_centred_norm`] folds the `1 +` into the weight
-//!   once at load (exact in f32), so the norm is an ordinary [`RmsNorm`]. The Gated DeltaNet's own
-//!   gated norm is not of this kind (its weight applies as is).
+//!   zero-initialised checkpoint weight `w`, in f32 ([`ZeroCentredNorm`]: the `1 +` folded into
+//!   an f32 weight once at load). The Gated DeltaNet's own gated norm is not of this kind (its
+//!   weight applies as is).
 //! - Gated attention: `q_proj` yields, per head, `head_dim` query channels followed by
 //!   `head_dim` gate channels; the attention output is multiplied by `sigmoid(gate)` before
 //!   `o_proj`. q and k are normed per head before a partial NeoX rotary (the first
@@ -25,12 +25,32 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<
     ))
 }
 
-/// A Qwen3.5 norm `rmsnorm(x)·(1 + w)` from the checkpoint weight `w` at `vb`.
-pub fn zero_centred_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<RmsNorm> {
-    let w = vb.get(size, "weight")?;
-    let dtype = w.dtype();
-    let w = (w.to_dtype(DType::F32)? + 1.0)?.to_dtype(dtype)?;
-    Ok(RmsNorm::new(w, eps))
+/// A Qwen3.5 norm `rmsnorm(x)·(1 + w)`, computed in f32 whatever the input dtype (as
+/// transformers does), with the effective weight `1 + w` kept in f32.
+#[derive(Debug, Clone)]
+pub struct ZeroCentredNorm(RmsNorm);
+
+impl ZeroCentredNorm {
+    pub fn forward(&self, x: &Tensor, grad: Grad) -> Result<Tensor> {
+        if x.dtype() == DType::F32 {
+            return Ok(self.0.forward(x, grad)?);
+        }
+        Ok(self
+            .0
+            .forward(&x.to_dtype(DType::F32)?, grad)?
+            .to_dtype(x.dtype())?)
+    }
+
+    /// The effective weight `1 + w` (f32).
+    pub fn weight(&self) -> &Tensor {
+        self.0.weight()
+    }
+}
+
+/// The norm from the checkpoint weight `w` at `vb`.
+pub fn zero_centred_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<ZeroCentredNorm> {
+    let w = (vb.get(size, "weight")?.to_dtype(DType::F32)? + 1.0)?;
+    Ok(ZeroCentredNorm(RmsNorm::new(w, eps)))
 }
 
 /// The rotary tables of one forward, shared by every attention layer.
@@ -46,8 +66,8 @@ pub struct GatedAttention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    q_norm: ZeroCentredNorm,
+    k_norm: ZeroCentredNorm,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -96,7 +116,7 @@ impl GatedAttention {
         } else {
             (qg.reshape((b, n, self.n_heads, hd))?, None)
         };
-        let heads = |t: Tensor, norm: Option<&RmsNorm>| -> Result<Tensor> {
+        let heads = |t: Tensor, norm: Option<&ZeroCentredNorm>| -> Result<Tensor> {
             let t = match norm {
                 Some(nm) => nm.forward(&t.contiguous()?, Grad::Off)?,
                 None => t,

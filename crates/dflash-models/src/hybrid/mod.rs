@@ -31,8 +31,8 @@ use crate::target::{
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
-use dflash_core::{AttentionMask, Grad, LayerCache, RmsNorm, RotaryEmbedding, SequenceCache};
-use layers::{unsupported_mask, zero_centred_norm, GatedAttention, Mlp, Rope};
+use dflash_core::{AttentionMask, Grad, LayerCache, RotaryEmbedding, SequenceCache};
+use layers::{unsupported_mask, zero_centred_norm, GatedAttention, Mlp, Rope, ZeroCentredNorm};
 
 /// A layer's token mixer.
 enum Mixer {
@@ -43,15 +43,15 @@ enum Mixer {
 struct HybridLayer {
     mixer: Mixer,
     mlp: Mlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    input_layernorm: ZeroCentredNorm,
+    post_attention_layernorm: ZeroCentredNorm,
 }
 
 /// A Qwen3.5 / Qwen3.6 dense hybrid causal LM.
 pub struct HybridDecoder {
     embed_tokens: Embedding,
     layers: Vec<HybridLayer>,
-    norm: RmsNorm,
+    norm: ZeroCentredNorm,
     /// `[vocab, hidden]` in the compute dtype.
     lm_head: Tensor,
     lm_head_f32: std::sync::OnceLock<Tensor>,
@@ -362,7 +362,7 @@ impl TargetModel for HybridDecoder {
 
     fn final_norm_weight(&self) -> Option<Tensor> {
         // the effective weight (1 + w): what a plain-weight norm needs to compute the same
-        Some(self.norm.weight().clone())
+        self.norm.weight().to_dtype(self.info.dtype).ok()
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
