@@ -246,10 +246,11 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let floor = bytes as f64 / (bw.gbps * 1e9);
 
     let t0 = Instant::now();
-    let target = dflash_models::random_target(&cfg, dtype, &dev, a.seed)?;
+    let target = dflash_models::random::random_target_model(&cfg, dtype, &dev, a.seed)?;
+    let target = target.as_ref();
     let dcfg = config_for_decoder(&cfg, a.draft_layers, a.block_size, mask);
     let drafter = dflash_models::random_drafter(&dcfg, dtype, &dev, a.seed + 1)?;
-    drafter.check_target(&target)?;
+    drafter.check_target(target)?;
     dev.synchronize()?;
     let build_s = t0.elapsed().as_secs_f64();
     let params_target = target_params(&cfg)?;
@@ -294,9 +295,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     // writes the block's rows there)
     let mut dcache = drafter.new_cache(context + drafter.block_size());
     let base = context - NEW_CTX;
-    drafter.draft(&target, &mut dcache, &ctx.narrow(0, 0, base)?, bonus, base)?;
+    drafter.draft(target, &mut dcache, &ctx.narrow(0, 0, base)?, bonus, base)?;
     let new_ctx = ctx.narrow(0, base, NEW_CTX)?.contiguous()?;
-    let draft_logits = drafter.draft(&target, &mut dcache, &new_ctx, bonus, context)?;
+    let draft_logits = drafter.draft(target, &mut dcache, &new_ctx, bonus, context)?;
     dcache.crop(base);
     dev.synchronize()?;
     eprintln!(
@@ -397,7 +398,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // one drafter block after NEW_CTX newly committed positions
     let t = time(&mut || {
-        let l = drafter.draft(&target, &mut dcache, &new_ctx, bonus, context)?;
+        let l = drafter.draft(target, &mut dcache, &new_ctx, bonus, context)?;
         black_box(greedy_rows(&l)?);
         dcache.crop(base);
         Ok(())
@@ -441,7 +442,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         );
     }
 
-    time_loops(&target, &drafter, &ids, &mut ops)?;
+    time_loops(target, &drafter, &ids, &mut ops)?;
 
     let report = report(&ReportIn {
         a: &a,

@@ -115,6 +115,28 @@ fn target_config_gives_the_shape() {
     assert_eq!(r["architecture"], "qwen3");
 }
 
+/// A Qwen3.5 hybrid's config (Gated DeltaNet and gated full-attention layers): every op runs on
+/// its recurrent caches, and the report names the architecture.
+#[test]
+fn hybrid_target_config_runs() {
+    let dir = common::root().join("fixtures/tiny-qwen3.5");
+    let dir = dir.to_str().unwrap();
+    let r = bench(&[
+        "--target",
+        dir,
+        "--context",
+        "16",
+        "--rounds",
+        "1",
+        "--warmup",
+        "1",
+        "--widths",
+        "16",
+    ]);
+    check(&r, dir, 16, &[16]);
+    assert_eq!(r["architecture"], "qwen3_5");
+}
+
 #[test]
 fn smollm2_shape_runs_on_the_cpu() {
     let r = bench(&[
