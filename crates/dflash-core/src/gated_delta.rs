@@ -125,8 +125,9 @@ pub fn recurrent(x: &DeltaInputs, state: &Tensor, checkpoints: bool) -> Result<R
 
 /// One step of the rule for `m` independent sequences at once: states `[m, H, dk, dv]`, `k`
 /// `[m, H, dk]`, `v` `[m, H, dv]`, `alpha` (= e^g) and `beta` `[m, H]`; returns the new states.
-/// [`tree_recurrent`] and [`advance`] both step through here, so a state replayed along a path
-/// is computed by the same arithmetic as the forward that first reached it.
+/// Off the CPU, [`tree_recurrent`] and [`advance`] both step through here, so a state replayed
+/// along a path is computed by the same arithmetic as the forward that first reached it (on the
+/// CPU both use [`step_head`]).
 fn step(s: &Tensor, k: &Tensor, v: &Tensor, alpha: &Tensor, beta: &Tensor) -> Result<Tensor> {
     let (m, h, dk, dv) = s.dims4()?;
     let s = s.reshape((m * h, dk, dv))?;
@@ -138,6 +139,104 @@ fn step(s: &Tensor, k: &Tensor, v: &Tensor, alpha: &Tensor, beta: &Tensor) -> Re
     let predicted = k.transpose(1, 2)?.matmul(&decayed)?; // [mH, 1, dv]
     let delta = (v - predicted)?.broadcast_mul(&b)?;
     Ok((decayed + k.matmul(&delta)?)?.reshape((m, h, dk, dv))?)
+}
+
+/// One step of the rule for one head on the host, in place: `s` `[dk, dv]` row-major becomes
+/// `α (I − β k kᵀ) s + β k vᵀ`; `pred` is scratch of `dv`. The CPU paths of [`tree_recurrent`]
+/// and [`advance`] both step through here (the same arithmetic for a forward and a replay).
+fn step_head(s: &mut [f32], k: &[f32], v: &[f32], alpha: f32, beta: f32, pred: &mut [f32]) {
+    let dv = v.len();
+    pred.fill(0.0);
+    for (row, &ki) in s.chunks_exact_mut(dv).zip(k) {
+        for (x, p) in row.iter_mut().zip(pred.iter_mut()) {
+            *x *= alpha;
+            *p += ki * *x;
+        }
+    }
+    for (p, &vj) in pred.iter_mut().zip(v) {
+        *p = beta * (vj - *p);
+    }
+    for (row, &ki) in s.chunks_exact_mut(dv).zip(k) {
+        for (x, &d) in row.iter_mut().zip(pred.iter()) {
+            *x += ki * d;
+        }
+    }
+}
+
+/// `o = sᵀ q` for one head on the host (`o` of `dv`, zeroed here).
+fn read_head(s: &[f32], q: &[f32], o: &mut [f32]) {
+    o.fill(0.0);
+    for (row, &qi) in s.chunks_exact(o.len()).zip(q) {
+        for (x, &r) in o.iter_mut().zip(row) {
+            *x += qi * r;
+        }
+    }
+}
+
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// [`tree_recurrent`] on the host (CPU tensors): node by node in order, each from a copy of its
+/// parent's state (moved, not copied, to its last child), heads one after another.
+fn tree_recurrent_host(
+    x: &DeltaInputs,
+    state: &Tensor,
+    parents: &[i64],
+) -> Result<(Tensor, Tensor)> {
+    let (t, h, dk, dv) = x.dims()?;
+    let (q, k, v, beta) = (host(x.q)?, host(x.k)?, host(x.v)?, host(x.beta)?);
+    let alpha = host(&x.g.exp()?)?;
+    let base = host(state)?;
+    let mut children = vec![0usize; t];
+    for &p in parents.iter().filter(|&&p| p >= 0) {
+        children[p as usize] += 1;
+    }
+    let mut states: Vec<Option<Vec<f32>>> = vec![None; t];
+    let mut out = vec![0f32; t * h * dv];
+    let mut pred = vec![0f32; dv];
+    let size = h * dk * dv;
+    for i in 0..t {
+        let mut s = match parents[i] {
+            p if p < 0 => base.clone(),
+            p => {
+                let p = p as usize;
+                children[p] -= 1;
+                match children[p] == 0 && p + 1 != t {
+                    true => states[p].take().expect("a parent's state is kept"),
+                    false => states[p].clone().expect("a parent's state is kept"),
+                }
+            }
+        };
+        for hh in 0..h {
+            let (th, sh) = (i * h + hh, hh * dk * dv);
+            let sv = &mut s[sh..sh + dk * dv];
+            let kk = &k[th * dk..(th + 1) * dk];
+            step_head(
+                sv,
+                kk,
+                &v[th * dv..(th + 1) * dv],
+                alpha[th],
+                beta[th],
+                &mut pred,
+            );
+            read_head(
+                sv,
+                &q[th * dk..(th + 1) * dk],
+                &mut out[th * dv..(th + 1) * dv],
+            );
+        }
+        debug_assert_eq!(s.len(), size);
+        if children[i] > 0 || i + 1 == t {
+            states[i] = Some(s);
+        }
+    }
+    let dev = state.device();
+    let last = states[t - 1].take().expect("the last node's state is kept");
+    Ok((
+        Tensor::from_vec(out, (t, h, dv), dev)?,
+        Tensor::from_vec(last, (h, dk, dv), dev)?,
+    ))
 }
 
 /// Depth of every node of a tree given by `parents` (`parents[i] < i`, `-1` for a child of the
@@ -173,6 +272,9 @@ pub fn tree_recurrent(
         )));
     }
     let depth = tree_depths(parents)?;
+    if state.device().is_cpu() {
+        return tree_recurrent_host(x, state, parents);
+    }
     let dev = state.device();
     let max_depth = depth.iter().copied().max().unwrap_or(0);
     let alpha = x.g.exp()?;
@@ -238,6 +340,26 @@ pub fn advance(
 ) -> Result<Tensor> {
     let t = k.dim(0)?;
     let alpha = g.exp()?;
+    if state.device().is_cpu() {
+        let (h, dk, dv) = state.dims3()?;
+        let (k, v, alpha, beta) = (host(k)?, host(v)?, host(&alpha)?, host(beta)?);
+        let mut s = host(state)?;
+        let mut pred = vec![0f32; dv];
+        for th in 0..t * h {
+            let sh = (th % h) * dk * dv;
+            let kk = &k[th * dk..(th + 1) * dk];
+            let vv = &v[th * dv..(th + 1) * dv];
+            step_head(
+                &mut s[sh..sh + dk * dv],
+                kk,
+                vv,
+                alpha[th],
+                beta[th],
+                &mut pred,
+            );
+        }
+        return Ok(Tensor::from_vec(s, (h, dk, dv), state.device())?);
+    }
     let mut s = state.unsqueeze(0)?;
     for i in 0..t {
         let one = |a: &Tensor| a.narrow(0, i, 1);
