@@ -143,11 +143,14 @@ def wide_main():
                 cp.int32(kw_for(n, k)), cp.uint64(y.data_ptr()))
         return f, (-(-n // (16 * nt)),), (32 * warps,), args, y
 
+    only = os.environ.get("WIDE_SHAPES", "")  # a substring of the shape names to keep, e.g. qwen3-8b
     for name, (n, k) in shapes.items():
+        if only and only not in name:
+            continue
         silu = "down" in name
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         ws = copies(w)
-        for m in (17, 65, 257):
+        for m in [int(v) for v in os.environ.get("WIDE_M", "17 65 257").split()]:
             x = torch.randn(m, 2 * k if silu else k, device="cuda").to(torch.bfloat16)
             ref = launch(grouped(x, w, silu))
             line = []

@@ -21,12 +21,9 @@ const MODULE: &str = "dflash_step_kernels";
 /// AR token, a DFlash block, DDTree trees of budget ≤ 128) keeps a verified row bit-identical to
 /// the AR step at that position (with 65-row trees on 128-key chunks, 9 of 10 bf16 GSM8K
 /// generations diverged from AR, docs/benchmarks.md session 11). Wider trees take larger chunks
-/// (bounded partial-result memory), except under the bit-exact policy (`--bit-exact`), where
-/// every step keeps the AR step's chunks (partials `[heads · rows, capacity / 64, d + 2]` f32:
-/// ~140 MB for a 257-row tree of Qwen3-8B at 2k positions).
+/// (bounded partial-result memory).
 fn chunk_for(rows: usize) -> usize {
-    use crate::stream_gemm::{stream_policy, StreamPolicy};
-    if rows <= 129 || stream_policy() == StreamPolicy::All {
+    if rows <= 129 {
         64
     } else {
         256

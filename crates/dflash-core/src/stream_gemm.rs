@@ -7,10 +7,6 @@
 //!   fixed-order sum over K: fixed 64-wide chunks, a fixed warp split chosen from the weight's
 //!   shape alone, partials added in warp order), so a verified row is bit-identical to the same
 //!   row computed alone by the AR step (tested on the GPU).
-//! - Calls of more than 16 rows (tree verifies under `--bit-exact`) take the wide kernel, which
-//!   reads the weight once for every row and computes each element with the same arithmetic as
-//!   the narrow one (bit-identical rows; GPU test `row_invariance_device` under
-//!   `DFLASH_STREAM_GEMM=all`, and scripts/probe-stream-gemm.py with WIDE=1).
 //! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
 //! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
 //!   misaligned weight, a device older than compute 8.0, a weight the [`StreamPolicy`] leaves to
@@ -226,8 +222,6 @@ mod cuda {
     use std::sync::OnceLock;
 
     const SOURCE: &str = include_str!("stream_gemm.cu");
-    /// Row tiles of 8 a warp of the wide kernel takes at a time (its `TG`).
-    const WIDE_TILES: usize = 2;
     const MODULE: &str = "dflash_stream_gemm";
 
     /// The module's PTX (compute 8.0: `mma.sync` on bf16), or why there is none.
@@ -277,45 +271,22 @@ mod cuda {
         // SAFETY: the kernel writes every one of the m·n outputs.
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
+        let tiles = if m <= 8 { 8 } else { 16 };
+        let name = match epilogue {
+            Epilogue::Bf16 => format!("stream_gemm_m{tiles}_bf16"),
+            Epilogue::F32 => format!("stream_gemm_m{tiles}_f32out"),
+            Epilogue::Silu => format!("stream_gemm_silu_m{tiles}_bf16"),
+        };
         let warps = super::k_warps(n, k);
-        let (mi, ni, ki, kwi) = (m as i32, n as i32, k as i32, warps as i32);
-        let (name, cfg) = if m <= 16 {
-            let tiles = if m <= 8 { 8 } else { 16 };
-            let name = match epilogue {
-                Epilogue::Bf16 => format!("stream_gemm_m{tiles}_bf16"),
-                Epilogue::F32 => format!("stream_gemm_m{tiles}_f32out"),
-                Epilogue::Silu => format!("stream_gemm_silu_m{tiles}_bf16"),
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(16) as u32, 1, 1),
-                block_dim: (32 * warps as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (name, cfg)
-        } else {
-            // the wide kernel: same arithmetic per element, the weight read once for all rows;
-            // a warp per WIDE_TILES row tiles of 8, at most 16 warps a block
-            let name = match epilogue {
-                Epilogue::Bf16 => "stream_gemm_wide_n1t2_bf16",
-                Epilogue::F32 => "stream_gemm_wide_n1t2_f32out",
-                Epilogue::Silu => "stream_gemm_wide_silu_n1t2_bf16",
-            }
-            .to_string();
-            let row_warps = m.div_ceil(8).div_ceil(WIDE_TILES).min(16);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(16) as u32, 1, 1),
-                block_dim: (32 * row_warps as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (name, cfg)
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: 0,
         };
         let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
         let mut b = f.builder();
-        b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki);
-        if m > 16 {
-            b.arg(&kwi);
-        }
-        b.arg(&yp);
+        b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
         // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
         // tensors of the sizes the kernel reads and writes.
         unsafe { b.launch(cfg) }.w()?;

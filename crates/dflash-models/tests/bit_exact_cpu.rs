@@ -9,5 +9,6 @@ mod common;
 fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps_on_the_cpu() {
     use dflash_core::stream_gemm::{set_policy, StreamPolicy};
     set_policy(StreamPolicy::All).unwrap();
-    common::check_verify_rows_equal_ar_steps(&candle_core::Device::Cpu);
+    // up to a DDTree of budget 256 with its root
+    common::check_verify_rows_equal_ar_steps(&candle_core::Device::Cpu, &[40, 64, 257]);
 }

@@ -136,11 +136,11 @@ pub fn tiny_qwen3(
     .unwrap()
 }
 
-/// Every row of bf16 tree verifies (40, 64 and 257 nodes, branching) and of a 16-token causal
+/// Every row of bf16 tree verifies (branching, `tree_sizes` nodes each) and of a 16-token causal
 /// verify, at two cache lengths, against one-token AR steps along the row's path: the logits must
 /// be equal bit for bit (the bit-exact policy must be in force). Panics naming the first row that
 /// differs.
-pub fn check_verify_rows_equal_ar_steps(dev: &Device) {
+pub fn check_verify_rows_equal_ar_steps(dev: &Device, tree_sizes: &[usize]) {
     use dflash_core::AttentionMask;
     use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
     use dflash_models::{LogitRows, TargetModel};
@@ -184,20 +184,16 @@ pub fn check_verify_rows_equal_ar_steps(dev: &Device) {
             AttentionMask::Causal,
             LogitRows::Last,
         );
-        // trees (branching at several depths) of 40, 64 and 257 nodes (a DDTree of budget 256
-        // with its root: wider than any chunk-size or GEMM row-count switch) and a chain
-        let binary = |n: i64| -> Vec<i64> {
-            (0..n)
+        // trees branching at several depths, then a chain
+        let binary = |n: usize| -> Vec<i64> {
+            (0..n as i64)
                 .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
                 .collect()
         };
-        let chain: Vec<i64> = (0..16i64).map(|i| i - 1).collect();
-        for (what, parents) in [
-            ("tree", binary(40)),
-            ("tree", binary(64)),
-            ("tree", binary(257)),
-            ("chain", chain),
-        ] {
+        let mut cases: Vec<(&str, Vec<i64>)> =
+            tree_sizes.iter().map(|&n| ("tree", binary(n))).collect();
+        cases.push(("chain", (0..16i64).map(|i| i - 1).collect()));
+        for (what, parents) in cases {
             let n = parents.len();
             let tokens: Vec<u32> = (0..n).map(|i| (i * 53 % 320) as u32).collect();
             let depth = |mut r: usize| {
