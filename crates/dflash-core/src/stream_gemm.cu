@@ -53,7 +53,6 @@ template <int MT>
 struct SgChunk {
   uint4 w0[2], w1[2];
   uint4 x[MT][2];
-  uint4 up[MT][2];  // the _silu kernels: the up halves, x holding the gates until activated
 };
 
 __device__ __forceinline__ float sg_lo(unsigned int u) { return __uint_as_float(u << 16); }
@@ -69,8 +68,9 @@ __device__ __forceinline__ unsigned int sg_silu2(unsigned int g, unsigned int u)
   const float b = g1 / (1.0f + expf(-g1)) * sg_hi(u);
   return sg_round(a) | (sg_round(b) << 16);
 }
-// 8 activations bf16(silu(g) · u) from 8 gates and 8 ups
-__device__ __forceinline__ uint4 sg_silu8(uint4 g, uint4 u) {
+// 8 activations bf16(silu(g) · u) from 8 gates at p and 8 ups at p + K
+__device__ __forceinline__ uint4 sg_silu8(const bf16_t* p, int K) {
+  const uint4 g = *(const uint4*)p, u = *(const uint4*)(p + K);
   return make_uint4(sg_silu2(g.x, u.x), sg_silu2(g.y, u.y), sg_silu2(g.z, u.z),
                     sg_silu2(g.w, u.w));
 }
@@ -86,13 +86,9 @@ __device__ __forceinline__ void sg_fetch(SgChunk<MT>& c, const bf16_t* w0, const
     if (!xok[t]) {
       c.x[t][0] = make_uint4(0, 0, 0, 0);
       c.x[t][1] = make_uint4(0, 0, 0, 0);
-      c.up[t][0] = make_uint4(0, 0, 0, 0);
-      c.up[t][1] = make_uint4(0, 0, 0, 0);
-    } else if (ACT) {  // raw loads only: every stage's loads are in flight before any math
-      c.x[t][0] = *(const uint4*)(xr[t] + k);
-      c.x[t][1] = *(const uint4*)(xr[t] + k + 32);
-      c.up[t][0] = *(const uint4*)(xr[t] + k + K);
-      c.up[t][1] = *(const uint4*)(xr[t] + k + 32 + K);
+    } else if (ACT) {
+      c.x[t][0] = sg_silu8(xr[t] + k, K);
+      c.x[t][1] = sg_silu8(xr[t] + k + 32, K);
     } else {
       c.x[t][0] = *(const uint4*)(xr[t] + k);
       c.x[t][1] = *(const uint4*)(xr[t] + k + 32);
@@ -100,11 +96,8 @@ __device__ __forceinline__ void sg_fetch(SgChunk<MT>& c, const bf16_t* w0, const
   }
 }
 
-template <int MT, bool ACT>
-__device__ __forceinline__ void sg_compute(float (*acc)[4], SgChunk<MT>& c) {
-  if (ACT)  // silu(0)·0 = 0: rows past M stay zero
-    for (int t = 0; t < MT; ++t)
-      for (int h = 0; h < 2; ++h) c.x[t][h] = sg_silu8(c.x[t][h], c.up[t][h]);
+template <int MT>
+__device__ __forceinline__ void sg_compute(float (*acc)[4], const SgChunk<MT>& c) {
   for (int h = 0; h < 2; ++h) {
     for (int t = 0; t < MT; ++t) {
       sg_mma(acc[t], c.w0[h].x, c.w1[h].x, c.w0[h].y, c.w1[h].y, c.x[t][h].x, c.x[t][h].y);
@@ -146,7 +139,7 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
       if (c + st * kw < chunks) sg_fetch<MT, ACT>(buf[st], w0, w1, xr, xok, (c + st * kw) << 6, K);
 #pragma unroll
     for (int st = 0; st < SG_STAGES; ++st)
-      if (c + st * kw < chunks) sg_compute<MT, ACT>(acc, buf[st]);
+      if (c + st * kw < chunks) sg_compute<MT>(acc, buf[st]);
   }
   // d0, d1: column n0 + g, rows 2·t4, 2·t4 + 1 of the tile; d2, d3: column n0 + g + 8
   for (int t = 0; t < MT; ++t) {
