@@ -58,8 +58,8 @@ __device__ void stream_gemm_wide(const bf16_t* x, const bf16_t* w, int M, int N,
             xf[t][0] = make_uint4(0, 0, 0, 0);
             xf[t][1] = make_uint4(0, 0, 0, 0);
           } else if (ACT) {
-            xf[t][0] = sg_silu8(*(const uint4*)(xr[t] + k), *(const uint4*)(xr[t] + k + K));
-            xf[t][1] = sg_silu8(*(const uint4*)(xr[t] + k + 32), *(const uint4*)(xr[t] + k + 32 + K));
+            xf[t][0] = sg_silu8(xr[t] + k, K);
+            xf[t][1] = sg_silu8(xr[t] + k + 32, K);
           } else {
             xf[t][0] = *(const uint4*)(xr[t] + k);
             xf[t][1] = *(const uint4*)(xr[t] + k + 32);
