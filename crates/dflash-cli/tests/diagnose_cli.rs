@@ -87,8 +87,7 @@ fn shipped_pair_passes_and_recorded_statistics_catch_a_shift() {
             "positions -1",
             "positions +1",
             "slot 0 masked",
-            "mask 2 (eos)",
-            "mask 49151 (last id)"
+            "mask 2 (eos)"
         ]
     );
     assert_eq!(
