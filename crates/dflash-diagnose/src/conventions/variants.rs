@@ -340,7 +340,10 @@ mod tests {
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, ["mask 2 (eos)"]);
         let v = drafter_variants(&[1, 27], 2, &cands[1..], &[full; 3], None);
-        assert_eq!(v[0].name, "mask 49151 (vocab - 1)", "a repeated id is skipped");
+        assert_eq!(
+            v[0].name, "mask 49151 (vocab - 1)",
+            "the declared id is skipped"
+        );
         assert!(v
             .iter()
             .all(|v| v.alters_drafter() && v.target_layer_ids == [1, 27]));
