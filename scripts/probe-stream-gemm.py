@@ -7,8 +7,9 @@ over copies of the weight that together exceed L2, so weights come from DRAM as 
 step; COLD=0: the same weight each time, partly from L2), beside
 the bandwidth floor (weight bytes / device-to-device copy bandwidth measured here), then the
 kernel's pipeline depth (SG_STAGES) against warps per block. Prints a table and writes
-JSON to $OUT/stream-gemm-probe.json. WIDE=1 instead probes the candidate wide kernel
-(scripts/lab/stream_gemm_wide.cu: bit-identity with the shipped kernel, time at 17–257 rows).
+JSON to $OUT/stream-gemm-probe.json. WIDE=1 instead probes the lab's wide and tiled kernels
+(scripts/lab/stream_gemm_{wide,tiled}.cu: bit-identity with the shipped kernel, time at 17–257 rows;
+WIDE_SHAPES and WIDE_M narrow it).
 Usage: python3 scripts/probe-stream-gemm.py"""
 import json
 import os
@@ -59,9 +60,10 @@ def stream_gemm(x, w, f32_out=False, kw=None, module=None):
 
 
 def launch(spec):
-    f, grid, block, args, y = spec
+    f, grid, block, args, y = spec[:5]
+    smem = spec[5] if len(spec) > 5 else 0
     with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        f(grid, block, args)
+        f(grid, block, args, shared_mem=smem)
     return y
 
 
@@ -113,7 +115,8 @@ def wide_main():
     """WIDE=1: the candidate wide kernel (scripts/lab/stream_gemm_wide.cu) against the shipped
     kernel's grouped launch (what --bit-exact runs for more than 16 rows): every output bit for
     bit, then time per call (cold weights) beside cuBLAS."""
-    wsrc = src + open(os.path.join(root, "scripts/lab/stream_gemm_wide.cu")).read()
+    wsrc = src + "".join(open(os.path.join(root, f"scripts/lab/{f}")).read()
+                         for f in ("stream_gemm_wide.cu", "stream_gemm_tiled.cu"))
     wmod = cp.RawModule(code=wsrc, options=("--std=c++17",))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -144,6 +147,15 @@ def wide_main():
         return f, (-(-n // (16 * nt)),), (32 * warps,), args, y
 
     only = os.environ.get("WIDE_SHAPES", "")  # a substring of the shape names to keep, e.g. qwen3-8b
+    def tiled(x, w, silu):
+        m = x.shape[0]
+        n, k = w.shape
+        y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        f = wmod.get_function("stream_gemm_tiled_silu_bf16" if silu else "stream_gemm_tiled_bf16")
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.int32(kw_for(n, k)), cp.uint64(y.data_ptr()))
+        return f, (-(-n // 64), -(-m // 64)), (256,), args, y, 2 * 3 * 64 * 8 * 16
+
     for name, (n, k) in shapes.items():
         if only and only not in name:
             continue
@@ -170,6 +182,17 @@ def wide_main():
                 line.append(f"n{nt}t{tg} {t:8.2f}{'' if same else ' DIFFERS'}")
                 rows.append(dict(shape=name, m=m, variant=f"n{nt}t{tg}", us=t, grouped_us=t_g, cublas_us=t_c,
                                  bit_identical=same))
+            try:
+                y = launch(tiled(x, w, silu))
+                same = torch.equal(y, ref)
+                ok &= same
+                t = graph_time([lambda sp=tiled(x, wc, silu): launch(sp) for wc in ws])
+                line.append(f"tiled {t:8.2f}{'' if same else ' DIFFERS'}")
+                rows.append(dict(shape=name, m=m, variant="tiled", us=t, grouped_us=t_g, cublas_us=t_c,
+                                 bit_identical=same))
+            except Exception as e:  # the lab kernel has not run yet: say so, keep probing
+                ok = False
+                line.append(f"tiled FAILED ({type(e).__name__}: {e})")
             print(f"{name:17} m={m:3} grouped {t_g:8.2f}  cublas {t_c:8.2f}  | " + "  ".join(line), flush=True)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "stream-gemm-wide-probe.json"), "w") as f:

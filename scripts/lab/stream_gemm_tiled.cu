@@ -1,0 +1,129 @@
+// A tiled row-invariant GEMM for wide steps (issue 18: bit-exact tree verifies at the speed of the
+// default path), not shipped and NOT YET RUN: written at the end of session 14 for the next
+// session's first probe (scripts/probe-stream-gemm.py, WIDE=1, compiles stream_gemm.cu followed by
+// the lab files and checks every output bit for bit against the shipped narrow kernel).
+//
+// Per output element the arithmetic of crates/dflash-core/src/stream_gemm.cu's narrow kernel: kw
+// interleaved partial sums over 64-wide K chunks (partial s takes chunks s, s + kw, … in increasing
+// order), each chunk through two 32-wide halves of two m16n8k16 mmas whose fragments hold the same
+// elements in the same registers as the narrow kernel's (lane (g, t4) holds weight rows g and g + 8
+// and x row g of a tile, elements 8·t4 … 8·t4 + 7 of the half), partials added in order 0 … kw − 1,
+// rounded once. What changes is where the operands come from: a block owns a 64 × 64 output tile
+// (64 weight rows, 64 x rows), stages each chunk's weight and x tiles in shared memory with
+// cp.async (double-buffered), and its 8 warps read their fragments from there, so each weight chunk
+// leaves DRAM once per 64 rows of x instead of once per 16, and each x chunk once per 64 weight rows.
+//
+// Shared-memory rows are 128 bytes (64 bf16), eight 16-byte units; unit u of row r is stored at
+// u ^ ((r & 1) << 2), so the 8 lanes of a quarter-warp (rows g, g + 1 at units t4) hit 8 distinct
+// bank groups.
+#define ST_BN 64  // weight rows a block
+#define ST_BM 64  // x rows a block
+#define ST_WARPS 8
+
+__device__ __forceinline__ int st_unit(int r, int u) { return (u ^ ((r & 1) << 2)); }
+
+__device__ __forceinline__ void st_cp16(void* smem, const void* gmem, bool ok) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  const int n = ok ? 16 : 0;  // zero-fill rows past the end
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void st_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void st_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void st_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// one stage: the weight tile, the x tile (gates), and for ACT the up tile
+struct StStage {
+  uint4 w[ST_BN][8];
+  uint4 x[ST_BM][8];
+  uint4 u[ST_BM][8];
+};
+
+template <bool ACT>
+__device__ __forceinline__ void st_load(StStage& st, const bf16_t* w, const bf16_t* x, int n0,
+                                        int m0, int N, int M, int K, int k) {
+  const int xs = ACT ? 2 * K : K;
+  for (int e = threadIdx.x; e < ST_BN * 8; e += blockDim.x) {
+    const int r = e >> 3, u = e & 7, n = n0 + r;
+    st_cp16(&st.w[r][st_unit(r, u)], w + (long long)min(n, N - 1) * K + k + 8 * u, n < N);
+  }
+  for (int e = threadIdx.x; e < ST_BM * 8; e += blockDim.x) {
+    const int r = e >> 3, u = e & 7, m = m0 + r;
+    const bf16_t* p = x + (long long)min(m, M - 1) * xs + k + 8 * u;
+    st_cp16(&st.x[r][st_unit(r, u)], p, m < M);
+    if (ACT) st_cp16(&st.u[r][st_unit(r, u)], p + K, m < M);
+  }
+}
+
+template <bool ACT, typename O>
+__device__ void stream_gemm_tiled(const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw,
+                                  O* y) {
+  extern __shared__ uint4 st_smem[];
+  StStage* stage = (StStage*)st_smem;  // [2]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n0 = blockIdx.x * ST_BN, m0 = blockIdx.y * ST_BM;
+  const int at = warp & 3;         // this warp's 16-row weight tile
+  const int mt0 = (warp >> 2) * 4;  // its first of four 8-row x tiles
+  const int chunks = K >> 6;
+  float tot[4][4], acc[4][4];
+  for (int s = 0; s < kw; ++s) {
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+    int buf = 0;
+    st_load<ACT>(stage[0], w, x, n0, m0, N, M, K, s << 6);
+    st_commit();
+    for (int c = s; c < chunks; c += kw) {
+      const bool more = c + kw < chunks;
+      if (more) st_load<ACT>(stage[buf ^ 1], w, x, n0, m0, N, M, K, (c + kw) << 6);
+      st_commit();
+      st_wait1();
+      __syncthreads();
+      const StStage& st = stage[buf];
+      const int ra = 16 * at + g, rb = ra + 8;
+      for (int h = 0; h < 2; ++h) {
+        const uint4 a0 = st.w[ra][st_unit(ra, t4 + 4 * h)];
+        const uint4 a1 = st.w[rb][st_unit(rb, t4 + 4 * h)];
+        for (int t = 0; t < 4; ++t) {
+          const int rx = 8 * (mt0 + t) + g;
+          uint4 b = st.x[rx][st_unit(rx, t4 + 4 * h)];
+          if (ACT) {
+            const uint4 up = st.u[rx][st_unit(rx, t4 + 4 * h)];
+            b = make_uint4(sg_silu2(b.x, up.x), sg_silu2(b.y, up.y), sg_silu2(b.z, up.z),
+                           sg_silu2(b.w, up.w));
+          }
+          sg_mma(acc[t], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
+          sg_mma(acc[t], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+        }
+      }
+      __syncthreads();  // the stage is free for the load after next
+      buf ^= 1;
+    }
+    st_wait0();
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 4; ++i) tot[t][i] = s == 0 ? acc[t][i] : tot[t][i] + acc[t][i];
+  }
+  // d0, d1: column n0 + 16·at + g, x rows 2·t4, 2·t4 + 1 of the tile; d2, d3: column + 8
+  for (int t = 0; t < 4; ++t) {
+    const int m = m0 + 8 * (mt0 + t) + 2 * t4, c0 = n0 + 16 * at + g, c1 = c0 + 8;
+    for (int i = 0; i < 2; ++i) {
+      if (m + i >= M) continue;
+      if (c0 < N) sg_store(y, (long long)(m + i) * N + c0, tot[t][i]);
+      if (c1 < N) sg_store(y, (long long)(m + i) * N + c1, tot[t][2 + i]);
+    }
+  }
+}
+
+// grid (ceil(N / 64), ceil(M / 64)), block 256 threads, dynamic shared memory 2 · sizeof(StStage)
+// (the bf16 and f32 kernels use only the weight and x parts; the up tile is for _silu)
+extern "C" __global__ void stream_gemm_tiled_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
+                                                  int K, int kw, bf16_t* y) {
+  stream_gemm_tiled<false>(x, w, M, N, K, kw, y);
+}
+extern "C" __global__ void stream_gemm_tiled_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
+                                                    int K, int kw, float* y) {
+  stream_gemm_tiled<false>(x, w, M, N, K, kw, y);
+}
+extern "C" __global__ void stream_gemm_tiled_silu_bf16(const bf16_t* x, const bf16_t* w, int M,
+                                                       int N, int K, int kw, bf16_t* y) {
+  stream_gemm_tiled<true>(x, w, M, N, K, kw, y);
+}
