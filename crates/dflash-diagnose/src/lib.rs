@@ -4,8 +4,9 @@
 //! - [`conventions`]: the drafter's replayed τ (decoding's walk over blocks drafted at every
 //!   position of the target's own answers) and its log-likelihood of that text, under its declared
 //!   conventions and under alternatives made by changing only what the drafter is fed (tap layers
-//!   shifted, the target's final norm on the last tap); an alternative clearly better than the
-//!   declared setting is a FAIL naming the setting to change.
+//!   shifted, the target's final norm on the last tap, block positions, the mask token, the RoPE,
+//!   full vs sliding-window attention); an alternative clearly better than the declared setting is
+//!   a FAIL naming the setting to change (a drafter too weak to judge is a warn).
 //! - [`integrity`]: the target's logits from a verify-shaped forward equal the AR path's.
 //! - [`stats`]: per-tap hidden-state statistics now vs those recorded at training time.
 //! - [`prompt_format`]: the chat template, system prompt and thinking mode of the eval prompts vs
@@ -17,7 +18,8 @@
 //!
 //! Invariants:
 //! - The drafter's forward is dflash-models' (through dflash-train's replay), never re-implemented:
-//!   a variant differs from the declared setting only in the taps tensor the drafter is given.
+//!   a variant differs from the declared setting only in the taps tensor, the block layout or a
+//!   setting of a copy of the drafter with the same weights.
 //! - The target runs once per sample for every variant's taps (the union of their layers).
 //! - Every verdict is a pure function of the measured numbers ([`conventions::judge`],
 //!   [`integrity::judge`], [`stats::judge`], [`prompt_format::judge`], [`train_eval::judge`]),
