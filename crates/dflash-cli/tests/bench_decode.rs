@@ -95,9 +95,9 @@ fn tiny_shape_reports_every_field() {
     assert_eq!(saved["verify_ms"], r["verify_ms"]);
 }
 
-#[test]
-fn target_config_gives_the_shape() {
-    let dir = common::root().join("fixtures/tiny-qwen3");
+/// `bench decode --target fixtures/NAME` at context 16, one tree width, checked field by field.
+fn bench_fixture(name: &str) -> Value {
+    let dir = common::root().join("fixtures").join(name);
     let dir = dir.to_str().unwrap();
     let r = bench(&[
         "--target",
@@ -112,29 +112,19 @@ fn target_config_gives_the_shape() {
         "16",
     ]);
     check(&r, dir, 16, &[16]);
-    assert_eq!(r["architecture"], "qwen3");
+    r
+}
+
+#[test]
+fn target_config_gives_the_shape() {
+    assert_eq!(bench_fixture("tiny-qwen3")["architecture"], "qwen3");
 }
 
 /// A Qwen3.5 hybrid's config (Gated DeltaNet and gated full-attention layers): every op runs on
 /// its recurrent caches, and the report names the architecture.
 #[test]
 fn hybrid_target_config_runs() {
-    let dir = common::root().join("fixtures/tiny-qwen3.5");
-    let dir = dir.to_str().unwrap();
-    let r = bench(&[
-        "--target",
-        dir,
-        "--context",
-        "16",
-        "--rounds",
-        "1",
-        "--warmup",
-        "1",
-        "--widths",
-        "16",
-    ]);
-    check(&r, dir, 16, &[16]);
-    assert_eq!(r["architecture"], "qwen3_5");
+    assert_eq!(bench_fixture("tiny-qwen3.5")["architecture"], "qwen3_5");
 }
 
 #[test]
