@@ -17,6 +17,9 @@ ROUNDS=${ROUNDS:-30}
 # rows on the row-invariant streaming GEMM (DFLASH_STREAM_GEMM=all, what --bit-exact sets);
 # nofew: graphs without streaming large weights for calls of ≤ 4 rows (DFLASH_STREAM_FEW_ROWS_MB=0);
 # scalar: graphs with the attention's earlier element-by-element K/V staging (DFLASH_ATTN_STAGING=scalar);
+# rebuilt: graphs rebuilt without their allocation/free nodes (DFLASH_GRAPH_REBUILD=1); pdl: rebuilt
+# graphs with programmatic dependent launch, dependents launched at each kernel's exit
+# (DFLASH_PDL=1); pdlearly: the same, launched right after each kernel's wait (DFLASH_PDL=early);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -29,6 +32,9 @@ D=/tmp/bin/dflash
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops on cuda" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  echo "== decode ops on cuda under DFLASH_PDL=early (graphs rebuilt, programmatic edges)" | tee -a "$LOG"
+  DFLASH_PDL=early DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  DFLASH_PDL=early DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== row invariance on cuda (then under DFLASH_STREAM_GEMM=all: verify rows against AR steps)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
@@ -48,16 +54,19 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING: empty = default
+    stream="" few="" staging="" rebuild="" pdl=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       nofew) fused=1 graphs=1 few=0;;
       scalar) fused=1 graphs=1 staging=scalar;;
+      rebuilt) fused=1 graphs=1 rebuild=1;;
+      pdl) fused=1 graphs=1 pdl=1;;
+      pdlearly) fused=1 graphs=1 pdl=early;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
-      && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json || echo "FAILED ($?)" | tee -a "$LOG"
+      && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json && grep -h "^step graphs" "$LOG" | tail -1 || echo "FAILED ($?)" | tee -a "$LOG"
   done
   if [ "${PEER:-1}" = 1 ]; then
     echo "== transformers $shape $dtype context $ctx" | tee -a "$LOG"

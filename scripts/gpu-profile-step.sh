@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (carry dist/cuda, or have /tmp/bin from an earlier call): per-kernel GPU
 # time of the decode ops of `dflash bench decode` under Nsight Compute (`--clock-control none`,
+# `--cache-control none` unless CACHE_CONTROL=all: caches kept warm between kernels, as in a step;
 # duration and DRAM bytes only: one pass, no replay), for each SHAPES entry (shape:dtype:context).
 # Writes $OUT/profile-<shape>-<dtype>-<ctx>.csv (ncu's CSV, one row per kernel and metric) and
 # prints, for the launches of the AR steps it can find (the repeating unit after the prefill), the
@@ -18,7 +19,7 @@ for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   csv=$OUT/profile-$shape-$dtype-$ctx.csv
   echo "== ncu: bench decode $shape $dtype context $ctx"
-  env ${VARIANT_ENV:-} timeout 420 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+  env ${VARIANT_ENV:-} timeout 420 "$NCU" --clock-control none --cache-control ${CACHE_CONTROL:-none} --metrics gpu__time_duration.sum,dram__bytes_read.sum \
     --launch-count "$COUNT" --csv --log-file "$csv" /tmp/bin/dflash bench decode --shape "$shape" \
     --context "$ctx" --device cuda --dtype "$dtype" --rounds 2 --warmup 1 --widths 64 > /dev/null 2> "$OUT/profile-$shape.err" \
     || { echo "ncu exit $?"; tail -5 "$OUT/profile-$shape.err"; }

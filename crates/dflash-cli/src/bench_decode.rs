@@ -593,6 +593,7 @@ fn report(r: &ReportIn) -> Value {
         "ratio_to_ar_step": to_ar,
         "ratio_to_floor": to_floor,
         "setup_seconds": r.build_s,
+        "step_graphs": dflash_core::step_graph::last_graph_report(),
         "dflash_version": env!("CARGO_PKG_VERSION"),
         "git": git_commit(),
     })
@@ -635,6 +636,10 @@ fn print_table(ops: &[Op], floor: f64, bytes: usize, bw: &crate::bench_shapes::B
         bw.gbps,
         bw.method
     );
+    let graphs = dflash_core::step_graph::last_graph_report();
+    if !graphs.is_empty() {
+        eprintln!("step graphs: {graphs}");
+    }
 }
 
 #[cfg(test)]

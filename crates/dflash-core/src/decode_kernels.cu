@@ -10,6 +10,22 @@
 //   key; a tree key j − past when it is i or an ancestor of i through parents[]), −inf elsewhere.
 //   A causal block is the chain parents[i] = i − 1, flagged `chain` by the host so that no thread
 //   walks it (a walk would cost O(n) per key: O(n³) for a long prefill).
+// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
+// grids it depends on to complete (their writes visible); its dependents may launch once it leaves
+// (DFLASH_PDL=early: right after the wait)
+#if defined(DFLASH_PDL) && defined(DFLASH_PDL_EARLY)
+#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#elif defined(DFLASH_PDL)
+// the wait at entry; the dependents' launch when the block leaves the kernel (any return path)
+struct PdlTrigger {
+  __device__ ~PdlTrigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+};
+#define PDL_ENTRY()                                  \
+  asm volatile("griddepcontrol.wait;" ::: "memory"); \
+  PdlTrigger pdl_trigger_
+#else
+#define PDL_ENTRY()
+#endif
 #define TPB 1024
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -176,6 +192,7 @@ __device__ unsigned int kth_largest_key(const float* row, int V, unsigned int k,
 }
 
 extern "C" __global__ void argmax_rows(const float* x, int V, unsigned int* out) {
+  PDL_ENTRY();
   __shared__ float sv[32];
   __shared__ unsigned int si[32];
   const float* row = x + (long long)blockIdx.x * V;
@@ -213,6 +230,7 @@ extern "C" __global__ void argmax_rows(const float* x, int V, unsigned int* out)
 
 extern "C" __global__ void topk_rows(const float* x, int V, int k, float* out_val,
                                      unsigned int* out_idx) {
+  PDL_ENTRY();
   __shared__ float red[32];
   __shared__ unsigned int hist[256];
   __shared__ unsigned int sel[2];  // prefix, still needed from the threshold key
@@ -278,6 +296,7 @@ extern "C" __global__ void topk_rows(const float* x, int V, int k, float* out_va
 
 extern "C" __global__ void visibility_mask(const long long* parents, int n, int past, int chain,
                                            float* out) {
+  PDL_ENTRY();
   const int kv = past + n;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   const int i = blockIdx.y;
@@ -358,6 +377,7 @@ extern "C" __global__ void softmax_scaled_f32(const float* s, const float* mask,
                                               int rows_per_b, int q_len, int kv,
                                               long long mask_bstride, int has_mask, float scale,
                                               float* out) {
+  PDL_ENTRY();
   softmax_scaled(s, mask, total_rows, rows_per_b, q_len, kv, mask_bstride, has_mask, scale, out);
 }
 
@@ -365,6 +385,7 @@ extern "C" __global__ void softmax_scaled_bf16(const bf16_t* s, const float* mas
                                                int rows_per_b, int q_len, int kv,
                                                long long mask_bstride, int has_mask, float scale,
                                                bf16_t* out) {
+  PDL_ENTRY();
   softmax_scaled(s, mask, total_rows, rows_per_b, q_len, kv, mask_bstride, has_mask, scale, out);
 }
 
@@ -380,10 +401,12 @@ __device__ void silu_mul(const T* x, int rows, int inter, T* out) {
 }
 
 extern "C" __global__ void silu_mul_f32(const float* x, int rows, int inter, float* out) {
+  PDL_ENTRY();
   silu_mul(x, rows, inter, out);
 }
 
 extern "C" __global__ void silu_mul_bf16(const bf16_t* x, int rows, int inter, bf16_t* out) {
+  PDL_ENTRY();
   silu_mul(x, rows, inter, out);
 }
 
@@ -402,6 +425,7 @@ __device__ __forceinline__ unsigned long long fx_mass(float x, float m, float in
 
 extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int top_k, float top_p,
                                        const float* u, unsigned int* out) {
+  PDL_ENTRY();
   __shared__ float red[32];
   __shared__ unsigned int hist[256];
   __shared__ unsigned int sel[2];
@@ -599,6 +623,7 @@ __device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const T* q
 extern "C" __global__ void qkv_heads_f32(const float* y, const float* cs, const float* sn,
                                          const float* qw, const float* kw, int n, int H, int KV,
                                          int hd, int rot, int has_norm, float eps, float* out) {
+  PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (float*)nullptr,
             (float*)nullptr, nullptr, 0);
 }
@@ -606,6 +631,7 @@ extern "C" __global__ void qkv_heads_f32(const float* y, const float* cs, const 
 extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, const bf16_t* sn,
                                           const bf16_t* qw, const bf16_t* kw, int n, int H, int KV,
                                           int hd, int rot, int has_norm, float eps, bf16_t* out) {
+  PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (bf16_t*)nullptr,
             (bf16_t*)nullptr, nullptr, 0);
 }
@@ -615,6 +641,7 @@ extern "C" __global__ void qkv_heads_cache_f32(const float* y, const float* cs, 
                                                int KV, int hd, int rot, int has_norm, float eps,
                                                float* q, float* kb, float* vb,
                                                const unsigned int* meta, int cap) {
+  PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap);
 }
 
@@ -624,6 +651,7 @@ extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* c
                                                 int rot, int has_norm, float eps, bf16_t* q,
                                                 bf16_t* kb, bf16_t* vb, const unsigned int* meta,
                                                 int cap) {
+  PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap);
 }
 
@@ -650,10 +678,12 @@ __device__ void add_rms_norm(const T* x, const T* d, const T* w, int rows, int W
 
 extern "C" __global__ void add_rms_norm_f32(const float* x, const float* d, const float* w,
                                             int rows, int W, float eps, float* out) {
+  PDL_ENTRY();
   add_rms_norm(x, d, w, rows, W, eps, out);
 }
 
 extern "C" __global__ void add_rms_norm_bf16(const bf16_t* x, const bf16_t* d, const bf16_t* w,
                                              int rows, int W, float eps, bf16_t* out) {
+  PDL_ENTRY();
   add_rms_norm(x, d, w, rows, W, eps, out);
 }

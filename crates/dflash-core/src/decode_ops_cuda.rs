@@ -21,9 +21,12 @@ const TPB: u32 = 1024;
 pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE)
-            .map(|p| p.to_src())
-            .map_err(|e| format!("decode kernels: NVRTC failed: {e:?}"))
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(
+            SOURCE,
+            crate::pdl::nvrtc_options(None),
+        )
+        .map(|p| p.to_src())
+        .map_err(|e| format!("decode kernels: NVRTC failed: {e:?}"))
     })
     .as_deref()
     .map_err(|e| candle_core::Error::Msg(e.clone()))
@@ -63,6 +66,7 @@ impl CustomOp1 for ArgmaxRows {
         // SAFETY: the kernel writes one id per row.
         let out = unsafe { dev.alloc::<u32>(rows)? };
         let f = dev.get_or_load_custom_func("argmax_rows", MODULE, ptx()?)?;
+        crate::pdl::mark(&f);
         let mut b = f.builder();
         let v = vocab as i32;
         b.arg(&x).arg(&v).arg(&out);
@@ -100,6 +104,7 @@ impl CustomOp1 for TopKRows {
         let f = dev.get_or_load_custom_func("topk_rows", MODULE, ptx()?)?;
         {
             let (mut vals, mut ids) = out.split_at_mut(rows * k);
+            crate::pdl::mark(&f);
             let mut b = f.builder();
             let (v, kk) = (vocab as i32, k as i32);
             b.arg(&x).arg(&v).arg(&kk).arg(&mut vals).arg(&mut ids);
@@ -153,6 +158,7 @@ impl CustomOp1 for VisibilityMask {
         // SAFETY: one thread per (query, key) writes every element.
         let out = unsafe { dev.alloc::<f32>(n * kv)? };
         let f = dev.get_or_load_custom_func("visibility_mask", MODULE, ptx()?)?;
+        crate::pdl::mark(&f);
         let mut bld = f.builder();
         let (nn, past, chain) = (n as i32, self.past as i32, self.chain as i32);
         bld.arg(&parents).arg(&nn).arg(&past).arg(&chain).arg(&out);
@@ -302,6 +308,7 @@ impl SoftmaxScaled {
             Some((ms, ml)) => Some(slice_of::<f32>(ms, ml, "softmax_scaled mask")?),
             None => None,
         };
+        crate::pdl::mark(&f);
         let mut bld = f.builder();
         let ints = [total, rows_per_b, self.q_len, kv].map(|x| x as i32);
         let (bstride, has) = (self.mask_bstride as i64, mask.is_some() as i32);
@@ -424,6 +431,7 @@ impl CustomOp1 for SiluMul {
                 MODULE,
                 ptx()?,
             )?;
+            crate::pdl::mark(&f);
             let mut bld = f.builder();
             let (r, i) = (rows as i32, inter as i32);
             bld.arg(&x).arg(&r).arg(&i).arg(&out);
@@ -471,6 +479,7 @@ impl CustomOp1 for SampleRows<'_> {
         // SAFETY: exactly one thread of each row's block writes its id.
         let out = unsafe { dev.alloc::<u32>(rows)? };
         let f = dev.get_or_load_custom_func("sample_rows", MODULE, ptx()?)?;
+        crate::pdl::mark(&f);
         let mut b = f.builder();
         let v = vocab as i32;
         b.arg(&x)
@@ -547,6 +556,7 @@ impl QkvHeads {
             MODULE,
             ptx()?,
         )?;
+        crate::pdl::mark(&f);
         let mut b = f.builder();
         b.arg(&y).arg(&cos).arg(&sin).arg(&qw).arg(&kw);
         let ints = [
@@ -690,6 +700,7 @@ impl candle_core::CustomOp3 for AddRmsNorm {
                 MODULE,
                 ptx()?,
             )?;
+            crate::pdl::mark(&f);
             let mut b = f.builder();
             let (r, wd) = (rows as i32, width as i32);
             b.arg(&x)

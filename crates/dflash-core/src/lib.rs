@@ -20,7 +20,13 @@ mod flash_block_cuda;
 pub mod fs;
 pub mod fused_grad;
 pub mod gated_delta;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod graph_arena;
+#[cfg(feature = "cuda")]
+mod graph_rebuild;
 pub mod norm;
+#[cfg(feature = "cuda")]
+pub mod pdl;
 pub mod recurrent_cache;
 pub mod rope;
 pub mod rowwise;

@@ -66,6 +66,15 @@ pub fn cuda_graphs_enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("DFLASH_CUDA_GRAPHS").as_deref() != Ok("0"))
 }
 
+/// What the last capture did with its memory nodes: how many it removed, or why the graph was
+/// kept as captured (empty before any capture and without CUDA).
+pub fn last_graph_report() -> String {
+    #[cfg(feature = "cuda")]
+    return crate::step_cuda::last_graph_report();
+    #[cfg(not(feature = "cuda"))]
+    String::new()
+}
+
 impl StepGraphs {
     /// How many step shapes currently replay from a captured graph.
     pub fn captured(&self) -> usize {

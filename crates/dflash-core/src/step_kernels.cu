@@ -24,6 +24,22 @@
 // A row's result depends only on its own visible keys, the chunk size and its q: not on how many
 // rows the step has.
 typedef unsigned short bf16_t;
+// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
+// grids it depends on to complete (their writes visible); its dependents may launch once it leaves
+// (DFLASH_PDL=early: right after the wait)
+#if defined(DFLASH_PDL) && defined(DFLASH_PDL_EARLY)
+#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#elif defined(DFLASH_PDL)
+// the wait at entry; the dependents' launch when the block leaves the kernel (any return path)
+struct PdlTrigger {
+  __device__ ~PdlTrigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+};
+#define PDL_ENTRY()                                  \
+  asm volatile("griddepcontrol.wait;" ::: "memory"); \
+  PdlTrigger pdl_trigger_
+#else
+#define PDL_ENTRY()
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 #define TK 32
 #define WARPS 8
@@ -62,11 +78,13 @@ __device__ void kv_append(const T* k, const T* v, T* kb, T* vb, const unsigned i
 
 extern "C" __global__ void kv_append_f32(const float* k, const float* v, float* kb, float* vb,
                                          const unsigned int* meta, int KV, int n, int cap, int d) {
+  PDL_ENTRY();
   kv_append(k, v, kb, vb, meta, KV, n, cap, d);
 }
 extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16_t* kb,
                                           bf16_t* vb, const unsigned int* meta, int KV, int n,
                                           int cap, int d) {
+  PDL_ENTRY();
   kv_append(k, v, kb, vb, meta, KV, n, cap, d);
 }
 
@@ -75,6 +93,7 @@ extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16
 // its ancestors-or-self by depth (root first). Rows walked once per step, not per layer or block.
 // One thread per row; parents staged in shared memory.
 extern "C" __global__ void tree_ancestors(const unsigned int* meta, int n, unsigned int* anc) {
+  PDL_ENTRY();
   __shared__ int par[MAX_ROWS];
   const int* parents = (const int*)(meta + 1 + 3 * n);
   for (int i = threadIdx.x; i < n; i += blockDim.x) par[i] = parents[i];
@@ -354,7 +373,7 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
                                   const unsigned int* meta, const unsigned int* anc,           \
                                   int stride, int logical, int n, int H, int KV, int cap,      \
                                   int d, int chunk, int groups, float scale, float* part,      \
-                                  unsigned int* counters, TY* out) {                           \
+                                  unsigned int* counters, TY* out) { PDL_ENTRY();                           \
     tree_attn_partial<TY, VEC>(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, \
                                groups, scale, part, counters, out);                            \
   }
@@ -371,10 +390,12 @@ __device__ void tree_attn_combine(const float* part, int n, int H, int d, int sp
 
 extern "C" __global__ void tree_attn_combine_f32(const float* part, int n, int H, int d,
                                                  int splits, float* out) {
+  PDL_ENTRY();
   tree_attn_combine(part, n, H, d, splits, out);
 }
 extern "C" __global__ void tree_attn_combine_bf16(const float* part, int n, int H, int d,
                                                   int splits, bf16_t* out) {
+  PDL_ENTRY();
   tree_attn_combine(part, n, H, d, splits, out);
 }
 
@@ -399,10 +420,12 @@ __device__ void kv_keep_rows(const unsigned long long* bufs, const unsigned int*
 extern "C" __global__ void kv_keep_rows_f32(const unsigned long long* bufs,
                                             const unsigned int* rows, int m, int base, int KV,
                                             int cap, int d) {
+  PDL_ENTRY();
   kv_keep_rows<float>(bufs, rows, m, base, KV, cap, d);
 }
 extern "C" __global__ void kv_keep_rows_bf16(const unsigned long long* bufs,
                                              const unsigned int* rows, int m, int base, int KV,
                                              int cap, int d) {
+  PDL_ENTRY();
   kv_keep_rows<bf16_t>(bufs, rows, m, base, KV, cap, d);
 }

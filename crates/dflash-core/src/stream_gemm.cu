@@ -18,6 +18,22 @@
 // products are per element), so a row's result is bit-identical whether it is computed alone or
 // among any number of rows. KW is chosen from N and K alone. Needs K % 64 == 0.
 typedef unsigned short bf16_t;
+// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
+// grids it depends on to complete (their writes visible); its dependents may launch once it leaves
+// (DFLASH_PDL=early: right after the wait)
+#if defined(DFLASH_PDL) && defined(DFLASH_PDL_EARLY)
+#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#elif defined(DFLASH_PDL)
+// the wait at entry; the dependents' launch when the block leaves the kernel (any return path)
+struct PdlTrigger {
+  __device__ ~PdlTrigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+};
+#define PDL_ENTRY()                                  \
+  asm volatile("griddepcontrol.wait;" ::: "memory"); \
+  PdlTrigger pdl_trigger_
+#else
+#define PDL_ENTRY()
+#endif
 #define SG_MAX_KW 8
 #ifndef SG_STAGES
 #define SG_STAGES 2  // 1, 2, 4, 8 measured: 2 is best or within 3 % at every decode shape
@@ -106,6 +122,24 @@ __device__ __forceinline__ void sg_compute(float (*acc)[4], const SgChunk<MT>& c
   }
 }
 
+// Before the PDL wait (the weights are never written by a step): each warp asks L2 for the first
+// lines of its share of the block's weight tile, so that a kernel launched early (PDL) streams its
+// first chunks while the kernel before it finishes. Hints only: no value read changes.
+__device__ __forceinline__ void sg_prefetch(const bf16_t* w, int N, int K) {
+#if defined(DFLASH_PDL) && !defined(DFLASH_NO_PREFETCH)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = blockDim.x >> 5;
+  if (blockIdx.y != 0 || (lane & 3) != 0) return;  // one lane per 128-byte line of two w rows
+  const int g = lane >> 2, n0 = blockIdx.x * 16;
+  const bf16_t* w0 = w + (long long)min(n0 + g, N - 1) * K;
+  const bf16_t* w1 = w + (long long)min(n0 + g + 8, N - 1) * K;
+  const int chunks = K >> 6;
+  for (int c = warp, i = 0; c < chunks && i < 2 * SG_STAGES; c += kw, ++i) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + (c << 6)));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + (c << 6)));
+  }
+#endif
+}
+
 template <int MT, bool ACT, typename O>
 __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int K, O* y) {
   // this block's row group
@@ -161,25 +195,37 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
 
 extern "C" __global__ void stream_gemm_m8_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
                                                int K, bf16_t* y) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
   stream_gemm<1, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_m16_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
                                                 int K, bf16_t* y) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
   stream_gemm<2, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_m8_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
                                                  int K, float* y) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
   stream_gemm<1, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_m16_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
                                                   int K, float* y) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
   stream_gemm<2, false>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_silu_m8_bf16(const bf16_t* x, const bf16_t* w, int M,
                                                     int N, int K, bf16_t* y) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
   stream_gemm<1, true>(x, w, M, N, K, y);
 }
 extern "C" __global__ void stream_gemm_silu_m16_bf16(const bf16_t* x, const bf16_t* w, int M,
                                                      int N, int K, bf16_t* y) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
   stream_gemm<2, true>(x, w, M, N, K, y);
 }

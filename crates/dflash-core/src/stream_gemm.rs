@@ -216,7 +216,7 @@ mod cuda {
     use crate::step_cuda::address;
     use crate::Result;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    use candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Tensor};
     use std::sync::OnceLock;
@@ -228,10 +228,7 @@ mod cuda {
     fn ptx() -> Option<&'static str> {
         static PTX: OnceLock<Option<String>> = OnceLock::new();
         PTX.get_or_init(|| {
-            let opts = CompileOptions {
-                arch: Some("compute_80"),
-                ..Default::default()
-            };
+            let opts = crate::pdl::nvrtc_options(Some("compute_80"));
             compile_ptx_with_opts(SOURCE, opts).map(|p| p.to_src()).ok()
         })
         .as_deref()
@@ -284,6 +281,7 @@ mod cuda {
             shared_mem_bytes: 0,
         };
         let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
+        crate::pdl::mark(&f);
         let (mi, ni, ki) = (m as i32, n as i32, k as i32);
         let mut b = f.builder();
         b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);

@@ -552,6 +552,19 @@ fn device_step_graphs_replay_the_cpu_composite() {
         "AR, block and tree shapes replay from graphs ({} captured)",
         gc.step_graphs.captured()
     );
+    // with PDL or DFLASH_GRAPH_REBUILD=1, the graphs compared above are the rebuilt ones,
+    // without memory nodes (and with programmatic edges under PDL)
+    let report = dflash_core::step_graph::last_graph_report();
+    let rebuilt = matches!(
+        std::env::var("DFLASH_PDL").as_deref(),
+        Ok("1") | Ok("early")
+    ) || std::env::var("DFLASH_GRAPH_REBUILD").as_deref() == Ok("1");
+    assert!(
+        !rebuilt
+            || std::env::var("DFLASH_CUDA_GRAPHS").as_deref() == Ok("0")
+            || (report.contains("rebuilt") && report.contains(" 0 kept")),
+        "every captured step rebuilt without memory nodes: {report}"
+    );
 }
 
 /// The drafter's device step (context and block rows written at device-held cache rows, the block
