@@ -20,6 +20,9 @@ ROUNDS=${ROUNDS:-30}
 # rebuilt: graphs rebuilt without their allocation/free nodes (DFLASH_GRAPH_REBUILD=1); pdl: rebuilt
 # graphs with programmatic dependent launch, dependents launched at each kernel's exit
 # (DFLASH_PDL=1); pdlearly: the same, launched right after each kernel's wait (DFLASH_PDL=early);
+# unrolledmerge: the attention's split merge with its loads unrolled (DFLASH_ATTN_MERGE=unrolled);
+# tileprefetch: the attention's next K/V tile loaded while one is scored (DFLASH_ATTN_PREFETCH=1);
+# attnnext: both (session 15's attention variants, built and not yet measured);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -54,17 +57,20 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging="" rebuild="" pdl=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       nofew) fused=1 graphs=1 few=0;;
       scalar) fused=1 graphs=1 staging=scalar;;
       rebuilt) fused=1 graphs=1 rebuild=1;;
       pdl) fused=1 graphs=1 pdl=1;;
+      unrolledmerge) fused=1 graphs=1 merge=unrolled;;
+      tileprefetch) fused=1 graphs=1 prefetch=1;;
+      attnnext) fused=1 graphs=1 merge=unrolled prefetch=1;;
       pdlearly) fused=1 graphs=1 pdl=early;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json && grep -h "^step graphs" "$LOG" | tail -1 || echo "FAILED ($?)" | tee -a "$LOG"
   done

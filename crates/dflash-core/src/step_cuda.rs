@@ -50,7 +50,16 @@ const VECTORS_PER_BLOCK: usize = 16;
 fn ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        let opts = crate::pdl::nvrtc_options(None);
+        let mut opts = crate::pdl::nvrtc_options(None);
+        // opt-in attention variants built in session 15 and not yet measured (documented
+        // overrides): the split merge's loads unrolled (`DFLASH_ATTN_MERGE=unrolled`), the next
+        // K/V tile loaded while the current one is scored (`DFLASH_ATTN_PREFETCH=1`)
+        if std::env::var("DFLASH_ATTN_MERGE").as_deref() == Ok("unrolled") {
+            opts.options.push("-DDFLASH_UNROLLED_MERGE".into());
+        }
+        if std::env::var("DFLASH_ATTN_PREFETCH").as_deref() == Ok("1") {
+            opts.options.push("-DDFLASH_TILE_PREFETCH".into());
+        }
         candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
             .map(|p| p.to_src())
             .map_err(|e| format!("step kernels: NVRTC failed: {e:?}"))

@@ -153,6 +153,7 @@ __device__ __forceinline__ void combine_channel(const float* part, int vec, int 
                                                 int d, int splits, T* out) {
   const int h = vec / n, r = vec % n;
   const float* p = part + (long long)vec * splits * (d + 2);
+#if !defined(DFLASH_UNROLLED_MERGE)  // the default; DFLASH_ATTN_MERGE=unrolled (opt-in, unmeasured)
   float mx = NEG_INF;
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(p + (long long)s * (d + 2)));
   float sum = 0.0f, a = 0.0f;
@@ -164,7 +165,44 @@ __device__ __forceinline__ void combine_channel(const float* part, int vec, int 
     sum += w * __ldcg(ps + 1);
     a += w * __ldcg(ps + 2 + c);
   }
+#else
+  // unrolled with every load unconditional, so that a thread's loads are in flight together (the
+  // loop above is a chain of dependent L2 round trips: 10 of them at 10 splits). Same arithmetic
+  // in the same split order: an empty split's record is exactly (−inf, 0, 0…), which the weight 0
+  // below adds as +0 to sums that start at +0. Built in session 15, not yet measured.
+  float mx = NEG_INF;
+#pragma unroll 16
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(p + (long long)s * (d + 2)));
+  float sum = 0.0f, a = 0.0f;
+#pragma unroll 16
+  for (int s = 0; s < splits; ++s) {
+    const float* ps = p + (long long)s * (d + 2);
+    const float ms = __ldcg(ps), ls = __ldcg(ps + 1), as = __ldcg(ps + 2 + c);
+    const float w = (ms == NEG_INF) ? 0.0f : expf(ms - mx);
+    sum += w * ls;
+    a += w * as;
+  }
+#endif
   stv(out, ((long long)r * H + h) * d + c, sum > 0.0f ? a / sum : 0.0f);
+}
+
+// The 16-byte units of keys and values of cache rows t0 .. t0 + nt of kv head g that thread tid
+// stages (unit tid + i · WARPS · 32 of the tile).
+template <typename T, int UPT>
+__device__ __forceinline__ void tile_load(const T* kb, const T* vb, int g, int cap, int t0,
+                                          int nt, int d, int tid, uint4* pk, uint4* pv) {
+  constexpr int EPU = 16 / sizeof(T);
+  const int units = nt * d / EPU;
+  const uint4* kt = (const uint4*)(kb + ((long long)g * cap + t0) * d);
+  const uint4* vt = (const uint4*)(vb + ((long long)g * cap + t0) * d);
+#pragma unroll
+  for (int i = 0; i < UPT; ++i) {
+    const int u = tid + i * WARPS * 32;
+    if (u < units) {
+      pk[i] = __ldcg(kt + u);
+      pv[i] = __ldcg(vt + u);
+    }
+  }
 }
 
 // With `counters` (one per block column, zero between launches): the last split of each
@@ -189,6 +227,16 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int dpl = d >> 5;
   const long long qbase = (long long)g * rep * n;  // q vectors of kv head g are contiguous
+  // K and V tiles move in 16-byte units, all of a thread's loads in flight at once (a tile's
+  // rows are contiguous in the cache); the loads live only while staging. With DFLASH_TILE_PREFETCH
+  // (DFLASH_ATTN_PREFETCH=1, opt-in: built in session 15, not yet measured) the next tile's loads
+  // are issued before the current tile is scored, and the first tile's before q is staged
+  constexpr int EPU = 16 / sizeof(T);                   // elements per unit
+  constexpr int UPT = TK * MAX_D / EPU / (WARPS * 32);  // units per thread, at most
+  uint4 pk[UPT], pv[UPT];
+#if defined(DFLASH_TILE_PREFETCH)
+  if (VEC && k0 < k1) tile_load<T, UPT>(kb, vb, g, cap, k0, min(TK, k1 - k0), d, tid, pk, pv);
+#endif
   if (k0 < total) {  // a split past the keys only writes its empty record
     for (int e = tid; e < VPB * d; e += blockDim.x) {
       const int i = e / d, c = e % d;
@@ -215,11 +263,6 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
     l[u] = 0.0f;
     for (int t = 0; t < MAX_D / 32; ++t) acc[u][t] = 0.0f;
   }
-  // K and V tiles move in 16-byte units, all of a thread's loads in flight at once (a tile's
-  // rows are contiguous in the cache); the loads live only while staging, so scoring keeps the
-  // registers (and the occupancy) it had
-  constexpr int EPU = 16 / sizeof(T);                   // elements per unit
-  constexpr int UPT = TK * MAX_D / EPU / (WARPS * 32);  // units per thread, at most
   for (int t0 = k0; t0 < k1; t0 += TK) {
     const int nt = min(TK, k1 - t0);
     __syncthreads();
@@ -233,17 +276,9 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
       }
     } else {
       const int units = nt * d / EPU;
-      const uint4* kt = (const uint4*)(kb + ((long long)g * cap + t0) * d);
-      const uint4* vt = (const uint4*)(vb + ((long long)g * cap + t0) * d);
-      uint4 pk[UPT], pv[UPT];
-#pragma unroll
-      for (int i = 0; i < UPT; ++i) {
-        const int u = tid + i * WARPS * 32;
-        if (u < units) {
-          pk[i] = __ldcg(kt + u);
-          pv[i] = __ldcg(vt + u);
-        }
-      }
+#if !defined(DFLASH_TILE_PREFETCH)
+      tile_load<T, UPT>(kb, vb, g, cap, t0, nt, d, tid, pk, pv);
+#endif
 #pragma unroll
       for (int i = 0; i < UPT; ++i) {
         const int u = tid + i * WARPS * 32;
@@ -253,6 +288,9 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
           unpack_unit(vb, pv[i], &vs[j][c]);
         }
       }
+#if defined(DFLASH_TILE_PREFETCH)
+      if (t0 + TK < k1) tile_load<T, UPT>(kb, vb, g, cap, t0 + TK, min(TK, k1 - t0 - TK), d, tid, pk, pv);
+#endif
     }
     __syncthreads();
     // this warp's vectors share each key row: lane j scores key t0 + j for all of them
