@@ -22,7 +22,8 @@ ROUNDS=${ROUNDS:-30}
 # (DFLASH_PDL=1); pdlearly: the same, launched right after each kernel's wait (DFLASH_PDL=early);
 # unrolledmerge: the attention's split merge with its loads unrolled (DFLASH_ATTN_MERGE=unrolled);
 # tileprefetch: the attention's next K/V tile loaded while one is scored (DFLASH_ATTN_PREFETCH=1);
-# attnnext: both (session 15's attention variants, built and not yet measured);
+# attnnext: both (session 15's attention variants, built and not yet measured); addnorm: residual
+# add + RMSNorm as the prologue of the projection after it (DFLASH_FUSED_ADD_NORM=1, likewise);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -38,6 +39,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops on cuda under DFLASH_PDL=early (graphs rebuilt, programmatic edges)" | tee -a "$LOG"
   DFLASH_PDL=early DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   DFLASH_PDL=early DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  echo "== decode ops and bit-exact verify on cuda under session 15's opt-in kernels (fused add+norm, attention variants)" | tee -a "$LOG"
+  DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== row invariance on cuda (then under DFLASH_STREAM_GEMM=all: verify rows against AR steps)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
@@ -57,7 +61,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       nofew) fused=1 graphs=1 few=0;;
@@ -67,10 +71,11 @@ for spec in $SHAPES; do
       unrolledmerge) fused=1 graphs=1 merge=unrolled;;
       tileprefetch) fused=1 graphs=1 prefetch=1;;
       attnnext) fused=1 graphs=1 merge=unrolled prefetch=1;;
+      addnorm) fused=1 graphs=1 addnorm=1;;
       pdlearly) fused=1 graphs=1 pdl=early;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json && grep -h "^step graphs" "$LOG" | tail -1 || echo "FAILED ($?)" | tee -a "$LOG"
   done

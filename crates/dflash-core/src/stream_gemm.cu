@@ -91,9 +91,34 @@ __device__ __forceinline__ uint4 sg_silu8(const bf16_t* p, int K) {
                     sg_silu2(g.w, u.w));
 }
 
-template <int MT, bool ACT>
+// 8 normed inputs bf16(bf16(x + d) · inv · w) from 8 of x at px, of d at pd and of the norm
+// weight at pw — the values decode_kernels.cu's add_rms_norm writes, given the same inv
+__device__ __forceinline__ unsigned int sg_addnorm2(unsigned int x, unsigned int d, unsigned int w,
+                                                    float inv) {
+  const float s0 = sg_lo(sg_round(sg_lo(x) + sg_lo(d)) << 16);
+  const float s1 = sg_lo(sg_round(sg_hi(x) + sg_hi(d)) << 16);
+  return sg_round(s0 * inv * sg_lo(w)) | (sg_round(s1 * inv * sg_hi(w)) << 16);
+}
+__device__ __forceinline__ uint4 sg_addnorm8(const bf16_t* px, const bf16_t* pd, const bf16_t* pw,
+                                             float inv) {
+  const uint4 x = *(const uint4*)px, d = *(const uint4*)pd, w = *(const uint4*)pw;
+  return make_uint4(sg_addnorm2(x.x, d.x, w.x, inv), sg_addnorm2(x.y, d.y, w.y, inv),
+                    sg_addnorm2(x.z, d.z, w.z, inv), sg_addnorm2(x.w, d.w, w.w, inv));
+}
+
+// What the add+norm prologue hands the fetch: each row tile's d row and 1/rms, and the norm
+// weight at the lane's offset (unused by the other modes).
+template <int MT>
+struct SgNorm {
+  const bf16_t* dr[MT];
+  float inv[MT];
+  const bf16_t* nw;
+};
+
+template <int MT, bool ACT, bool NORM>
 __device__ __forceinline__ void sg_fetch(SgChunk<MT>& c, const bf16_t* w0, const bf16_t* w1,
-                                         const bf16_t* const* xr, const bool* xok, int k, int K) {
+                                         const bf16_t* const* xr, const bool* xok, int k, int K,
+                                         const SgNorm<MT>& nm) {
   c.w0[0] = sg_load(w0 + k);
   c.w0[1] = sg_load(w0 + k + 32);
   c.w1[0] = sg_load(w1 + k);
@@ -105,6 +130,9 @@ __device__ __forceinline__ void sg_fetch(SgChunk<MT>& c, const bf16_t* w0, const
     } else if (ACT) {
       c.x[t][0] = sg_silu8(xr[t] + k, K);
       c.x[t][1] = sg_silu8(xr[t] + k + 32, K);
+    } else if (NORM) {
+      c.x[t][0] = sg_addnorm8(xr[t] + k, nm.dr[t] + k, nm.nw + k, nm.inv[t]);
+      c.x[t][1] = sg_addnorm8(xr[t] + k + 32, nm.dr[t] + k + 32, nm.nw + k + 32, nm.inv[t]);
     } else {
       c.x[t][0] = *(const uint4*)(xr[t] + k);
       c.x[t][1] = *(const uint4*)(xr[t] + k + 32);
@@ -140,12 +168,55 @@ __device__ __forceinline__ void sg_prefetch(const bf16_t* w, int N, int K) {
 #endif
 }
 
-template <int MT, bool ACT, typename O>
-__device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int K, O* y) {
+// The add+norm prologue (NORM): for each row m of the block's group, inv = 1/rms(bf16(x + d))
+// over K — lanes of one warp take 8 contiguous elements each per 256, an fma each, then a fixed
+// xor butterfly: the same arithmetic for a row whatever M, the warp or the block — and block
+// column 0 writes the sums bf16(x + d) to `sum` (the residual stream the next add reads).
+template <int MT>
+__device__ void sg_norm_prologue(const bf16_t* x, const bf16_t* d, int M, int K, float eps,
+                                 bf16_t* sum, float* inv_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = blockDim.x >> 5;
+  for (int m = warp; m < M; m += kw) {
+    const bf16_t* px = x + (long long)m * K;
+    const bf16_t* pd = d + (long long)m * K;
+    float sq = 0.0f;
+    for (int k = lane * 8; k < K; k += 256) {
+      const uint4 a = *(const uint4*)(px + k), b = *(const uint4*)(pd + k);
+      const unsigned int av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+      unsigned int packed[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned int lo = sg_round(sg_lo(av[i]) + sg_lo(bv[i]));
+        const unsigned int hi = sg_round(sg_hi(av[i]) + sg_hi(bv[i]));
+        const float s0 = __uint_as_float(lo << 16), s1 = __uint_as_float(hi << 16);
+        sq = fmaf(s0, s0, sq);
+        sq = fmaf(s1, s1, sq);
+        packed[i] = lo | (hi << 16);
+      }
+      if (blockIdx.x == 0)
+        *(uint4*)(sum + (long long)m * K + k) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if (lane == 0) inv_s[m] = rsqrtf(sq / (float)K + eps);
+  }
+  __syncthreads();
+}
+
+template <int MT, bool ACT, typename O, bool NORM = false>
+__device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int K, O* y,
+                            const bf16_t* d = nullptr, const bf16_t* nw = nullptr,
+                            float eps = 0.0f, bf16_t* sum = nullptr) {
   // this block's row group
   x += (long long)blockIdx.y * 16 * (ACT ? 2 * K : K);
   y += (long long)blockIdx.y * 16 * N;
   M = min(16, M - 16 * (int)blockIdx.y);
+  __shared__ float inv_s[16];
+  SgNorm<MT> nm;
+  if (NORM) {
+    d += (long long)blockIdx.y * 16 * K;
+    sum += (long long)blockIdx.y * 16 * K;
+    sg_norm_prologue<MT>(x, d, M, K, eps, sum, inv_s);
+  }
   __shared__ float part[SG_MAX_KW][16][16];  // [warp][n][m]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = blockDim.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -159,7 +230,12 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
     const int m = 8 * t + g;
     xok[t] = m < M;
     xr[t] = x + (long long)(xok[t] ? m : 0) * (ACT ? 2 * K : K) + 8 * t4;
+    if (NORM) {
+      nm.dr[t] = d + (long long)(xok[t] ? m : 0) * K + 8 * t4;
+      nm.inv[t] = xok[t] ? inv_s[m] : 0.0f;
+    }
   }
+  if (NORM) nm.nw = nw + 8 * t4;
   float acc[MT][4];
   for (int t = 0; t < MT; ++t)
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
@@ -170,7 +246,8 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
     SgChunk<MT> buf[SG_STAGES];
 #pragma unroll
     for (int st = 0; st < SG_STAGES; ++st)
-      if (c + st * kw < chunks) sg_fetch<MT, ACT>(buf[st], w0, w1, xr, xok, (c + st * kw) << 6, K);
+      if (c + st * kw < chunks)
+        sg_fetch<MT, ACT, NORM>(buf[st], w0, w1, xr, xok, (c + st * kw) << 6, K, nm);
 #pragma unroll
     for (int st = 0; st < SG_STAGES; ++st)
       if (c + st * kw < chunks) sg_compute<MT>(acc, buf[st]);
@@ -228,4 +305,22 @@ extern "C" __global__ void stream_gemm_silu_m16_bf16(const bf16_t* x, const bf16
   sg_prefetch(w, N, K);
   PDL_ENTRY();
   stream_gemm<2, true>(x, w, M, N, K, y);
+}
+// x · wᵀ of the normed rows bf16(bf16(x + d) · inv · nw) (an add+norm prologue, see
+// sg_norm_prologue), bf16 out; `sum` receives bf16(x + d). Opt-in (DFLASH_FUSED_ADD_NORM=1).
+extern "C" __global__ void stream_gemm_addnorm_m8_bf16(const bf16_t* x, const bf16_t* d,
+                                                       const bf16_t* nw, float eps,
+                                                       const bf16_t* w, int M, int N, int K,
+                                                       bf16_t* y, bf16_t* sum) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
+  stream_gemm<1, false, bf16_t, true>(x, w, M, N, K, y, d, nw, eps, sum);
+}
+extern "C" __global__ void stream_gemm_addnorm_m16_bf16(const bf16_t* x, const bf16_t* d,
+                                                        const bf16_t* nw, float eps,
+                                                        const bf16_t* w, int M, int N, int K,
+                                                        bf16_t* y, bf16_t* sum) {
+  sg_prefetch(w, N, K);
+  PDL_ENTRY();
+  stream_gemm<2, false, bf16_t, true>(x, w, M, N, K, y, d, nw, eps, sum);
 }

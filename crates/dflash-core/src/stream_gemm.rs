@@ -166,6 +166,83 @@ pub fn stream_silu_matmul_always(gate_up: &Tensor, w: &Tensor) -> Result<Option<
     run(gate_up, w, Epilogue::Silu, false)
 }
 
+/// Whether a residual add and the RMSNorm after it run as the prologue of the projection that
+/// reads the norm ([`stream_add_norm_matmul`]): `DFLASH_FUSED_ADD_NORM=1` (read once; opt-in,
+/// built in session 15 and not yet measured on a GPU).
+pub fn fused_add_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_FUSED_ADD_NORM").as_deref() == Ok("1"))
+}
+
+/// `(s, n · wᵀ)` for `s = x + d` and `n = rms_norm(s) · norm_w` (`x`, `d` `[.., K]` bf16, `w`
+/// `[N, K]` bf16): the residual add, its norm and the projection after it as one streaming-GEMM
+/// kernel (every block recomputes the few rows' norms; one writes `s`). `s` holds the values
+/// `decode_ops::add_rms_norm` writes; the normed rows differ from its only by the order of the
+/// sum of squares (one fixed order, whatever the row count). `None` when [`fused_add_norm`] is
+/// off or the policy or the kernel leaves the call to the two-kernel path.
+pub fn stream_add_norm_matmul(
+    x: &Tensor,
+    d: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if !fused_add_norm() {
+        return Ok(None);
+    }
+    add_norm_matmul(x, d, norm_w, eps, w, true)
+}
+
+/// [`stream_add_norm_matmul`] whatever the switch and the policy (`None` only where the kernel
+/// cannot run): for tests.
+pub fn stream_add_norm_matmul_always(
+    x: &Tensor,
+    d: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    add_norm_matmul(x, d, norm_w, eps, w, false)
+}
+
+fn add_norm_matmul(
+    x: &Tensor,
+    d: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+    by_policy: bool,
+) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda()
+        && [x.dtype(), d.dtype(), norm_w.dtype(), w.dtype()] == [DType::BF16; 4]
+        && x.dims() == d.dims()
+        && w.rank() == 2
+    {
+        let width = x.dim(candle_core::D::Minus1)?;
+        let lead = &x.dims()[..x.rank() - 1];
+        let rows: usize = lead.iter().product();
+        if rows == 0 || rows > STREAM_MAX_ROWS || (by_policy && !streams(rows, w, false)) {
+            return Ok(None);
+        }
+        let Some((s, y)) = cuda::stream_add_norm_matmul(
+            &x.reshape((rows, width))?,
+            &d.reshape((rows, width))?,
+            norm_w,
+            eps as f32,
+            w,
+        )?
+        else {
+            return Ok(None);
+        };
+        let mut shape = lead.to_vec();
+        shape.push(w.dim(0)?);
+        return Ok(Some((s.reshape(x.dims())?, y.reshape(shape)?)));
+    }
+    let _ = (x, d, norm_w, eps, w, by_policy);
+    Ok(None)
+}
+
 fn out_epilogue(f32_out: bool) -> Epilogue {
     if f32_out {
         Epilogue::F32
@@ -289,5 +366,61 @@ mod cuda {
         // tensors of the sizes the kernel reads and writes.
         unsafe { b.launch(cfg) }.w()?;
         Ok(Some(y))
+    }
+
+    pub(super) fn stream_add_norm_matmul(
+        x: &Tensor,
+        d: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        w: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let (m, k) = x.dims2()?;
+        let (n, kw) = w.dims2()?;
+        if kw != k || norm_w.dims() != [k] || !k.is_multiple_of(64) || !w.is_contiguous() {
+            return Ok(None);
+        }
+        if n >= i32::MAX as usize {
+            return Ok(None);
+        }
+        let Some(ptx) = ptx() else { return Ok(None) };
+        let (x, d, norm_w) = (x.contiguous()?, d.contiguous()?, norm_w.contiguous()?);
+        let (xp, dev) = address(&x, "stream_add_norm_matmul x")?;
+        let (dp, _) = address(&d, "stream_add_norm_matmul d")?;
+        let (np, _) = address(&norm_w, "stream_add_norm_matmul norm")?;
+        let (wp, _) = address(w, "stream_add_norm_matmul w")?;
+        if [xp, dp, np, wp].iter().any(|p| p % 16 != 0) {
+            return Ok(None);
+        }
+        let cc = dev.cuda_stream().context().compute_capability();
+        if !matches!(cc, Ok((major, _)) if major >= 8) {
+            return Ok(None);
+        }
+        // SAFETY: the kernel writes every one of the m·n outputs and the m·k sums.
+        let y = unsafe { Tensor::empty((m, n), DType::BF16, x.device())? };
+        let s = unsafe { Tensor::empty((m, k), DType::BF16, x.device())? };
+        let (yp, _) = address(&y, "stream_add_norm_matmul y")?;
+        let (sp, _) = address(&s, "stream_add_norm_matmul sum")?;
+        let tiles = if m <= 8 { 8 } else { 16 };
+        let warps = super::k_warps(n, k);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = dev.get_or_load_custom_func(
+            &format!("stream_gemm_addnorm_m{tiles}_bf16"),
+            MODULE,
+            ptx,
+        )?;
+        crate::pdl::mark(&f);
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let mut b = f.builder();
+        b.arg(&xp).arg(&dp).arg(&np).arg(&eps).arg(&wp);
+        b.arg(&mi).arg(&ni).arg(&ki).arg(&yp).arg(&sp);
+        // SAFETY: arguments in the kernel's order and types; x, d, the norm weight, w, y and the
+        // sums are live contiguous tensors of the sizes the kernel reads and writes.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(Some((s, y)))
     }
 }

@@ -214,13 +214,38 @@ impl Attention {
         ancestors: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let (QkvProj::Fused(w), Some(cs)) = (&self.qkv, &rope.packed) else {
+        let (QkvProj::Fused(w), Some(_)) = (&self.qkv, &rope.packed) else {
             return Err(ModelError::InvalidInput(
                 "device step without the fused q/k/v projection".into(),
             ));
         };
         let n = x.dim(1)?;
         let y = project(w, x)?.reshape((n, ()))?;
+        self.forward_device_from_qkv(y, rope, meta, ancestors, cache)
+    }
+
+    /// The fused q/k/v projection's weight, when the device step can take this layer.
+    fn fused_qkv_weight(&self, rope: &Rope) -> Option<&Tensor> {
+        match (&self.qkv, &rope.packed) {
+            (QkvProj::Fused(w), Some(_)) => Some(w.weight()),
+            _ => None,
+        }
+    }
+
+    /// [`Self::forward_device`] from the q/k/v projection's output `y` (`[n, (H + 2·KV)·d]`).
+    fn forward_device_from_qkv(
+        &self,
+        y: Tensor,
+        rope: &Rope,
+        meta: &Tensor,
+        ancestors: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let Some(cs) = &rope.packed else {
+            return Err(ModelError::InvalidInput(
+                "device step without the packed rope table".into(),
+            ));
+        };
         let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
         let (kb, vb) = cache.buffers_for(self.n_kv_heads, self.head_dim, y.dtype(), y.device())?;
         let q = dflash_core::step::qkv_heads_into_cache(
@@ -290,16 +315,29 @@ impl Mlp {
             GateUp::Separate { gate_proj, up_proj } => {
                 (candle_nn::ops::silu(&project(gate_proj, x)?)? * project(up_proj, x)?)?
             }
-            GateUp::Fused(w) => {
-                let gate_up = project(w, x)?;
-                let down = self.down_proj.weight();
-                if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down)? {
-                    return Ok(y);
-                }
-                dflash_core::decode_ops::silu_mul(&gate_up)?
-            }
+            GateUp::Fused(w) => return self.forward_from_gate_up(project(w, x)?),
         };
         project(&self.down_proj, &h)
+    }
+
+    /// The MLP after its fused gate-up projection (`gate_up = [gate | up]`).
+    fn forward_from_gate_up(&self, gate_up: Tensor) -> Result<Tensor> {
+        let down = self.down_proj.weight();
+        if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down)? {
+            return Ok(y);
+        }
+        project(
+            &self.down_proj,
+            &dflash_core::decode_ops::silu_mul(&gate_up)?,
+        )
+    }
+
+    /// The fused gate-up projection's weight, if the MLP has one.
+    fn fused_gate_up_weight(&self) -> Option<&Tensor> {
+        match &self.gate_up {
+            GateUp::Fused(w) => Some(w.weight()),
+            GateUp::Separate { .. } => None,
+        }
     }
 }
 
@@ -435,28 +473,98 @@ impl Decoder {
                 }
             };
         let mut next: Option<Tensor> = None;
+        // with DFLASH_FUSED_ADD_NORM=1, in device steps: an MLP output not yet added to `x`, whose
+        // add and norm run as the prologue of the next layer's q/k/v projection
+        let fuse = self.fused && dflash_core::stream_gemm::fused_add_norm();
+        let device = match keys {
+            KeyLayout::Device { meta, ancestors } if fuse => Some((*meta, *ancestors)),
+            _ => None,
+        };
+        let mut pending: Option<Tensor> = None;
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let LayerCache::Attention(kv) = lc else {
                 return Err(ModelError::InvalidInput(
                     "a dense decoder was given a cache with recurrent layers".into(),
                 ));
             };
-            let h = match next.take() {
-                Some(h) => h,
-                None => layer.input_layernorm.forward(&x, Grad::Off)?,
+            let fused_qkv = match (&pending, device, layer.self_attn.fused_qkv_weight(rope)) {
+                (Some(d), Some(_), Some(w)) => {
+                    let norm = &layer.input_layernorm;
+                    dflash_core::stream_gemm::stream_add_norm_matmul(
+                        &x,
+                        d,
+                        norm.weight(),
+                        norm.eps(),
+                        w,
+                    )?
+                }
+                _ => None,
             };
-            let a = layer.self_attn.forward(&h, rope, keys, kv)?;
-            let h = match add_norm(&x, &a, &layer.post_attention_layernorm)? {
-                Some((sum, normed)) => {
+            let a = match (fused_qkv, device) {
+                (Some((sum, y)), Some((meta, ancestors))) => {
+                    pending = None;
                     x = sum;
-                    normed
+                    let n = y.dim(1)?;
+                    let y = y.reshape((n, ()))?;
+                    layer
+                        .self_attn
+                        .forward_device_from_qkv(y, rope, meta, ancestors, kv)?
+                }
+                _ => {
+                    let h = match (next.take(), pending.take()) {
+                        (Some(h), _) => h,
+                        (None, Some(d)) => match add_norm(&x, &d, &layer.input_layernorm)? {
+                            Some((sum, normed)) => {
+                                x = sum;
+                                normed
+                            }
+                            None => {
+                                x = (&x + d)?;
+                                layer.input_layernorm.forward(&x, Grad::Off)?
+                            }
+                        },
+                        (None, None) => layer.input_layernorm.forward(&x, Grad::Off)?,
+                    };
+                    layer.self_attn.forward(&h, rope, keys, kv)?
+                }
+            };
+            let fused_mlp = match (device, layer.mlp.fused_gate_up_weight()) {
+                (Some(_), Some(w)) => {
+                    let norm = &layer.post_attention_layernorm;
+                    dflash_core::stream_gemm::stream_add_norm_matmul(
+                        &x,
+                        &a,
+                        norm.weight(),
+                        norm.eps(),
+                        w,
+                    )?
+                }
+                _ => None,
+            };
+            let m = match fused_mlp {
+                Some((sum, gate_up)) => {
+                    x = sum;
+                    layer.mlp.forward_from_gate_up(gate_up)?
                 }
                 None => {
-                    x = (x + a)?;
-                    layer.post_attention_layernorm.forward(&x, Grad::Off)?
+                    let h = match add_norm(&x, &a, &layer.post_attention_layernorm)? {
+                        Some((sum, normed)) => {
+                            x = sum;
+                            normed
+                        }
+                        None => {
+                            x = (x + a)?;
+                            layer.post_attention_layernorm.forward(&x, Grad::Off)?
+                        }
+                    };
+                    layer.mlp.forward(&h)?
                 }
             };
-            let m = layer.mlp.forward(&h)?;
+            let tapped = tap_layers.contains(&i);
+            if device.is_some() && i + 1 < self.layers.len() && !tapped {
+                pending = Some(m);
+                continue;
+            }
             let fused_next = match self.layers.get(i + 1) {
                 Some(nl) => add_norm(&x, &m, &nl.input_layernorm)?,
                 None => None,
@@ -473,6 +581,9 @@ impl Decoder {
                     *slot = Some(x.clone());
                 }
             }
+        }
+        if let Some(d) = pending {
+            x = (&x + d)?; // unreachable: the last layer never defers its add
         }
         let taps = taps
             .into_iter()

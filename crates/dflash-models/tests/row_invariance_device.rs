@@ -257,3 +257,45 @@ fn stream_silu_matmul_equals_silu_mul_then_the_gemm() {
         assert_eq!(max_abs(&part, &want.narrow(0, start, rows).unwrap()), 0.0);
     }
 }
+
+/// The residual add and RMSNorm as the streaming GEMM's prologue (`DFLASH_FUSED_ADD_NORM=1`):
+/// the sums are exactly `add_rms_norm`'s, the projection agrees with `add_rms_norm` then the GEMM
+/// to bf16 rounding (the sum of squares is added in another order), and a row's outputs do not
+/// depend on how many rows share the call. CUDA only.
+#[test]
+fn stream_add_norm_matmul_matches_the_two_kernels_and_does_not_depend_on_the_row_count() {
+    use dflash_core::stream_gemm::stream_add_norm_matmul_always as fused;
+    use dflash_core::stream_gemm::stream_matmul_always as stream_matmul;
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let (k, n, rows) = (576, 1536, 40);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let x = bf(Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap());
+    let d = bf(Tensor::randn(0f32, 0.5, (rows, k), &dev).unwrap());
+    let nw = bf(Tensor::randn(1f32, 0.1, k, &dev).unwrap());
+    let w = bf(Tensor::randn(0f32, 0.05, (n, k), &dev).unwrap());
+    let (sum, normed) = dflash_core::decode_ops::add_rms_norm(&x, &d, &nw, 1e-6)
+        .unwrap()
+        .expect("the fused add+norm kernel on CUDA");
+    let want = stream_matmul(&normed, &w, false).unwrap().unwrap();
+    let (got_sum, got) = fused(&x, &d, &nw, 1e-6, &w).unwrap().unwrap();
+    assert_eq!(max_abs(&got_sum, &sum), 0.0, "the residual sums");
+    let scale = max_abs(&want, &want.zeros_like().unwrap());
+    let diff = max_abs(&got, &want);
+    assert!(diff <= 0.02 * scale, "fused {diff} vs two kernels, of {scale}");
+    for (start, len) in [(0usize, 1usize), (11, 1), (4, 7), (2, 18), (9, 31)] {
+        let (s, y) = fused(
+            &x.narrow(0, start, len).unwrap(),
+            &d.narrow(0, start, len).unwrap(),
+            &nw,
+            1e-6,
+            &w,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(max_abs(&y, &got.narrow(0, start, len).unwrap()), 0.0);
+        assert_eq!(max_abs(&s, &got_sum.narrow(0, start, len).unwrap()), 0.0);
+    }
+}
