@@ -7,6 +7,8 @@
 //! - Two allocations share arena bytes only when one died before the other was born.
 //! - A pointer value is mapped through the allocation live at the reading node (the driver reuses
 //!   addresses between allocations of one graph).
+//! - A packed-parameter list is read only as CUDA defines it (buffer pointer, buffer size, end);
+//!   any other key is an error, never a guess.
 
 /// One graph allocation: where the driver put it, for how long, and where it goes now.
 #[derive(Debug, Clone)]
@@ -53,6 +55,41 @@ pub(crate) fn remap(allocs: &[Allocation], value: u64, at: usize) -> Option<u64>
         .map(|a| a.place + (value - a.dptr))
 }
 
+/// The keys of a kernel launch's packed-parameter list (`extra`, CUDA's `CU_LAUNCH_PARAM_*`).
+pub(crate) const LAUNCH_PARAM_END: *mut std::ffi::c_void = std::ptr::null_mut();
+pub(crate) const LAUNCH_PARAM_BUFFER_POINTER: *mut std::ffi::c_void =
+    std::ptr::without_provenance_mut(1);
+pub(crate) const LAUNCH_PARAM_BUFFER_SIZE: *mut std::ffi::c_void =
+    std::ptr::without_provenance_mut(2);
+
+/// The packed parameter buffer and its size from a kernel node's `extra` list.
+///
+/// # Safety
+/// `extra` must be a live `CU_LAUNCH_PARAM_END`-terminated list of a kernel node.
+pub(crate) unsafe fn packed_params(
+    extra: *mut *mut std::ffi::c_void,
+) -> Result<(*const u8, usize), String> {
+    let (mut buffer, mut size) = (std::ptr::null::<u8>(), None);
+    for i in (0..32).step_by(2) {
+        let key = *extra.add(i);
+        if key == LAUNCH_PARAM_END {
+            break;
+        }
+        let value = *extra.add(i + 1);
+        if key == LAUNCH_PARAM_BUFFER_POINTER {
+            buffer = value as *const u8;
+        } else if key == LAUNCH_PARAM_BUFFER_SIZE {
+            size = Some(*(value as *const usize));
+        } else {
+            return Err("a kernel node with an unknown packed-parameter key".into());
+        }
+    }
+    match size {
+        Some(s) if !buffer.is_null() && s > 0 => Ok((buffer, s)),
+        _ => Err("a kernel node with an incomplete packed-parameter list".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,6 +126,30 @@ mod tests {
                 assert!(!(overlap_time && overlap_space), "{x:?} and {y:?} collide");
             }
         }
+    }
+
+    #[test]
+    fn packed_parameter_lists_are_read_and_bad_ones_refused() {
+        let mut buffer = [7u8; 24];
+        let mut size: usize = 24;
+        let mut list = [
+            LAUNCH_PARAM_BUFFER_POINTER,
+            buffer.as_mut_ptr() as *mut std::ffi::c_void,
+            LAUNCH_PARAM_BUFFER_SIZE,
+            &mut size as *mut usize as *mut std::ffi::c_void,
+            LAUNCH_PARAM_END,
+        ];
+        // SAFETY: a live, END-terminated list whose pointers outlive the calls.
+        let (ptr, n) = unsafe { packed_params(list.as_mut_ptr()) }.unwrap();
+        assert_eq!((ptr, n), (buffer.as_ptr(), 24));
+        list[2] = std::ptr::without_provenance_mut(9); // an unknown key
+        assert!(unsafe { packed_params(list.as_mut_ptr()) }.is_err());
+        let mut no_size = [
+            LAUNCH_PARAM_BUFFER_POINTER,
+            buffer.as_mut_ptr() as *mut std::ffi::c_void,
+            LAUNCH_PARAM_END,
+        ];
+        assert!(unsafe { packed_params(no_size.as_mut_ptr()) }.is_err());
     }
 
     #[test]

@@ -24,7 +24,10 @@
 //!   a live graph allocation (graph addresses are reserved virtual addresses, far from any size or
 //!   index a kernel takes).
 
-use crate::graph_arena::{place_allocations, remap, Allocation};
+use crate::graph_arena::{
+    packed_params, place_allocations, remap, Allocation, LAUNCH_PARAM_BUFFER_POINTER,
+    LAUNCH_PARAM_BUFFER_SIZE, LAUNCH_PARAM_END,
+};
 use candle_core::cuda_backend::cudarc::driver::sys;
 use std::collections::HashMap;
 
@@ -153,36 +156,6 @@ unsafe fn param_layout(params: &sys::CUDA_KERNEL_NODE_PARAMS) -> Result<Vec<usiz
         sizes.push(size);
     }
     Ok(sizes)
-}
-
-const LAUNCH_PARAM_END: *mut std::ffi::c_void = std::ptr::null_mut();
-const LAUNCH_PARAM_BUFFER_POINTER: *mut std::ffi::c_void = std::ptr::without_provenance_mut(1);
-const LAUNCH_PARAM_BUFFER_SIZE: *mut std::ffi::c_void = std::ptr::without_provenance_mut(2);
-
-/// The packed parameter buffer and its size from a kernel node's `extra` list.
-///
-/// # Safety
-/// `extra` must be a live `CU_LAUNCH_PARAM_END`-terminated list of a kernel node.
-unsafe fn packed_params(extra: *mut *mut std::ffi::c_void) -> Result<(*const u8, usize), String> {
-    let (mut buffer, mut size) = (std::ptr::null::<u8>(), None);
-    for i in (0..32).step_by(2) {
-        let key = *extra.add(i);
-        if key == LAUNCH_PARAM_END {
-            break;
-        }
-        let value = *extra.add(i + 1);
-        if key == LAUNCH_PARAM_BUFFER_POINTER {
-            buffer = value as *const u8;
-        } else if key == LAUNCH_PARAM_BUFFER_SIZE {
-            size = Some(*(value as *const usize));
-        } else {
-            return Err("a kernel node with an unknown packed-parameter key".into());
-        }
-    }
-    match size {
-        Some(s) if !buffer.is_null() && s > 0 => Ok((buffer, s)),
-        _ => Err("a kernel node with an incomplete packed-parameter list".into()),
-    }
 }
 
 /// A rebuilt graph, not yet instantiated.

@@ -284,7 +284,10 @@ fn stream_add_norm_matmul_matches_the_two_kernels_and_does_not_depend_on_the_row
     assert_eq!(max_abs(&got_sum, &sum), 0.0, "the residual sums");
     let scale = max_abs(&want, &want.zeros_like().unwrap());
     let diff = max_abs(&got, &want);
-    assert!(diff <= 0.02 * scale, "fused {diff} vs two kernels, of {scale}");
+    assert!(
+        diff <= 0.02 * scale,
+        "fused {diff} vs two kernels, of {scale}"
+    );
     for (start, len) in [(0usize, 1usize), (11, 1), (4, 7), (2, 18), (9, 31)] {
         let (s, y) = fused(
             &x.narrow(0, start, len).unwrap(),
