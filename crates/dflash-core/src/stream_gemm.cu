@@ -95,8 +95,8 @@ __device__ __forceinline__ uint4 sg_silu8(const bf16_t* p, int K) {
 // weight at pw — the values decode_kernels.cu's add_rms_norm writes, given the same inv
 __device__ __forceinline__ unsigned int sg_addnorm2(unsigned int x, unsigned int d, unsigned int w,
                                                     float inv) {
-  const float s0 = sg_lo(sg_round(sg_lo(x) + sg_lo(d)) << 16);
-  const float s1 = sg_lo(sg_round(sg_hi(x) + sg_hi(d)) << 16);
+  const float s0 = sg_lo(sg_round(sg_lo(x) + sg_lo(d)));  // the bf16 sum, back as a float
+  const float s1 = sg_lo(sg_round(sg_hi(x) + sg_hi(d)));
   return sg_round(s0 * inv * sg_lo(w)) | (sg_round(s1 * inv * sg_hi(w)) << 16);
 }
 __device__ __forceinline__ uint4 sg_addnorm8(const bf16_t* px, const bf16_t* pd, const bf16_t* pw,
