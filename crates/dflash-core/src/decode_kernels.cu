@@ -294,6 +294,119 @@ extern "C" __global__ void topk_rows(const float* x, int V, int k, float* out_va
   }
 }
 
+// topk_split_partial / topk_split_merge: the top-k of long rows spread over `splits` blocks a row
+// (opt-in, DFLASH_TOPK_SPLIT=1: topk_rows gives a row one block, 15 blocks for a DDTree draft).
+// partial: grid (rows, splits); block s takes the slice [s·L, min(V, (s + 1)·L)) (L a multiple of
+// 4, every slice at least k long) and writes its max and Σ exp(x − max) to stats[row, s] and its k
+// largest (value, id) — topk_rows's order: by key, the lower id at ties — to cand[row, s]. Every
+// element of the row's top k is in its slice's top k. merge: one block a row ranks the splits·k
+// candidates (rank = how many precede it) and writes the first k as log-probs, in rank order;
+// lse = M + log Σ_s sum_s · exp(m_s − M), the splits in order.
+extern "C" __global__ void topk_split_partial(const float* x, int V, int L, int k, float* cand_val,
+                                              unsigned int* cand_idx, float* stats) {
+  PDL_ENTRY();
+  __shared__ float red[32];
+  __shared__ unsigned int hist[256];
+  __shared__ unsigned int sel[2];
+  __shared__ unsigned int pos;
+  __shared__ unsigned int wcnt[TPB / 32];
+  __shared__ unsigned int whist[TPB / 32 * 256];
+  const int split = blockIdx.y, splits = gridDim.y;
+  const int lo = split * L, n = max(0, min(V, lo + L) - lo);
+  const float* row = x + (long long)blockIdx.x * V + lo;
+  const long long rec = (long long)blockIdx.x * splits + split;
+  float* ov = cand_val + rec * k;
+  unsigned int* oi = cand_idx + rec * k;
+  const int t = threadIdx.x;
+
+  float m = NEG_INF;
+  row_pass(row, n, [&](int, float v, bool ok) {
+    if (ok) m = fmaxf(m, v);
+  });
+  m = block_max(m, red);
+  float sum = 0.0f;
+  row_pass(row, n, [&](int, float v, bool ok) {
+    if (ok) sum += expf(v - m);
+  });
+  sum = block_sum(sum, red);
+  if (t == 0) {
+    stats[2 * rec] = m;
+    stats[2 * rec + 1] = sum;
+  }
+
+  const unsigned int thr = kth_largest_key(row, n, (unsigned int)k, hist, sel, whist);
+  const unsigned int ties = sel[1];
+  const unsigned int above = (unsigned int)k - ties;
+  if (t == 0) pos = 0;
+  __syncthreads();
+  row_pass(row, n, [&](int i, float v, bool ok) {
+    if (ok && fkey(v) > thr) {
+      const unsigned int p = atomicAdd(&pos, 1u);
+      ov[p] = v;
+      oi[p] = (unsigned int)(lo + i);
+    }
+  });
+  const int nw = blockDim.x >> 5, w = t >> 5, lane = t & 31;
+  const int chunk = ((n + nw - 1) / nw + 31) & ~31;
+  const int clo = min(n, w * chunk), chi = min(n, clo + chunk);
+  unsigned int c = 0;
+  for (int b = clo; b < chi; b += 32) {
+    const int i = b + lane;
+    c += __popc(__ballot_sync(0xffffffffu, i < chi && fkey(row[i]) == thr));
+  }
+  if (lane == 0) wcnt[w] = c;
+  __syncthreads();
+  unsigned int r = 0;
+  for (int j = 0; j < w; ++j) r += wcnt[j];
+  for (int b = clo; b < chi && r < ties; b += 32) {
+    const int i = b + lane;
+    const float v = i < chi ? row[i] : 0.0f;
+    const bool tie = i < chi && fkey(v) == thr;
+    const unsigned int bits = __ballot_sync(0xffffffffu, tie);
+    const unsigned int p = r + __popc(bits & ((1u << lane) - 1u));
+    if (tie && p < ties) {
+      ov[above + p] = v;
+      oi[above + p] = (unsigned int)(lo + i);
+    }
+    r += __popc(bits);
+  }
+}
+
+#define TOPK_SPLIT_MAX_CAND 4096
+extern "C" __global__ void topk_split_merge(const float* cand_val, const unsigned int* cand_idx,
+                                            const float* stats, int splits, int k,
+                                            float* out_val, unsigned int* out_idx) {
+  PDL_ENTRY();
+  __shared__ unsigned int ck[TOPK_SPLIT_MAX_CAND];
+  __shared__ unsigned int ci[TOPK_SPLIT_MAX_CAND];
+  __shared__ float lse_s;
+  const int r = blockIdx.x, c = splits * k, t = threadIdx.x;
+  const float* cv = cand_val + (long long)r * c;
+  for (int i = t; i < c; i += blockDim.x) {
+    ck[i] = fkey(cv[i]);
+    ci[i] = cand_idx[(long long)r * c + i];
+  }
+  if (t == 0) {
+    const float* st = stats + (long long)r * splits * 2;
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, st[2 * s]);
+    float tot = 0.0f;
+    for (int s = 0; s < splits; ++s)
+      if (st[2 * s] != NEG_INF) tot += st[2 * s + 1] * expf(st[2 * s] - mx);
+    lse_s = mx + logf(tot);
+  }
+  __syncthreads();
+  for (int i = t; i < c; i += blockDim.x) {
+    const unsigned int key = ck[i], id = ci[i];
+    unsigned int rank = 0;
+    for (int j = 0; j < c; ++j) rank += (ck[j] > key) || (ck[j] == key && ci[j] < id);
+    if (rank < (unsigned int)k) {
+      out_val[(long long)r * k + rank] = cv[i] - lse_s;
+      out_idx[(long long)r * k + rank] = id;
+    }
+  }
+}
+
 extern "C" __global__ void visibility_mask(const long long* parents, int n, int past, int chain,
                                            float* out) {
   PDL_ENTRY();

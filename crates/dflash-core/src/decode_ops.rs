@@ -97,20 +97,58 @@ pub fn top_k_row(row: &[f32], k: usize) -> Vec<(f32, u32)> {
 
 /// Each row's top-`k` log-probabilities (value, id), best first, from `[rows, vocab]` logits.
 pub fn top_k_log_probs(logits: &Tensor, k: usize) -> Result<Vec<Vec<(f32, u32)>>> {
+    top_k_log_probs_with(logits, k, top_k_split())
+}
+
+/// Whether the device top-k spreads each row over several blocks (`DFLASH_TOPK_SPLIT=1`, read
+/// once; opt-in, built in session 15 and not yet measured on a GPU).
+pub fn top_k_split() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_TOPK_SPLIT").as_deref() == Ok("1"))
+}
+
+/// [`top_k_log_probs`] with the device kernel chosen by `split` (one block a row, or several
+/// where the rows are long enough); the same (log-prob, id) sets either way. On the CPU `split`
+/// changes nothing.
+pub fn top_k_log_probs_with(
+    logits: &Tensor,
+    k: usize,
+    split: bool,
+) -> Result<Vec<Vec<(f32, u32)>>> {
     let l = logits.to_dtype(DType::F32)?;
     let (_, vocab) = l.dims2()?;
     let k = k.clamp(1, vocab.max(1));
     #[cfg(feature = "cuda")]
     if l.device().is_cuda() {
-        let mut rows = crate::decode_ops_cuda::top_k_rows(&l.contiguous()?, k)?;
+        let mut rows = crate::decode_ops_cuda::top_k_rows(&l.contiguous()?, k, split)?;
         rows.iter_mut().for_each(|r| sort_best_first(r));
         return Ok(rows);
     }
+    let _ = split;
     let lp: Vec<f32> = candle_nn::ops::log_softmax(&l, candle_core::D::Minus1)?
         .to_device(&Device::Cpu)?
         .flatten_all()?
         .to_vec1()?;
     Ok(lp.chunks(vocab.max(1)).map(|r| top_k_row(r, k)).collect())
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// The split plan of the device's split top-k (`DFLASH_TOPK_SPLIT=1`) for `rows` rows of `vocab` and `k`: (splits, slice length), or
+/// `None` when a row is better left to one block (short rows, too many candidates to merge).
+pub(crate) fn topk_split_plan(rows: usize, vocab: usize, k: usize) -> Option<(usize, usize)> {
+    const MAX_CANDIDATES: usize = 4096; // TOPK_SPLIT_MAX_CAND of decode_kernels.cu
+    let mut splits = (128 / rows.max(1))
+        .clamp(2, 16)
+        .min(MAX_CANDIDATES / k.max(1));
+    while splits >= 2 {
+        let len = vocab.div_ceil(splits).next_multiple_of(4);
+        let last = vocab as i64 - (splits as i64 - 1) * len as i64;
+        if len >= 1024 && last >= k as i64 {
+            return Some((splits, len));
+        }
+        splits -= 1;
+    }
+    None
 }
 
 fn check_parents(parents: &[i64]) -> Result<()> {
@@ -384,6 +422,26 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn split_top_k_plans_keep_every_slice_long_enough_and_the_merge_in_bounds() {
+        for rows in [1usize, 3, 15, 40, 129, 300] {
+            for vocab in [300usize, 4096, 32768, 49152, 151936, 248320] {
+                for k in [1usize, 16, 64, 256, 1024] {
+                    let Some((splits, len)) = topk_split_plan(rows, vocab, k) else {
+                        continue;
+                    };
+                    assert!(splits >= 2 && splits * k <= 4096, "{rows} {vocab} {k}");
+                    assert!(len.is_multiple_of(4) && len >= 1024 && len >= k);
+                    assert!(vocab >= (splits - 1) * len + k, "the last slice holds k");
+                    assert!(splits * len >= vocab, "the slices cover the row");
+                }
+            }
+        }
+        assert_eq!(topk_split_plan(15, 151936, 64).map(|p| p.0), Some(8));
+        assert!(topk_split_plan(3, 300, 64).is_none());
+    }
+
     use super::*;
 
     #[test]

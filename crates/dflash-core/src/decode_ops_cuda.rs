@@ -124,9 +124,90 @@ impl CustomOp1 for TopKRows {
     }
 }
 
-/// Each row's `k` largest log-probabilities (value, id), unsorted.
-pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> crate::Result<Vec<Vec<(f32, u32)>>> {
-    let out: Vec<Vec<Vec<u32>>> = logits.apply_op1_no_bwd(&TopKRows(k))?.to_vec3()?;
+/// [`TopKRows`] with each row spread over several blocks (`topk_split_partial`, then
+/// `topk_split_merge`): the same (value, id) set; log-probs differ from the one-block kernel's
+/// only by the order of the softmax sum. Output `[2, rows, k]` as [`TopKRows`], best first.
+struct TopKSplit {
+    k: usize,
+    splits: usize,
+    len: usize,
+}
+impl CustomOp1 for TopKSplit {
+    fn name(&self) -> &'static str {
+        "top-k-split"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        let (k, splits) = (self.k, self.splits);
+        let dev = s.device().clone();
+        let x = slice_of::<f32>(s, l, "decode kernels")?;
+        // SAFETY: the partial kernel writes k candidates and 2 stats per (row, split); the merge
+        // writes k values and k ids per row.
+        let mut cand_val = unsafe { dev.alloc::<f32>(rows * splits * k)? };
+        let mut cand_idx = unsafe { dev.alloc::<u32>(rows * splits * k)? };
+        let mut stats = unsafe { dev.alloc::<f32>(rows * splits * 2)? };
+        let mut out = unsafe { dev.alloc::<u32>(rows * 2 * k)? };
+        let (v, len, kk, sp) = (vocab as i32, self.len as i32, k as i32, splits as i32);
+        let f = dev.get_or_load_custom_func("topk_split_partial", MODULE, ptx()?)?;
+        crate::pdl::mark(&f);
+        let mut b = f.builder();
+        b.arg(&x).arg(&v).arg(&len).arg(&kk);
+        b.arg(&mut cand_val).arg(&mut cand_idx).arg(&mut stats);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, splits as u32, 1),
+            block_dim: (TPB, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; the plan keeps every slice ≥ k long.
+        unsafe { b.launch(cfg) }.w()?;
+        let g = dev.get_or_load_custom_func("topk_split_merge", MODULE, ptx()?)?;
+        crate::pdl::mark(&g);
+        {
+            let (mut vals, mut ids) = out.split_at_mut(rows * k);
+            let mut b = g.builder();
+            b.arg(&cand_val)
+                .arg(&cand_idx)
+                .arg(&stats)
+                .arg(&sp)
+                .arg(&kk);
+            b.arg(&mut vals).arg(&mut ids);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match the kernel's signature (values as f32 bits in the u32
+            // plane); splits · k ≤ the kernel's candidate capacity (the plan's bound).
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((2, rows, k)),
+        ))
+    }
+}
+
+/// Each row's `k` largest log-probabilities (value, id), unsorted; with `split`, rows are spread
+/// over several blocks where the plan allows ([`TopKSplit`]).
+pub(crate) fn top_k_rows(
+    logits: &Tensor,
+    k: usize,
+    split: bool,
+) -> crate::Result<Vec<Vec<(f32, u32)>>> {
+    let (rows, vocab) = logits.dims2()?;
+    let plan = if split {
+        crate::decode_ops::topk_split_plan(rows, vocab, k)
+    } else {
+        None
+    };
+    let out = match plan {
+        Some((splits, len)) => logits.apply_op1_no_bwd(&TopKSplit { k, splits, len })?,
+        None => logits.apply_op1_no_bwd(&TopKRows(k))?,
+    };
+    let out: Vec<Vec<Vec<u32>>> = out.to_vec3()?;
     Ok(out[0]
         .iter()
         .zip(&out[1])
