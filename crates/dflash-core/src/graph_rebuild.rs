@@ -5,7 +5,10 @@
 //! frees). This module copies such a graph into one of kernels (and copies/memsets) alone: every
 //! graph allocation gets a fixed place in one arena buffer owned by the rebuilt graph (places
 //! reused between allocations whose lifetimes do not overlap), and every kernel parameter word
-//! that points into a graph allocation is rewritten to point at its place.
+//! that points into a graph allocation is rewritten to point at its place. Used only when asked
+//! (`DFLASH_GRAPH_REBUILD=1`) or for PDL, whose programmatic edges the driver refuses in graphs
+//! with memory nodes: on the H200 the memory nodes themselves measured free per replay
+//! (docs/benchmarks.md session 15).
 //!
 //! Invariants:
 //! - Only a graph whose nodes are totally ordered (one stream's capture: a chain) is rebuilt; the
@@ -19,7 +22,7 @@
 //! - Kernel attributes (cluster shape, priorities) are copied node to node.
 //! - Anything else (another node type, a parameter layout the driver will not report, a free of
 //!   memory the graph did not allocate, an allocation no output explains) is an error, and the
-//!   caller keeps the captured graph as it is: slower, never wrong.
+//!   caller keeps the captured graph as it is (never wrong, and as fast).
 //! - The scan rewrites 8-byte-aligned words of 8-byte-or-larger parameters whose value lies inside
 //!   a live graph allocation (graph addresses are reserved virtual addresses, far from any size or
 //!   index a kernel takes).
