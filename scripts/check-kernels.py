@@ -36,9 +36,12 @@ def compile_source(src, name, opts=()):
 
 
 ok = True
+prelude = open(os.path.join(root, "crates/dflash-core/src/pdl.cuh")).read()
 for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu"))):
     src = open(path).read()
     base = os.path.basename(path)
+    if "PDL_ENTRY" in src:  # decode modules: the PDL prelude in front (crate::pdl::with_prelude)
+        src = prelude + src
     if "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")
@@ -46,4 +49,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
         ok &= compile_source(src, base, ["--gpu-architecture=compute_80"])
     else:
         ok &= compile_source(src, base)
+    if "PDL_ENTRY" in src:  # and as DFLASH_PDL=1 / early compile them (compute 9.0)
+        pdl = ["--gpu-architecture=compute_90", "-DDFLASH_PDL"]
+        ok &= compile_source(src, f"{base} (PDL)", pdl)
+        ok &= compile_source(src, f"{base} (PDL early)", pdl + ["-DDFLASH_PDL_EARLY"])
 sys.exit(0 if ok else 1)

@@ -10,22 +10,7 @@
 //   key; a tree key j − past when it is i or an ancestor of i through parents[]), −inf elsewhere.
 //   A causal block is the chain parents[i] = i − 1, flagged `chain` by the host so that no thread
 //   walks it (a walk would cost O(n) per key: O(n³) for a long prefill).
-// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
-// grids it depends on to complete (their writes visible); its dependents may launch once it leaves
-// (DFLASH_PDL=early: right after the wait)
-#if defined(DFLASH_PDL) && defined(DFLASH_PDL_EARLY)
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#elif defined(DFLASH_PDL)
-// the wait at entry; the dependents' launch when the block leaves the kernel (any return path)
-struct PdlTrigger {
-  __device__ ~PdlTrigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-};
-#define PDL_ENTRY()                                  \
-  asm volatile("griddepcontrol.wait;" ::: "memory"); \
-  PdlTrigger pdl_trigger_
-#else
-#define PDL_ENTRY()
-#endif
+// PDL_ENTRY(): pdl.cuh, prepended at compile time (crate::pdl::with_prelude)
 #define TPB 1024
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -22,7 +22,7 @@ pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
         candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(
-            SOURCE,
+            crate::pdl::with_prelude(SOURCE),
             crate::pdl::nvrtc_options(None),
         )
         .map(|p| p.to_src())

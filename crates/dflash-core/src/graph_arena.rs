@@ -55,6 +55,18 @@ pub(crate) fn remap(allocs: &[Allocation], value: u64, at: usize) -> Option<u64>
         .map(|a| a.place + (value - a.dptr))
 }
 
+/// Moves `*pointer`, read by the node at position `at`, to its place ([`remap`]); whether it
+/// pointed into a graph allocation live there.
+pub(crate) fn move_pointer(allocs: &[Allocation], pointer: &mut u64, at: usize) -> bool {
+    match remap(allocs, *pointer, at) {
+        Some(new) => {
+            *pointer = new;
+            true
+        }
+        None => false,
+    }
+}
+
 /// The keys of a kernel launch's packed-parameter list (`extra`, CUDA's `CU_LAUNCH_PARAM_*`).
 pub(crate) const LAUNCH_PARAM_END: *mut std::ffi::c_void = std::ptr::null_mut();
 pub(crate) const LAUNCH_PARAM_BUFFER_POINTER: *mut std::ffi::c_void =

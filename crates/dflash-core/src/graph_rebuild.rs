@@ -28,7 +28,7 @@
 //!   index a kernel takes).
 
 use crate::graph_arena::{
-    packed_params, place_allocations, remap, Allocation, LAUNCH_PARAM_BUFFER_POINTER,
+    move_pointer, packed_params, place_allocations, Allocation, LAUNCH_PARAM_BUFFER_POINTER,
     LAUNCH_PARAM_BUFFER_SIZE, LAUNCH_PARAM_END,
 };
 use candle_core::cuda_backend::cudarc::driver::sys;
@@ -281,9 +281,9 @@ pub(crate) unsafe fn rebuild(
                     // pointing into a graph allocation is moved
                     let mut remap_words = |bytes: &mut [u8]| {
                         for w in bytes.chunks_exact_mut(8) {
-                            let v = u64::from_ne_bytes(w.try_into().expect("8 bytes"));
-                            if let Some(new) = remap(&allocs, v, t) {
-                                w.copy_from_slice(&new.to_ne_bytes());
+                            let mut v = u64::from_ne_bytes(w.try_into().expect("8 bytes"));
+                            if move_pointer(&allocs, &mut v, t) {
+                                w.copy_from_slice(&v.to_ne_bytes());
                                 stats.remapped += 1;
                             }
                         }
@@ -369,17 +369,11 @@ pub(crate) unsafe fn rebuild(
                                 | sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED
                         )
                     };
-                    if device(p.srcMemoryType) {
-                        if let Some(new) = remap(&allocs, p.srcDevice, t) {
-                            p.srcDevice = new;
-                            stats.remapped += 1;
-                        }
+                    if device(p.srcMemoryType) && move_pointer(&allocs, &mut p.srcDevice, t) {
+                        stats.remapped += 1;
                     }
-                    if device(p.dstMemoryType) {
-                        if let Some(new) = remap(&allocs, p.dstDevice, t) {
-                            p.dstDevice = new;
-                            stats.remapped += 1;
-                        }
+                    if device(p.dstMemoryType) && move_pointer(&allocs, &mut p.dstDevice, t) {
+                        stats.remapped += 1;
                     }
                     ok(
                         sys::cuGraphAddMemcpyNode(
@@ -396,8 +390,7 @@ pub(crate) unsafe fn rebuild(
                 sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => {
                     let mut p: sys::CUDA_MEMSET_NODE_PARAMS = std::mem::zeroed();
                     ok(sys::cuGraphMemsetNodeGetParams(node, &mut p), "memset node")?;
-                    if let Some(new) = remap(&allocs, p.dst, t) {
-                        p.dst = new;
+                    if move_pointer(&allocs, &mut p.dst, t) {
                         stats.remapped += 1;
                     }
                     ok(

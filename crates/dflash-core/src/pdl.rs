@@ -83,6 +83,14 @@ fn early_trigger() -> bool {
     std::env::var("DFLASH_PDL").as_deref() == Ok("early")
 }
 
+/// The `PDL_ENTRY()` macro every decode kernel module starts with (`pdl.cuh`).
+const PRELUDE: &str = include_str!("pdl.cuh");
+
+/// A decode kernel module's source with the PDL prelude in front of it.
+pub fn with_prelude(source: &str) -> String {
+    format!("{PRELUDE}{source}")
+}
+
 fn aware() -> &'static Mutex<HashSet<usize>> {
     static SET: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
     SET.get_or_init(|| Mutex::new(HashSet::new()))

@@ -60,9 +60,12 @@ fn ptx() -> candle_core::Result<&'static str> {
         if std::env::var("DFLASH_ATTN_PREFETCH").as_deref() == Ok("1") {
             opts.options.push("-DDFLASH_TILE_PREFETCH".into());
         }
-        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
-            .map(|p| p.to_src())
-            .map_err(|e| format!("step kernels: NVRTC failed: {e:?}"))
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(
+            crate::pdl::with_prelude(SOURCE),
+            opts,
+        )
+        .map(|p| p.to_src())
+        .map_err(|e| format!("step kernels: NVRTC failed: {e:?}"))
     })
     .as_deref()
     .map_err(|e| candle_core::Error::Msg(e.clone()))

@@ -24,22 +24,7 @@
 // A row's result depends only on its own visible keys, the chunk size and its q: not on how many
 // rows the step has.
 typedef unsigned short bf16_t;
-// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
-// grids it depends on to complete (their writes visible); its dependents may launch once it leaves
-// (DFLASH_PDL=early: right after the wait)
-#if defined(DFLASH_PDL) && defined(DFLASH_PDL_EARLY)
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#elif defined(DFLASH_PDL)
-// the wait at entry; the dependents' launch when the block leaves the kernel (any return path)
-struct PdlTrigger {
-  __device__ ~PdlTrigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-};
-#define PDL_ENTRY()                                  \
-  asm volatile("griddepcontrol.wait;" ::: "memory"); \
-  PdlTrigger pdl_trigger_
-#else
-#define PDL_ENTRY()
-#endif
+// PDL_ENTRY(): pdl.cuh, prepended at compile time (crate::pdl::with_prelude)
 #define NEG_INF __int_as_float(0xff800000)
 #define TK 32
 #define WARPS 8

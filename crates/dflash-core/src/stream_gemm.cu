@@ -18,22 +18,7 @@
 // products are per element), so a row's result is bit-identical whether it is computed alone or
 // among any number of rows. KW is chosen from N and K alone. Needs K % 64 == 0.
 typedef unsigned short bf16_t;
-// PDL (crate::pdl): compiled with DFLASH_PDL (compute 9.0), every kernel first waits for the
-// grids it depends on to complete (their writes visible); its dependents may launch once it leaves
-// (DFLASH_PDL=early: right after the wait)
-#if defined(DFLASH_PDL) && defined(DFLASH_PDL_EARLY)
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#elif defined(DFLASH_PDL)
-// the wait at entry; the dependents' launch when the block leaves the kernel (any return path)
-struct PdlTrigger {
-  __device__ ~PdlTrigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-};
-#define PDL_ENTRY()                                  \
-  asm volatile("griddepcontrol.wait;" ::: "memory"); \
-  PdlTrigger pdl_trigger_
-#else
-#define PDL_ENTRY()
-#endif
+// PDL_ENTRY(): pdl.cuh, prepended at compile time (crate::pdl::with_prelude)
 #define SG_MAX_KW 8
 #ifndef SG_STAGES
 #define SG_STAGES 2  // 1, 2, 4, 8 measured: 2 is best or within 3 % at every decode shape

@@ -306,7 +306,9 @@ mod cuda {
         static PTX: OnceLock<Option<String>> = OnceLock::new();
         PTX.get_or_init(|| {
             let opts = crate::pdl::nvrtc_options(Some("compute_80"));
-            compile_ptx_with_opts(SOURCE, opts).map(|p| p.to_src()).ok()
+            compile_ptx_with_opts(crate::pdl::with_prelude(SOURCE), opts)
+                .map(|p| p.to_src())
+                .ok()
         })
         .as_deref()
     }

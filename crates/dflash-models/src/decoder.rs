@@ -472,6 +472,19 @@ impl Decoder {
                     false => Ok(None),
                 }
             };
+        // `x += d`, then `norm(x)`: one kernel where the fused decode has it
+        let add_then_norm = |x: &mut Tensor, d: &Tensor, norm: &RmsNorm| -> Result<Tensor> {
+            match add_norm(x, d, norm)? {
+                Some((sum, normed)) => {
+                    *x = sum;
+                    Ok(normed)
+                }
+                None => {
+                    *x = (&*x + d)?;
+                    Ok(norm.forward(x, Grad::Off)?)
+                }
+            }
+        };
         let mut next: Option<Tensor> = None;
         // with DFLASH_FUSED_ADD_NORM=1, in device steps: an MLP output not yet added to `x`, whose
         // add and norm run as the prologue of the next layer's q/k/v projection
@@ -513,16 +526,7 @@ impl Decoder {
                 _ => {
                     let h = match (next.take(), pending.take()) {
                         (Some(h), _) => h,
-                        (None, Some(d)) => match add_norm(&x, &d, &layer.input_layernorm)? {
-                            Some((sum, normed)) => {
-                                x = sum;
-                                normed
-                            }
-                            None => {
-                                x = (&x + d)?;
-                                layer.input_layernorm.forward(&x, Grad::Off)?
-                            }
-                        },
+                        (None, Some(d)) => add_then_norm(&mut x, &d, &layer.input_layernorm)?,
                         (None, None) => layer.input_layernorm.forward(&x, Grad::Off)?,
                     };
                     layer.self_attn.forward(&h, rope, keys, kv)?
@@ -547,16 +551,7 @@ impl Decoder {
                     layer.mlp.forward_from_gate_up(gate_up)?
                 }
                 None => {
-                    let h = match add_norm(&x, &a, &layer.post_attention_layernorm)? {
-                        Some((sum, normed)) => {
-                            x = sum;
-                            normed
-                        }
-                        None => {
-                            x = (x + a)?;
-                            layer.post_attention_layernorm.forward(&x, Grad::Off)?
-                        }
-                    };
+                    let h = add_then_norm(&mut x, &a, &layer.post_attention_layernorm)?;
                     layer.mlp.forward(&h)?
                 }
             };

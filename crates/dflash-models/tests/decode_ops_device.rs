@@ -76,23 +76,23 @@ fn argmax_rows_matches_the_host_on_the_device() {
     }
 }
 
-#[test]
-fn top_k_log_probs_matches_the_host_on_the_device() {
+/// Device top-k log-probs (`top_k`) against the host's, for each (rows, vocab, k): the same ids
+/// in the same order (ties: the lower id first), values within 1e-4.
+fn check_top_k_against_host(
+    cases: &[(usize, usize, usize)],
+    seed: u64,
+    top_k: impl Fn(&Tensor, usize) -> Vec<Vec<(f32, u32)>>,
+) {
     let dev = device();
-    for (rows, vocab, k) in [
-        (15, 49152, 64),
-        (15, 151936, 256),
-        (3, 300, 300),
-        (2, 50, 1),
-    ] {
-        let host = logits_with_ties(rows, vocab, 7 + k as u64);
+    for &(rows, vocab, k) in cases {
+        let host = logits_with_ties(rows, vocab, seed + k as u64);
         let t = Tensor::new(host.clone(), &Device::Cpu).unwrap();
         let lp: Vec<Vec<f32>> = candle_nn::ops::log_softmax(&t, D::Minus1)
             .unwrap()
             .to_vec2()
             .unwrap();
         let want = top_k_host(&lp, k);
-        let got = top_k_log_probs(&t.to_device(&dev).unwrap(), k).unwrap();
+        let got = top_k(&t.to_device(&dev).unwrap(), k);
         for (g, w) in got.iter().zip(&want) {
             let gi: Vec<u32> = g.iter().map(|x| x.1).collect();
             let wi: Vec<u32> = w.iter().map(|x| x.1).collect();
@@ -104,38 +104,32 @@ fn top_k_log_probs_matches_the_host_on_the_device() {
     }
 }
 
+#[test]
+fn top_k_log_probs_matches_the_host_on_the_device() {
+    let cases = [
+        (15, 49152, 64),
+        (15, 151936, 256),
+        (3, 300, 300),
+        (2, 50, 1),
+    ];
+    check_top_k_against_host(&cases, 7, |t, k| top_k_log_probs(t, k).unwrap());
+}
+
 /// The split device top-k (`DFLASH_TOPK_SPLIT=1`: each row over several blocks, then a merge)
 /// picks the same ids as the host, ties included, with log-probs to f32 rounding — on rows where
 /// the plan splits (long vocabularies, one row to 40) and where it falls back to one block.
 #[test]
 fn split_top_k_log_probs_match_the_host_on_the_device() {
-    let dev = device();
-    for (rows, vocab, k) in [
+    let cases = [
         (15, 49152, 64),
         (15, 151936, 64),
         (1, 151936, 256),
         (40, 32768, 16),
         (3, 300, 300),
-    ] {
-        let host = logits_with_ties(rows, vocab, 11 + k as u64);
-        let t = Tensor::new(host.clone(), &Device::Cpu).unwrap();
-        let lp: Vec<Vec<f32>> = candle_nn::ops::log_softmax(&t, D::Minus1)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
-        let want = top_k_host(&lp, k);
-        let got =
-            dflash_core::decode_ops::top_k_log_probs_with(&t.to_device(&dev).unwrap(), k, true)
-                .unwrap();
-        for (g, w) in got.iter().zip(&want) {
-            let gi: Vec<u32> = g.iter().map(|x| x.1).collect();
-            let wi: Vec<u32> = w.iter().map(|x| x.1).collect();
-            assert_eq!(gi, wi, "{rows}×{vocab} k {k}");
-            for (a, b) in g.iter().zip(w) {
-                assert!((a.0 - b.0).abs() < 1e-4, "{} vs {}", a.0, b.0);
-            }
-        }
-    }
+    ];
+    check_top_k_against_host(&cases, 11, |t, k| {
+        dflash_core::decode_ops::top_k_log_probs_with(t, k, true).unwrap()
+    });
 }
 
 #[test]
