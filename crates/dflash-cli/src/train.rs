@@ -96,8 +96,10 @@ pub struct TrainArgs {
     /// vs evaluation, target integrity; RUN/diagnosis.json); 0 skips it.
     #[arg(long, default_value_t = 2)]
     diagnose_prompts: usize,
-    /// Debugging only: train with every block slot's position moved by this much (slot `j` at
-    /// `anchor + j + N`), a deliberate mismatch with decoding for testing `dflash diagnose`.
+    /// Train with every block slot's position moved by this much (slot `j` at `anchor + j + N`),
+    /// declared in the drafter's config (`dflash_config.block_position_offset`), so that its
+    /// validation and decoding use the same layout; 0 is the z-lab layout, the only one z-lab's
+    /// code runs. For reproducing drafters trained elsewhere and testing `dflash diagnose`.
     #[arg(long, default_value_t = 0, hide = true, allow_hyphen_values = true)]
     block_position_offset: i64,
 }
@@ -123,7 +125,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let mask = a
         .mask_token_id
         .unwrap_or_else(|| crate::draft::default_mask_token(&target));
-    let draft_cfg = config_for_target(&target, a.layers, a.block_size, mask);
+    let mut draft_cfg = config_for_target(&target, a.layers, a.block_size, mask);
+    draft_cfg.set_block_convention(dflash_models::drafter::BlockConvention {
+        position_offset: a.block_position_offset,
+        anchor_slot_masked: false,
+    });
     let cfg = TrainConfig {
         anchors: a.anchors,
         gamma: a.gamma,
@@ -141,7 +147,6 @@ pub fn train(a: TrainArgs) -> Result<()> {
         batch_tokens: a.batch_tokens,
         micro_batch_tokens: a.micro_batch_tokens,
         distill: a.distill,
-        block_position_offset: a.block_position_offset,
     };
     let lengths: Vec<usize> = train.iter().map(|e| e.tokens.len()).collect();
     let mut plan = plan_steps(&lengths, &cfg);

@@ -140,9 +140,9 @@ pub fn record(run: &Path, r: &RecordInputs) -> Result<RunManifest> {
             block_size: r.draft_cfg.block_size,
             num_layers: r.draft_cfg.num_hidden_layers,
             mask_token_id: r.draft_cfg.mask_token_id().unwrap_or(0),
-            // training's forward: BlockConvention::default() but for the debugging offset
-            position_offset: r.cfg.block_position_offset,
-            anchor_slot_masked: false,
+            // training's forward lays blocks out as the drafter's config declares
+            position_offset: r.draft_cfg.block_convention().position_offset,
+            anchor_slot_masked: r.draft_cfg.block_convention().anchor_slot_masked,
             rope_theta: r.draft_cfg.rope_theta,
             export_dtype: dtype_name(r.export_dtype),
         },

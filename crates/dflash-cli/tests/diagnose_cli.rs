@@ -2,9 +2,9 @@
 //! check in its JSON; a copy of the shipped drafter whose config declares every tap one layer too
 //! deep is a FAIL of the conventions scan naming the −1 shift (exit 1, no "error:" line); recorded
 //! tap statistics round-trip and a planted shift in them is a FAIL; planted configs (the last tap
-//! on the last layer, another RoPE base, another mask token, sliding-window layers) are each a FAIL
-//! naming the setting; a drafter saved by z-lab's own package is diagnosed without a run directory;
-//! bad input exits 2.
+//! on the last layer, another RoPE base, another mask token, sliding-window layers, block
+//! positions one off, the mask token in slot 0) are each a FAIL naming the setting; a drafter
+//! saved by z-lab's own package is diagnosed without a run directory; bad input exits 2.
 
 use std::path::Path;
 
@@ -268,6 +268,38 @@ fn a_planted_sliding_window_fails_and_names_full_attention() {
     assert_eq!(c["verdict"], "FAIL", "{c}");
     let fix = c["fix"].as_str().unwrap();
     assert!(fix.contains("full_attention"), "{fix}\n{err}");
+}
+
+/// A config declaring the block's positions one higher (`block_position_offset` 1: slot `j` at
+/// `anchor + j + 1`) than the drafter was trained with (the z-lab layout) is a FAIL naming the
+/// offset to set; so is one declaring the mask token in slot 0 for a drafter trained with the
+/// anchor's token there.
+#[test]
+fn a_planted_block_layout_fails_and_names_the_config_field() {
+    if smollm2().is_none() {
+        return;
+    }
+    let (code, c, err) = diagnose_planted(|cfg| {
+        assert!(cfg["dflash_config"].get("block_position_offset").is_none());
+        cfg["dflash_config"]["block_position_offset"] = serde_json::json!(1);
+    });
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let fix = c["fix"].as_str().unwrap();
+    assert!(
+        fix.contains("block_position_offset 1 \u{2192} 0"),
+        "{fix}\n{err}"
+    );
+    let (code, c, err) = diagnose_planted(|cfg| {
+        cfg["dflash_config"]["anchor_slot_masked"] = serde_json::json!(true);
+    });
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    let fix = c["fix"].as_str().unwrap();
+    assert!(
+        fix.contains("remove dflash_config.anchor_slot_masked"),
+        "{fix}\n{err}"
+    );
 }
 
 /// A drafter saved by z-lab's own package (PyPI `dflash`, transformers 5's config layout:

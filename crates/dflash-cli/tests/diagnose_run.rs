@@ -1,11 +1,12 @@
 //! `dflash train` records what `dflash diagnose --run` needs, and the diagnosis reads it: a tiny
-//! SmolLM2 run (f32, CPU, two steps) writes RUN/diagnosis_inputs.json (target facts, taps, block
-//! conventions, data path and prompt-format profile, recorded validation prompts, tap statistics),
-//! the same statistics in RUN/drafter/tap_stats.json and its end-of-run diagnosis in
-//! RUN/diagnosis.json; `diagnose --run RUN` finds the drafter, target and data from it alone and
-//! its train-vs-eval check agrees with the run's validation (the exported f32 drafter replays the
-//! run's own validation text exactly); a copy of the run whose validation.json claims three times
-//! the τ is a FAIL with both numbers (exit 1); a missing or corrupt run exits 2.
+//! SmolLM2 run (f32, CPU, two steps, blocks one position on, declared in the drafter's config)
+//! writes RUN/diagnosis_inputs.json (target facts, taps, block conventions, data path and
+//! prompt-format profile, recorded validation prompts, tap statistics), the same statistics in
+//! RUN/drafter/tap_stats.json and its end-of-run diagnosis in RUN/diagnosis.json; `diagnose --run
+//! RUN` finds the drafter, target and data from it alone and its train-vs-eval check agrees with
+//! the run's validation (the exported f32 drafter replays the run's own validation text exactly);
+//! a copy of the run whose validation.json claims three times the τ is a FAIL with both numbers
+//! (exit 1); a missing or corrupt run exits 2.
 
 use std::path::Path;
 
@@ -79,7 +80,10 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
             "--dtype",
             "f32",
         ])
-        .args(["--export-dtype", "f32", "--diagnose-prompts", "1"]));
+        .args(["--export-dtype", "f32", "--diagnose-prompts", "1"])
+        // a non-z-lab block layout, declared in the exported config: validation, the record and
+        // every later decode of the drafter use it
+        .arg("--block-position-offset=1"));
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("train_vs_eval"), "the end-of-run table: {err}");
 
@@ -91,7 +95,12 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
     let taps = m["drafter"]["target_layer_ids"].as_array().unwrap();
     assert_eq!(taps.len(), 1, "{}", m["drafter"]);
     assert_eq!(m["drafter"]["block_size"], 4);
-    assert_eq!(m["drafter"]["position_offset"], 0);
+    assert_eq!(m["drafter"]["position_offset"], 1);
+    let exported = read_json(&out.join("drafter/config.json"));
+    assert_eq!(
+        exported["dflash_config"]["block_position_offset"], 1,
+        "{exported}"
+    );
     assert_eq!(m["drafter"]["anchor_slot_masked"], false);
     assert!(m["drafter"]["mask_token_id"].is_u64());
     assert_eq!(m["data"]["examples"], 8);

@@ -7,7 +7,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use common::*;
 use dflash_core::Grad;
-use dflash_models::drafter::{config_for_target, load_drafter, random_weights, save_drafter};
+use dflash_models::drafter::{
+    config_for_target, load_drafter, random_weights, save_drafter, BlockConvention,
+};
 use dflash_models::{load_target, DFlashConfig, DFlashDrafter, TargetModel};
 
 fn drafter_from(cfg: &DFlashConfig, seed: u64) -> (DFlashDrafter, VarMap) {
@@ -77,6 +79,65 @@ fn training_and_inference_forwards_agree() {
         t.model.as_ref(),
         "embedding scale, output multiplier, soft cap",
     );
+    // a declared block layout (dflash_config.block_position_offset / anchor_slot_masked) is the
+    // one both paths use
+    for (offset, masked) in [(1, false), (0, true), (-1, true)] {
+        let mut cfg = config_for_target(&t, 2, 6, 262);
+        cfg.set_block_convention(BlockConvention {
+            position_offset: offset,
+            anchor_slot_masked: masked,
+        });
+        parity(
+            &cfg,
+            t.model.as_ref(),
+            &format!("block layout offset {offset:+}, slot 0 masked {masked}"),
+        );
+    }
+}
+
+/// A declared block layout changes what the drafter computes (so the parity above could fail),
+/// survives a save and load, and a default config declares none (z-lab's format unchanged).
+#[test]
+fn a_declared_block_layout_is_used_and_saved() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let target = t.model.as_ref();
+    let plain = config_for_target(&t, 2, 6, 262);
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 11) % 263).collect();
+    let draft = |cfg: &DFlashConfig| {
+        let (d, _) = drafter_from(cfg, 5);
+        let taps = sequence_taps(target, &tokens, d.target_layers());
+        let mut cache = d.new_cache(64);
+        let ctx = taps.narrow(0, 0, 7).unwrap();
+        d.draft(target, &mut cache, &ctx, tokens[7], 7).unwrap()
+    };
+    let base = draft(&plain);
+    for conv in [
+        BlockConvention {
+            position_offset: 1,
+            anchor_slot_masked: false,
+        },
+        BlockConvention {
+            position_offset: 0,
+            anchor_slot_masked: true,
+        },
+    ] {
+        let mut cfg = plain.clone();
+        cfg.set_block_convention(conv);
+        assert_eq!(cfg.block_convention(), conv);
+        assert!(max_abs_diff(&draft(&cfg), &base) > 1e-3, "{conv:?} ignored");
+        let dir = tempfile::tempdir().unwrap();
+        save_drafter(dir.path(), &cfg, &random_weights(&cfg, 1).unwrap(), 1 << 30).unwrap();
+        let d = load_drafter(dir.path(), &Device::Cpu, DType::F32).unwrap();
+        assert_eq!(d.block_convention(), conv);
+    }
+    let json = serde_json::to_value(&plain).unwrap();
+    let section = json["dflash_config"].as_object().unwrap();
+    assert!(
+        !section.contains_key("block_position_offset")
+            && !section.contains_key("anchor_slot_masked"),
+        "{section:?}"
+    );
+    assert_eq!(plain.block_convention(), BlockConvention::default());
 }
 
 /// The z-lab scalar settings act exactly as their reference applies them: logits are

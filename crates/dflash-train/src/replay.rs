@@ -60,7 +60,7 @@ pub fn anchor_acceptance(
     budgets: &[usize],
     chunk: usize,
 ) -> Result<AnchorAcceptance> {
-    let conv = BlockConvention::default();
+    let conv = drafter.block_convention();
     let (acc, _) = acceptance(
         target, drafter, taps, tokens, anchors, budgets, chunk, false, &conv,
     )?;
@@ -80,7 +80,7 @@ pub fn anchor_likelihood(
     budgets: &[usize],
     chunk: usize,
 ) -> Result<(AnchorAcceptance, Vec<f64>)> {
-    let conv = BlockConvention::default();
+    let conv = drafter.block_convention();
     acceptance(
         target, drafter, taps, tokens, anchors, budgets, chunk, true, &conv,
     )

@@ -50,11 +50,6 @@ pub struct TrainConfig {
     /// Self-distillation: share of the target's own distribution in each row's loss (0 = off).
     #[serde(default)]
     pub distill: f64,
-    /// Added to every block slot's position in the training forward (0: the z-lab layout,
-    /// slot `j` at `anchor + j`, what decoding uses). A debugging knob: a drafter trained with
-    /// another offset is a planted position mismatch for `dflash diagnose`.
-    #[serde(default)]
-    pub block_position_offset: i64,
 }
 
 /// Every optimizer step of the run: example indices, per epoch a seeded permutation packed in
@@ -418,10 +413,8 @@ impl<'a> Trainer<'a> {
                 m => m,
             },
             distill: self.cfg.distill,
-            convention: dflash_models::drafter::BlockConvention {
-                position_offset: self.cfg.block_position_offset,
-                anchor_slot_masked: false,
-            },
+            // the layout the drafter's config declares, which its validation and decoding use
+            convention: self.draft_cfg.block_convention(),
         };
         let masks: Vec<Vec<bool>> = data.iter().map(|e| e.mask()).collect();
         while self.state.step < self.state.total_steps {
@@ -598,7 +591,6 @@ mod tests {
             batch_tokens: 16384,
             micro_batch_tokens: 4096,
             distill: 0.0,
-            block_position_offset: 0,
         }
     }
 

@@ -226,13 +226,22 @@ fn explain(scan: &Scan, a: &VariantResult) -> (String, String) {
             return (cause, moved("use the default taps"));
         }
         Alteration::Positions => {
-            let o = v.position_offset;
+            let (o, d) = (v.position_offset, scan.declared_position_offset);
+            let layout = |o: i64| match o {
+                0 => "slot j at anchor + j, the z-lab layout".to_string(),
+                o if o > 0 => format!("slot j at anchor + j + {o}"),
+                o => format!("slot j at anchor + j \u{2212} {}", -o),
+            };
             return (
                 format!(
-                    "the drafter was trained with its block's position ids shifted by {o:+} (slot j at anchor + j {o:+}; an off-by-one between training and inference positions)"
+                    "the drafter was trained with its block's position ids {} than those its config declares ({}; declared: {}), an off-by-one between training and inference positions",
+                    if o < d { "one lower" } else { "one higher" },
+                    layout(o),
+                    layout(d)
                 ),
                 format!(
-                    "lay blocks out at anchor + j {o:+} when drafting, or retrain with slot j at anchor + j (the z-lab layout)"
+                    "set dflash_config.block_position_offset {d} \u{2192} {o} in the drafter's config.json{}",
+                    if o == 0 { " (or remove it)" } else { "" }
                 ),
             );
         }
@@ -248,10 +257,17 @@ fn explain(scan: &Scan, a: &VariantResult) -> (String, String) {
             );
         }
         Alteration::AnchorSlot => {
-            return (
-                "the drafter was trained with the mask token in slot 0, not the anchor (bonus) token".into(),
-                "retrain with the anchor token in slot 0 (the z-lab layout), or feed the mask token there when drafting".into(),
-            );
+            return if v.anchor_slot_masked {
+                (
+                    "the drafter was trained with the mask token in slot 0, not the anchor (bonus) token its config declares".into(),
+                    "set dflash_config.anchor_slot_masked to true in the drafter's config.json, or retrain with the anchor token in slot 0 (the z-lab layout)".into(),
+                )
+            } else {
+                (
+                    "the drafter was trained with the anchor (bonus) token in slot 0 (the z-lab layout), but its config declares the mask token there".into(),
+                    "remove dflash_config.anchor_slot_masked (or set it to false) in the drafter's config.json".into(),
+                )
+            };
         }
         Alteration::MaskToken => {
             let id = v.mask_token_id.unwrap_or(0);
@@ -328,10 +344,12 @@ mod tests {
     }
 
     fn scan_of(taus: &[(f64, [f64; 2])]) -> Scan {
-        let v = variants(&[2, 9, 15, 21, 28], 30, true, None);
+        let v = variants(&[2, 9, 15, 21, 28], Default::default(), 30, true, None);
         Scan {
             declared_target_layer_ids: vec![2, 9, 15, 21, 28],
             declared_mask_token_id: 16,
+            declared_position_offset: 0,
+            declared_anchor_slot_masked: false,
             num_target_layers: 30,
             tree_budget: 64,
             answer_tokens: 100,
@@ -483,9 +501,10 @@ mod tests {
             causal: true,
             window: Some(4),
         };
-        let mut vs = vec![variants(&taps, 30, true, None).remove(0)];
+        let mut vs = vec![variants(&taps, Default::default(), 30, true, None).remove(0)];
         vs.extend(super::super::drafter_variants(
             &taps,
+            Default::default(),
             16,
             &[("eos".into(), 2)],
             &[sliding],
@@ -515,5 +534,46 @@ mod tests {
         let c = judge(&s);
         assert_eq!(c.verdict, Verdict::Fail, "{c:?}");
         assert!(c.fix.contains("full_attention"), "{}", c.fix);
+    }
+
+    #[test]
+    fn a_better_layout_names_the_config_field_from_the_declared_value() {
+        // the config declares slot j at anchor + j + 1 and the mask token in slot 0
+        let conv = dflash_models::drafter::BlockConvention {
+            position_offset: 1,
+            anchor_slot_masked: true,
+        };
+        let taps = [2, 9, 15, 21, 28];
+        let vs = variants(&taps, conv, 30, true, None);
+        let mut s = scan_of(&[(2.0, [1.8, 2.2])]);
+        s.declared_position_offset = 1;
+        s.declared_anchor_slot_masked = true;
+        s.variants = vs.iter().map(|v| result(v, 1.5, [1.3, 1.7])).collect();
+        s.variants[0] = result(&vs[0], 2.0, [1.8, 2.2]);
+        let at = |name: &str| vs.iter().position(|v| v.name == name).unwrap();
+        // positions −1 from the declared +1: the z-lab layout
+        let i = at("positions -1");
+        s.variants[i] = result(&vs[i], 3.0, [2.7, 3.3]);
+        let c = judge(&s);
+        assert_eq!(c.verdict, Verdict::Fail, "{c:?}");
+        assert!(
+            c.fix.contains(
+                "block_position_offset 1 \u{2192} 0 in the drafter's config.json (or remove it)"
+            ),
+            "{}",
+            c.fix
+        );
+        assert!(c.cause.contains("one lower"), "{}", c.cause);
+        // slot 0 the anchor's token instead of the declared mask
+        s.variants[i] = result(&vs[i], 1.5, [1.3, 1.7]);
+        let j = at("slot 0 anchor token");
+        s.variants[j] = result(&vs[j], 3.0, [2.7, 3.3]);
+        let c = judge(&s);
+        assert_eq!(c.verdict, Verdict::Fail, "{c:?}");
+        assert!(
+            c.fix.contains("remove dflash_config.anchor_slot_masked"),
+            "{}",
+            c.fix
+        );
     }
 }

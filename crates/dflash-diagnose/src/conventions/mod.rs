@@ -76,6 +76,10 @@ pub struct VariantResult {
 pub struct Scan {
     pub declared_target_layer_ids: Vec<usize>,
     pub declared_mask_token_id: u32,
+    /// The block layout the drafter's config declares (`dflash_config.block_position_offset`,
+    /// `anchor_slot_masked`).
+    pub declared_position_offset: i64,
+    pub declared_anchor_slot_masked: bool,
     pub num_target_layers: usize,
     pub tree_budget: usize,
     /// Answer tokens replayed (over every sample).
@@ -137,14 +141,17 @@ pub(crate) fn scan_variants(
             .as_ref()
             .is_some_and(|d| (d.theta - theta).abs() > 1e-9 * theta.abs() || d.scaling != *scaling)
     });
+    let conv = drafter.block_convention();
     let mut vars = variants(
         &declared,
+        conv,
         info.num_layers,
         norm.is_some(),
         target_rope.as_ref().map(|r| r.0),
     );
     vars.extend(drafter_variants(
         &declared,
+        conv,
         drafter.mask_token_id(),
         &opts.mask_token_candidates,
         &drafter.layer_attention(),
@@ -249,6 +256,8 @@ pub(crate) fn scan_variants(
         Scan {
             declared_target_layer_ids: declared,
             declared_mask_token_id: drafter.mask_token_id(),
+            declared_position_offset: conv.position_offset,
+            declared_anchor_slot_masked: conv.anchor_slot_masked,
             num_target_layers: info.num_layers,
             tree_budget: budget,
             answer_tokens,

@@ -14,9 +14,11 @@ pub struct Variant {
     pub final_norm_on_last_tap: bool,
     /// Every tap shifted by this many layers from the declared ones.
     pub shift: i64,
-    /// Added to every block slot's position (the declared layout: slot `j` at `anchor + j`).
+    /// Added to every block slot's position (slot `j` at `anchor + j + offset`; the declared
+    /// offset but in the position variants).
     pub position_offset: i64,
-    /// Slot 0 holds the mask token instead of the anchor's token.
+    /// Slot 0 holds the mask token instead of the anchor's token (as declared but in the slot-0
+    /// variant).
     pub anchor_slot_masked: bool,
     /// The drafter's RoPE replaced by the target's (base θ here; scaling too).
     pub target_rope_theta: Option<f64>,
@@ -49,16 +51,21 @@ impl From<Attention> for LayerAttention {
 }
 
 impl Variant {
-    /// A variant equal to the declared setting (taps `declared`) but for its name and kind; the
-    /// callers set the field the alteration changes.
-    fn base(name: impl Into<String>, declared: &[usize], alteration: Alteration) -> Variant {
+    /// A variant equal to the declared setting (taps `declared`, block layout `conv`) but for its
+    /// name and kind; the callers set the field the alteration changes.
+    fn base(
+        name: impl Into<String>,
+        declared: &[usize],
+        conv: BlockConvention,
+        alteration: Alteration,
+    ) -> Variant {
         Variant {
             name: name.into(),
             target_layer_ids: declared.to_vec(),
             final_norm_on_last_tap: false,
             shift: 0,
-            position_offset: 0,
-            anchor_slot_masked: false,
+            position_offset: conv.position_offset,
+            anchor_slot_masked: conv.anchor_slot_masked,
             target_rope_theta: None,
             mask_token_id: None,
             attention: None,
@@ -97,9 +104,10 @@ pub enum Alteration {
     /// The z-lab default taps for the target's depth and the declared tap count (a config saved
     /// with other layers than the drafter was trained on).
     DefaultLayout,
-    /// Block positions moved by [`Variant::position_offset`].
+    /// Block positions moved by one from the declared ones (to [`Variant::position_offset`]).
     Positions,
-    /// The mask token in slot 0.
+    /// Slot 0 the other way round from the declared layout (the mask token instead of the
+    /// anchor's, or back).
     AnchorSlot,
     /// The target's RoPE (θ and scaling) instead of the drafter's declared one.
     TargetRope,
@@ -109,16 +117,18 @@ pub enum Alteration {
     Attention,
 }
 
-/// The declared setting (first) and each applicable alternative.
-/// `target_rope`: the target's RoPE θ when it differs from the drafter's declared RoPE (θ or
-/// scaling), which adds the target-RoPE variant.
+/// The declared setting (first) and each applicable alternative. `conv`: the block layout the
+/// drafter declares. `target_rope`: the target's RoPE θ when it differs from the drafter's
+/// declared RoPE (θ or scaling), which adds the target-RoPE variant.
 pub fn variants(
     declared: &[usize],
+    conv: BlockConvention,
     num_layers: usize,
     has_final_norm: bool,
     target_rope: Option<f64>,
 ) -> Vec<Variant> {
-    let mut out = vec![Variant::base("declared", declared, Alteration::Declared)];
+    let base = |name: String, alteration| Variant::base(name, declared, conv, alteration);
+    let mut out = vec![base("declared".into(), Alteration::Declared)];
     for shift in [-1i64, 1] {
         let moved: Option<Vec<usize>> = declared
             .iter()
@@ -131,14 +141,14 @@ pub fn variants(
             out.push(Variant {
                 target_layer_ids: layers,
                 shift,
-                ..Variant::base(format!("taps {shift:+}"), declared, Alteration::Shift)
+                ..base(format!("taps {shift:+}"), Alteration::Shift)
             });
         }
     }
     if has_final_norm && !declared.is_empty() {
         out.push(Variant {
             final_norm_on_last_tap: true,
-            ..Variant::base("final norm on last tap", declared, Alteration::FinalNorm)
+            ..base("final norm on last tap".into(), Alteration::FinalNorm)
         });
     }
     // taps-only alternatives not already in the list
@@ -149,7 +159,7 @@ pub fn variants(
         {
             out.push(Variant {
                 target_layer_ids: layers,
-                ..Variant::base(name, declared, alteration)
+                ..base(name.into(), alteration)
             });
         }
     };
@@ -175,27 +185,27 @@ pub fn variants(
             push_new("default taps", default, Alteration::DefaultLayout);
         }
     }
-    // the block's layout: positions off by one, slot 0 masked
-    for offset in [-1i64, 1] {
+    // the block's layout: positions off by one from the declared ones, slot 0 the other way
+    for delta in [-1i64, 1] {
         out.push(Variant {
-            position_offset: offset,
-            ..Variant::base(
-                format!("positions {offset:+}"),
-                declared,
-                Alteration::Positions,
-            )
+            position_offset: conv.position_offset + delta,
+            ..base(format!("positions {delta:+}"), Alteration::Positions)
         });
     }
+    let slot = if conv.anchor_slot_masked {
+        "slot 0 anchor token"
+    } else {
+        "slot 0 masked"
+    };
     out.push(Variant {
-        anchor_slot_masked: true,
-        ..Variant::base("slot 0 masked", declared, Alteration::AnchorSlot)
+        anchor_slot_masked: !conv.anchor_slot_masked,
+        ..base(slot.into(), Alteration::AnchorSlot)
     });
     if let Some(theta) = target_rope {
         out.push(Variant {
             target_rope_theta: Some(theta),
-            ..Variant::base(
+            ..base(
                 format!("target's RoPE (theta {theta})"),
-                declared,
                 Alteration::TargetRope,
             )
         });
@@ -214,11 +224,13 @@ pub const MAX_MASK_VARIANTS: usize = 1;
 /// a `sliding_window`.
 pub fn drafter_variants(
     declared: &[usize],
+    conv: BlockConvention,
     declared_mask: u32,
     mask_candidates: &[(String, u32)],
     layers: &[LayerAttention],
     sliding_window: Option<usize>,
 ) -> Vec<Variant> {
+    let base = |name: String, alteration| Variant::base(name, declared, conv, alteration);
     let mut out: Vec<Variant> = vec![];
     for (label, id) in mask_candidates {
         if *id == declared_mask || out.iter().any(|v| v.mask_token_id == Some(*id)) {
@@ -229,11 +241,7 @@ pub fn drafter_variants(
         }
         out.push(Variant {
             mask_token_id: Some(*id),
-            ..Variant::base(
-                format!("mask {id} ({label})"),
-                declared,
-                Alteration::MaskToken,
-            )
+            ..base(format!("mask {id} ({label})"), Alteration::MaskToken)
         });
     }
     let full = LayerAttention {
@@ -246,7 +254,7 @@ pub fn drafter_variants(
                 causal: false,
                 window: None,
             }),
-            ..Variant::base("full attention", declared, Alteration::Attention)
+            ..base("full attention".into(), Alteration::Attention)
         });
     } else if let Some(w) = sliding_window.filter(|&w| w > 0) {
         out.push(Variant {
@@ -254,11 +262,7 @@ pub fn drafter_variants(
                 causal: true,
                 window: Some(w),
             }),
-            ..Variant::base(
-                format!("sliding window {w}"),
-                declared,
-                Alteration::Attention,
-            )
+            ..base(format!("sliding window {w}"), Alteration::Attention)
         });
     }
     out
@@ -268,9 +272,14 @@ pub fn drafter_variants(
 mod tests {
     use super::*;
 
+    const Z: BlockConvention = BlockConvention {
+        position_offset: 0,
+        anchor_slot_masked: false,
+    };
+
     #[test]
     fn variants_skip_shifts_that_leave_the_target() {
-        let v = variants(&[1, 8, 14, 20, 27], 30, true, None);
+        let v = variants(&[1, 8, 14, 20, 27], Z, 30, true, None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             names,
@@ -289,7 +298,7 @@ mod tests {
         assert_eq!(v[2].target_layer_ids, [2, 9, 15, 21, 28]);
         assert_eq!(v[4].target_layer_ids, [1, 8, 14, 20, 29]);
         // a config whose fc is fed the last layer: the default taps are the alternative
-        let v = variants(&[1, 8, 14, 20, 29], 30, true, Some(10000.0));
+        let v = variants(&[1, 8, 14, 20, 29], Z, 30, true, Some(10000.0));
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             &names[..4],
@@ -307,7 +316,7 @@ mod tests {
         assert_eq!(rope.target_layer_ids, [1, 8, 14, 20, 29]);
         // layer 0 has no −1; layer 29 of 30 has no +1; no final norm, no norm variant; the last
         // tap is the last layer already; the default taps for two taps of 30 layers are [1, 27]
-        let v = variants(&[0, 29], 30, false, None);
+        let v = variants(&[0, 29], Z, 30, false, None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         // the fc fed the last layer: the last tap moved off it (to the default's 27), and the
         // default taps
@@ -320,6 +329,42 @@ mod tests {
         assert_eq!(v[2].target_layer_ids, [1, 27]);
         assert_eq!(v[3].position_offset, -1);
         assert!(v[5].anchor_slot_masked && v[5].target_layer_ids == [0, 29]);
+        // every variant keeps the declared layout but for the one it changes
+        assert!(v[..3]
+            .iter()
+            .all(|v| v.position_offset == 0 && !v.anchor_slot_masked));
+    }
+
+    #[test]
+    fn layout_variants_are_moved_from_the_declared_layout() {
+        // a config declaring slot j at anchor + j + 1 and the mask token in slot 0
+        let conv = BlockConvention {
+            position_offset: 1,
+            anchor_slot_masked: true,
+        };
+        let v = variants(&[1, 8, 14, 20, 27], conv, 30, true, None);
+        assert_eq!((v[0].position_offset, v[0].anchor_slot_masked), (1, true));
+        assert_eq!(v[0].convention(), conv);
+        let pos: Vec<(&str, i64)> = v
+            .iter()
+            .filter(|v| v.alteration == Alteration::Positions)
+            .map(|v| (v.name.as_str(), v.position_offset))
+            .collect();
+        assert_eq!(pos, [("positions -1", 0), ("positions +1", 2)]);
+        let slot = v
+            .iter()
+            .find(|v| v.alteration == Alteration::AnchorSlot)
+            .unwrap();
+        assert_eq!(slot.name, "slot 0 anchor token");
+        assert_eq!((slot.position_offset, slot.anchor_slot_masked), (1, false));
+        // the tap variants keep the declared layout
+        let shift = v
+            .iter()
+            .find(|v| v.alteration == Alteration::Shift)
+            .unwrap();
+        assert_eq!(shift.convention(), conv);
+        let m = drafter_variants(&[1, 27], conv, 16, &[("eos".into(), 2)], &[], None);
+        assert_eq!(m[0].convention(), conv);
     }
 
     #[test]
@@ -336,10 +381,10 @@ mod tests {
             ("bos".to_string(), 1),
         ];
         // the declared mask is skipped, the first other one measured (at most MAX_MASK_VARIANTS)
-        let v = drafter_variants(&[1, 27], 16, &cands, &[full; 3], None);
+        let v = drafter_variants(&[1, 27], Z, 16, &cands, &[full; 3], None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, ["mask 2 (eos)"]);
-        let v = drafter_variants(&[1, 27], 2, &cands[1..], &[full; 3], None);
+        let v = drafter_variants(&[1, 27], Z, 2, &cands[1..], &[full; 3], None);
         assert_eq!(
             v[0].name, "mask 49151 (vocab - 1)",
             "the declared id is skipped"
@@ -352,7 +397,7 @@ mod tests {
             causal: true,
             window: Some(8),
         };
-        let v = drafter_variants(&[1, 27], 0, &cands[..1], &[full, sliding], Some(8));
+        let v = drafter_variants(&[1, 27], Z, 0, &cands[..1], &[full, sliding], Some(8));
         assert_eq!(v.len(), 2);
         assert_eq!(v[0].mask_token_id, Some(16));
         assert_eq!(v[1].alteration, Alteration::Attention);
@@ -364,9 +409,9 @@ mod tests {
             })
         );
         // all full with a window in the config: the sliding alternative; none without one
-        let v = drafter_variants(&[1, 27], 16, &[], &[full; 2], Some(8));
+        let v = drafter_variants(&[1, 27], Z, 16, &[], &[full; 2], Some(8));
         assert_eq!(v[0].name, "sliding window 8");
         assert_eq!(v[0].attention.unwrap().window, Some(8));
-        assert!(drafter_variants(&[1, 27], 16, &[], &[full; 2], None).is_empty());
+        assert!(drafter_variants(&[1, 27], Z, 16, &[], &[full; 2], None).is_empty());
     }
 }

@@ -35,6 +35,16 @@ pub struct DFlashSection {
     /// Read before the top-level `block_size`, as z-lab's package does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<usize>,
+    /// dflash-rs: added to every block slot's position (slot `j` at `anchor + j + offset`;
+    /// absent: 0, the z-lab layout). Declared by `train --block-position-offset`, or written by
+    /// hand for a drafter trained elsewhere that way (`diagnose` names it); z-lab's code
+    /// ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_position_offset: Option<i64>,
+    /// dflash-rs: slot 0 of each block holds the mask token instead of the anchor (bonus) token
+    /// (absent: false, the z-lab layout); z-lab's code ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anchor_slot_masked: Option<bool>,
     /// DFlash 2 only (refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conv_kernel_size: Option<Value>,
@@ -135,6 +145,18 @@ pub fn default_target_layers(num_target_layers: usize, num_draft_layers: usize) 
         .collect()
 }
 
+/// How a block's slots are laid out for the drafter: what training, validation and decoding
+/// all use ([`DFlashConfig::block_convention`]); the default is the z-lab layout (slot `j` at
+/// position `anchor + j`, slot 0 the anchor's token — decoding's bonus token). `dflash diagnose`
+/// measures the alternatives a drafter trained elsewhere may have used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockConvention {
+    /// Added to every block slot's position (clamped at 0).
+    pub position_offset: i64,
+    /// Slot 0 holds the mask token instead of the anchor's token.
+    pub anchor_slot_masked: bool,
+}
+
 /// Visibility of one drafter layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerAttention {
@@ -167,6 +189,23 @@ impl DFlashConfig {
             .final_logit_softcapping
             .or(self.final_logit_softcapping)
             .filter(|&c| c > 0.0)
+    }
+
+    /// The block layout the config declares (`dflash_config.block_position_offset` and
+    /// `anchor_slot_masked`; the z-lab layout when absent).
+    pub fn block_convention(&self) -> BlockConvention {
+        BlockConvention {
+            position_offset: self.dflash_config.block_position_offset.unwrap_or(0),
+            anchor_slot_masked: self.dflash_config.anchor_slot_masked.unwrap_or(false),
+        }
+    }
+
+    /// Declares `conv` in the config (fields left out for the z-lab layout's defaults, so a
+    /// default drafter's config stays z-lab's).
+    pub fn set_block_convention(&mut self, conv: BlockConvention) {
+        self.dflash_config.block_position_offset =
+            (conv.position_offset != 0).then_some(conv.position_offset);
+        self.dflash_config.anchor_slot_masked = conv.anchor_slot_masked.then_some(true);
     }
 
     pub fn mask_token_id(&self) -> Option<u32> {

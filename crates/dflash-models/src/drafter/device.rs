@@ -9,9 +9,10 @@
 //!   one kernel norms and rotates the heads and writes their K/V at the cache's device-held length
 //!   — context rows first, the block's right after them (scratch rows past the committed length,
 //!   never counted) — and the block attends over both with every block row seeing every block row
-//!   — the standard DFlash layer (non-causal, no window; other layouts take the host path). The
-//!   residual adds, norms and the MLP take the decode step's fused kernels (add+norm, gate-up as
-//!   one GEMM, silu·mul folded into the down projection where the streaming GEMM runs).
+//!   — the standard DFlash layer (non-causal, no window, the z-lab block layout; other layouts
+//!   take the host path). The residual adds, norms and the MLP take the decode step's fused
+//!   kernels (add+norm, gate-up as one GEMM, silu·mul folded into the down projection where the
+//!   streaming GEMM runs).
 //! - The stacked weights ([`FusedLayer`]) are made on the first device draft, never in training.
 //! - The host cache length advances by the context rows only, after the step succeeded.
 //! - Needs `len + m + B ≤ capacity` (the block's scratch rows); otherwise the host path runs.
@@ -175,6 +176,7 @@ impl DFlashDrafter {
             && bs <= MAX_STEP_ROWS
             && len + m + bs <= capacity
             && start + bs <= table
+            && self.block_convention() == Default::default()
             && (0..self.layers.len()).all(|i| {
                 let a = self.cfg.layer_attention(i);
                 !a.causal && a.window.is_none()

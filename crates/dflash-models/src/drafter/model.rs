@@ -13,8 +13,11 @@
 //! are the target's (borrowed per call, never copied), with the checkpoint's
 //! `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` applied where z-lab's
 //! reference applies them (identities by default); positions are absolute token positions.
+//! Both lay the block out by the config's declared [`BlockConvention`] (default: the z-lab layout,
+//! slot `j` at `anchor + j`, slot 0 the anchor's token), so a drafter trained with another
+//! layout is decoded with the one it was trained with.
 
-use super::config::{DFlashConfig, LayerAttention};
+use super::config::{BlockConvention, DFlashConfig, LayerAttention};
 use crate::projection::project_with;
 use crate::target::TargetModel;
 use crate::{ModelError, Result};
@@ -51,17 +54,6 @@ pub(super) struct DraftLayer {
 pub(super) struct Kv {
     pub(super) k: Tensor,
     pub(super) v: Tensor,
-}
-
-/// How a block's slots are laid out for the drafter. Decoding and training use the default (slot
-/// `j` at position `anchor + j`, slot 0 the anchor's token); `dflash diagnose` measures the
-/// alternatives a drafter trained elsewhere may have used.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BlockConvention {
-    /// Added to every block slot's position (clamped at 0).
-    pub position_offset: i64,
-    /// Slot 0 holds the mask token instead of the anchor's token.
-    pub anchor_slot_masked: bool,
 }
 
 /// The query side of [`DFlashDrafter::blocks_forward`]: `b` sequences of blocks, embedded
@@ -226,6 +218,11 @@ impl DFlashDrafter {
         d.fused = std::sync::OnceLock::new();
         d
     }
+    /// The block layout the config declares, which training, validation and decoding all use.
+    pub fn block_convention(&self) -> BlockConvention {
+        self.cfg.block_convention()
+    }
+
     /// Each layer's attention (causality and window), in order.
     pub fn layer_attention(&self) -> Vec<LayerAttention> {
         self.layers.iter().map(|l| l.attn).collect()
@@ -563,7 +560,8 @@ impl DFlashDrafter {
     }
 
     /// Inference: commit `new_ctx` (`[m, T·H]` taps of the tokens at positions `start−m .. start`)
-    /// to `cache`, then draft the block `[bonus, mask × (B−1)]` at positions `start ..`. Returns the
+    /// to `cache`, then draft the block `[bonus, mask × (B−1)]` at positions `start ..` (as the
+    /// declared [`BlockConvention`] lays it out). Returns the
     /// logits `[B−1, V]` (f32) for block rows `1..B`.
     pub fn draft(
         &self,
@@ -602,10 +600,13 @@ impl DFlashDrafter {
             };
             Ok(Kv { k, v })
         };
+        let conv = self.block_convention();
         let mut tokens = vec![self.mask_token_id(); self.cfg.block_size];
-        tokens[0] = bonus;
+        if !conv.anchor_slot_masked {
+            tokens[0] = bonus;
+        }
         let anchors = [start as u32];
-        let rows = self.host_block_rows(target, 1, &tokens, &anchors, 0)?;
+        let rows = self.host_block_rows(target, 1, &tokens, &anchors, conv.position_offset)?;
         let keys = BlockKeys::Host {
             ctx_kv: &mut fill,
             ctx_len: start,
@@ -625,7 +626,7 @@ impl DFlashDrafter {
         anchors: &[u32],
         grad: Grad,
     ) -> Result<Tensor> {
-        let conv = BlockConvention::default();
+        let conv = self.block_convention();
         self.forward_train_with(target, ctx, tokens, anchors, grad, &conv)
     }
 
@@ -677,7 +678,8 @@ impl DFlashDrafter {
     /// Training over `b` right-padded sequences at once: `ctx` `[b, S, T·H]` their taps (row `j` at
     /// position `j`), `tokens` `[b·S]` row-major, `anchors` `[b·n]` (`n` block starts per sequence,
     /// each `< S`; a sequence with fewer real blocks repeats any anchor and gives those rows no loss
-    /// weight). Slot 0 of each block is the anchor's token, the rest the mask token. Returns the
+    /// weight). Slot 0 of each block is the anchor's token, the rest the mask token (the declared
+    /// [`BlockConvention`]). Returns the
     /// normed hidden states `[b·n·B, H]` in the compute dtype, row `(i·n + k)·B + j` for slot `j` of
     /// block `k` of sequence `i` (it predicts the token at `anchor + j`); the caller applies the
     /// target's LM head to the rows it trains on.
@@ -689,7 +691,7 @@ impl DFlashDrafter {
         anchors: &[u32],
         grad: Grad,
     ) -> Result<Tensor> {
-        let conv = BlockConvention::default();
+        let conv = self.block_convention();
         self.forward_train_batch_with(target, ctx, tokens, anchors, grad, &conv)
     }
 
