@@ -42,7 +42,10 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
     base = os.path.basename(path)
     if "PDL_ENTRY" in src:  # decode modules: the PDL prelude in front (crate::pdl::with_prelude)
         src = prelude + src
-    if "HD" in src:  # compiled once per head dim at run time
+    if "#define DK" in src:  # compiled once per key head dim at run time
+        for dk in (16, 64, 128, 256):
+            ok &= compile_source(f"#define DK {dk}\n{src}", f"{base} (DK {dk})")
+    elif "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")
     elif "mma.sync" in src:  # tensor-core kernels: compiled for compute_80 at run time

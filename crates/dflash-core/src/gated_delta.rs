@@ -17,6 +17,10 @@
 //! - Both forms give the same outputs and final state up to f32 rounding (tested), from any
 //!   starting state; the state after token t of [`recurrent`]'s checkpoints is the state a
 //!   forward over tokens `0..=t` alone ends in, so rolling back to an accepted prefix is exact.
+//! - On CUDA (key head dim ≤ [`MAX_KERNEL_KEY_DIM`]) [`tree_recurrent`] and [`advance`] are one
+//!   launch of the same kernel (`gated_delta_kernels.cu`: a thread per state column, the host's
+//!   per-head arithmetic in the same order), so a state replayed along a path is computed as the
+//!   forward computed it; wider heads step through candle's ops ([`step`], shared the same way).
 
 use crate::{CoreError, Result};
 use candle_core::{DType, Tensor, D};
@@ -125,9 +129,9 @@ pub fn recurrent(x: &DeltaInputs, state: &Tensor, checkpoints: bool) -> Result<R
 
 /// One step of the rule for `m` independent sequences at once: states `[m, H, dk, dv]`, `k`
 /// `[m, H, dk]`, `v` `[m, H, dv]`, `alpha` (= e^g) and `beta` `[m, H]`; returns the new states.
-/// Off the CPU, [`tree_recurrent`] and [`advance`] both step through here, so a state replayed
-/// along a path is computed by the same arithmetic as the forward that first reached it (on the
-/// CPU both use [`step_head`]).
+/// Off the CPU and the CUDA kernel, [`tree_recurrent`] and [`advance`] both step through here,
+/// so a state replayed along a path is computed by the same arithmetic as the forward that first
+/// reached it (on the CPU both use [`step_head`]).
 fn step(s: &Tensor, k: &Tensor, v: &Tensor, alpha: &Tensor, beta: &Tensor) -> Result<Tensor> {
     let (m, h, dk, dv) = s.dims4()?;
     let s = s.reshape((m * h, dk, dv))?;
@@ -254,6 +258,30 @@ pub fn tree_depths(parents: &[i64]) -> Result<Vec<usize>> {
     Ok(depth)
 }
 
+/// Which nodes of a tree (`parents`, as [`tree_recurrent`] takes them) must keep their state for a
+/// later node: those with a child other than the node right after them (a child at `i + 1`
+/// continues from the state just computed). The CUDA kernel stores exactly these.
+pub fn kept_states(parents: &[i64]) -> Vec<bool> {
+    let mut keep = vec![false; parents.len()];
+    for (c, &p) in parents.iter().enumerate() {
+        if p >= 0 && p + 1 != c as i64 {
+            keep[p as usize] = true;
+        }
+    }
+    keep
+}
+
+/// The largest key head dim the CUDA kernel takes (a thread holds a state column of `dk` floats in
+/// registers); wider heads step through candle's ops.
+pub const MAX_KERNEL_KEY_DIM: usize = 256;
+
+/// Whether [`tree_recurrent`] runs as one CUDA kernel launch on `device` for key head dim `dk`
+/// (a build with the `cuda` feature, a CUDA device, `dk` ≤ [`MAX_KERNEL_KEY_DIM`]). Then it beats
+/// [`chunked`]'s dozens of small ops per chunk at every length, prefill included.
+pub fn kernel_available(device: &candle_core::Device, dk: usize) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda() && dk <= MAX_KERNEL_KEY_DIM
+}
+
 /// The rule over a token tree from `state`: node `i` continues from the state of its parent
 /// `parents[i]` (`-1`: from `state`), so every node's output is what the rule gives along its own
 /// path of ancestors. Nodes of one depth step together. Returns outputs `[T, H, dv]` and the state
@@ -274,6 +302,11 @@ pub fn tree_recurrent(
     let depth = tree_depths(parents)?;
     if state.device().is_cpu() {
         return tree_recurrent_host(x, state, parents);
+    }
+    #[cfg(feature = "cuda")]
+    if kernel_available(state.device(), dk) {
+        let (out, last) = crate::gated_delta_cuda::tree_recurrent(x, state, parents, true)?;
+        return Ok((out.expect("outputs asked for"), last));
     }
     let dev = state.device();
     let max_depth = depth.iter().copied().max().unwrap_or(0);
@@ -359,6 +392,19 @@ pub fn advance(
             );
         }
         return Ok(Tensor::from_vec(s, (h, dk, dv), state.device())?);
+    }
+    #[cfg(feature = "cuda")]
+    if t > 0 && kernel_available(state.device(), k.dim(2)?) {
+        // the chain through the tree kernel (the arithmetic the forward used), no outputs
+        let chain: Vec<i64> = (0..t as i64).map(|i| i - 1).collect();
+        let x = DeltaInputs {
+            q: k,
+            k,
+            v,
+            g,
+            beta,
+        };
+        return Ok(crate::gated_delta_cuda::tree_recurrent(&x, state, &chain, false)?.1);
     }
     let mut s = state.unsqueeze(0)?;
     for i in 0..t {

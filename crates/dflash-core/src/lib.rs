@@ -20,6 +20,8 @@ mod flash_block_cuda;
 pub mod fs;
 pub mod fused_grad;
 pub mod gated_delta;
+#[cfg(feature = "cuda")]
+mod gated_delta_cuda;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod graph_arena;
 #[cfg(feature = "cuda")]

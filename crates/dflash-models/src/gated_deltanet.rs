@@ -23,10 +23,11 @@ use candle_nn::{Linear, VarBuilder};
 use dflash_core::gated_delta::{self, DeltaInputs};
 use dflash_core::{RecurrentCache, RecurrentRecord, RecurrentState};
 
-/// Off the CPU, causal blocks of at least this many tokens run the chunked form of the rule
-/// (prefill); shorter ones (decode steps, verify blocks) and trees run the recurrence token by
-/// token. On the CPU everything runs the recurrence: its host loop is faster than the chunked
-/// form at every length (16 heads of 128×128, 256 tokens: 66 ms against 320 ms).
+/// Off the CPU and without the rule's CUDA kernel, causal blocks of at least this many tokens run
+/// the chunked form of the rule (prefill); shorter ones (decode steps, verify blocks) and trees
+/// run the recurrence token by token. On the CPU everything runs the recurrence: its host loop is
+/// faster than the chunked form at every length (16 heads of 128×128, 256 tokens: 66 ms against
+/// 320 ms); on CUDA with the kernel (`gated_delta::kernel_available`) everything is one launch.
 pub const CHUNKED_FROM: usize = 32;
 
 /// One forward of the layer: its output `[n, H]`, the per-token inputs a cache keeps for exact
@@ -281,7 +282,11 @@ impl GatedDeltaNet {
             g: &g,
             beta: &beta,
         };
-        let (o, last) = if is_chain && n >= CHUNKED_FROM && !x.device().is_cpu() {
+        let chunk = is_chain
+            && n >= CHUNKED_FROM
+            && !x.device().is_cpu()
+            && !gated_delta::kernel_available(x.device(), dk);
+        let (o, last) = if chunk {
             gated_delta::chunked(&inputs, &state.ssm)?
         } else {
             gated_delta::tree_recurrent(&inputs, &state.ssm, parents)?

@@ -1,7 +1,8 @@
 //! The decoding-step ops on `DFLASH_TEST_DEVICE` (cpu | cuda[:N]; default cpu) against host
 //! references on fresh random data with planted ties: argmax ids, top-k ids and log-probs,
 //! visibility masks, the scaled masked softmax and silu·mul against candle's composites, and the
-//! f32-output LM-head GEMM against an f32 GEMM of the upcast operands. On the CPU this checks the
+//! f32-output LM-head GEMM against an f32 GEMM of the upcast operands, the gated delta rule (its
+//! CUDA kernel) against the host rule. On the CPU this checks the
 //! host paths; `scripts/build-cuda.sh` packages the CUDA build so the GPU machine runs the same
 //! (it lives in dflash-models so that build shares the fixture tests' feature set).
 
@@ -661,4 +662,60 @@ fn device_drafts_replay_the_cpu_draft() {
         }
     }
     let _ = (ct.info(), gt.info());
+}
+
+/// The gated delta rule on the device (one kernel launch on CUDA: `gated_delta_kernels.cu`)
+/// against the host rule on the same inputs — chains and branching trees at the real key head dim
+/// (128) and the tiny fixture's (16) — and its replay (`advance`) ending in the bits the
+/// forward's chain ended in (exact rollback).
+#[test]
+fn the_gated_delta_rule_matches_the_host_on_the_device() {
+    use dflash_core::gated_delta::{self, DeltaInputs};
+    let dev = device();
+    let trees: Vec<Vec<i64>> = vec![
+        (0..16).map(|i| i - 1).collect(),
+        vec![-1, 0, 1, 0, 2, 3, 1, 4, 5, 6, 2, 7, -1, 12],
+    ];
+    // q, k, v, g, beta, then the starting state
+    let rule = |a: &[Tensor], parents: &[i64]| {
+        let x = DeltaInputs {
+            q: &a[0],
+            k: &a[1],
+            v: &a[2],
+            g: &a[3],
+            beta: &a[4],
+        };
+        gated_delta::tree_recurrent(&x, &a[5], parents).unwrap()
+    };
+    for (dk, dv, h) in [(128usize, 128usize, 3usize), (16, 16, 4)] {
+        for parents in &trees {
+            let t = parents.len();
+            let r = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap();
+            let scale = (dk as f64).powf(-0.5);
+            let host = vec![
+                (gated_delta::l2norm(&r(&[t, h, dk])).unwrap() * scale).unwrap(),
+                gated_delta::l2norm(&r(&[t, h, dk])).unwrap(),
+                r(&[t, h, dv]),
+                r(&[t, h]).abs().unwrap().neg().unwrap(),
+                candle_nn::ops::sigmoid(&r(&[t, h])).unwrap(),
+                r(&[h, dk, dv]),
+            ];
+            let on: Vec<Tensor> = host.iter().map(|x| x.to_device(&dev).unwrap()).collect();
+            let (want, got) = (rule(&host, parents), rule(&on, parents));
+            let (e_out, e_last) = (max_abs(&want.0, &got.0), max_abs(&want.1, &got.1));
+            assert!(
+                e_out < 1e-4 && e_last < 1e-3,
+                "dk {dk}, tree {parents:?}: outputs differ by {e_out}, final state by {e_last}"
+            );
+            if parents.iter().enumerate().all(|(i, &p)| p == i as i64 - 1) {
+                let replayed =
+                    gated_delta::advance(&on[1], &on[2], &on[3], &on[4], &on[5]).unwrap();
+                let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(
+                    bits(&got.1) == bits(&replayed),
+                    "dk {dk}: the replayed state is not the forward's, bit for bit"
+                );
+            }
+        }
+    }
 }
