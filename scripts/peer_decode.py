@@ -24,6 +24,7 @@ Prints JSON (and writes it with `--out`) with the keys `dflash bench decode` use
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -50,6 +51,26 @@ SHAPES = {
                      rope_theta=1000000.0, max_position_embeddings=40960,
                      tie_word_embeddings=False),
 }
+
+# Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet + gated attention; text_config of the hub configs, as
+# `dflash bench decode`'s named shapes): three linear-attention layers for every full-attention one.
+# Their recurrent states cannot be cropped, so each timed step starts from a copy of the prefilled
+# cache made outside the timing; trees are not timed (transformers' linear-attention layers take
+# no tree masks: null, with tree_error).
+_HYBRID = dict(model_type="qwen3_5_text", num_attention_heads=None, num_key_value_heads=4,
+               head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+               vocab_size=248320, max_position_embeddings=262144, attn_output_gate=True,
+               rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                    partial_rotary_factor=0.25))
+SHAPES["qwen3.5-4b"] = dict(_HYBRID, hidden_size=2560, intermediate_size=9216,
+                            num_hidden_layers=32, num_attention_heads=16,
+                            linear_num_value_heads=32, tie_word_embeddings=True,
+                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8)
+SHAPES["qwen3.6-27b"] = dict(_HYBRID, hidden_size=5120, intermediate_size=17408,
+                             num_hidden_layers=64, num_attention_heads=24,
+                             linear_num_value_heads=48, tie_word_embeddings=False,
+                             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)
 
 
 def parse_args(argv=None):
@@ -113,12 +134,17 @@ def main(argv=None):
     sync()
     build_s = time.perf_counter() - t0
 
+    hybrid = mt == "qwen3_5_text"
+
     def timed(f):
         for _ in range(max(a.warmup, 1)):
+            restore()
             f()
         sync()
         v = []
         for _ in range(a.rounds):
+            restore()
+            sync()
             t = time.perf_counter()
             f()
             sync()
@@ -127,22 +153,41 @@ def main(argv=None):
         return {"median_ms": statistics.median(v) * 1e3, "min_ms": v[0] * 1e3,
                 "p90_ms": v[max(-(-len(v) * 9 // 10), 1) - 1] * 1e3}
 
+    # a dense cache is cropped back to the context after each step; a hybrid's is replaced by a
+    # copy of the prefilled one before each (outside the timing)
+    state = {"snapshot": None}
+
+    def restore():
+        if state["snapshot"] is not None:
+            nonlocal cache
+            cache = copy.deepcopy(state["snapshot"])
+
+    def crop_back(c):
+        if not hybrid:
+            crop(c, ctx)
+
     # copy bandwidth: a 2 GiB clone, bytes read + written
     n = 2 << 30 if dev.type == "cuda" else 256 << 20
     x = torch.empty(n, dtype=torch.uint8, device=dev)
-    copy = timed(lambda: x.clone())
+    copy_t = timed(lambda: x.clone())
     del x
-    copy_gbps = 2 * n / (copy["median_ms"] / 1e3) / 1e9
+    copy_gbps = 2 * n / (copy_t["median_ms"] / 1e3) / 1e9
 
     ctx = a.context
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
     ids = torch.tensor([[(i * 7919 + 13) % vocab for i in range(ctx)]], device=dev)
     stats = {}
     with torch.inference_mode():
-        cache = DynamicCache(config=cfg) if "config" in DynamicCache.__init__.__code__.co_varnames \
-            else DynamicCache()
+        if hybrid:  # the model makes the cache its layers need (attention and recurrent)
+            cache = None
+        elif "config" in DynamicCache.__init__.__code__.co_varnames:
+            cache = DynamicCache(config=cfg)
+        else:
+            cache = DynamicCache()
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
+        if hybrid:
+            state["snapshot"] = copy.deepcopy(cache)
         bonus = int(out.logits[0, -1].argmax())
         one = torch.tensor([[bonus]], device=dev)
         one_pos = torch.tensor([[ctx]], device=dev)
@@ -151,7 +196,7 @@ def main(argv=None):
             o = model(input_ids=one, position_ids=one_pos, past_key_values=cache, use_cache=True,
                       logits_to_keep=1)
             int(o.logits[0, -1].argmax())
-            crop(cache, ctx)
+            crop_back(cache)
 
         gen = torch.Generator(device=dev).manual_seed(1)
 
@@ -163,7 +208,7 @@ def main(argv=None):
             keep = sp.cumsum(-1) - sp < 0.9
             sp = sp * keep
             int(si[torch.multinomial(sp / sp.sum(), 1, generator=gen)])
-            crop(cache, ctx)
+            crop_back(cache)
 
         stats["ar_step"] = timed(ar_step)
         stats["sampled_step"] = timed(sampled_step)
@@ -176,13 +221,13 @@ def main(argv=None):
             o = model(input_ids=block, position_ids=block_pos, past_key_values=cache,
                       use_cache=True)
             o.logits[0].argmax(-1).tolist()
-            crop(cache, ctx)
+            crop_back(cache)
 
         stats[f"verify.chain{bs}"] = timed(verify_chain)
 
         tree_error = None
         tree_mask_kind = None
-        for w in a.widths:
+        for w in a.widths if not hybrid else []:
             nodes = w + 1
             parents = tree_parents(nodes)
             depth = [0] * nodes
@@ -219,13 +264,24 @@ def main(argv=None):
                     crop(cache, ctx)
                     tree_error = f"{kind}: {type(e).__name__}: {e}"[:500]
 
+    if hybrid:
+        tree_error = "a hybrid's linear-attention layers take no tree masks in transformers"
+        for w in a.widths:
+            stats[f"verify.tree{w}"] = None
     params = sum(p.numel() for p in model.parameters())
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     weights = params if tied else params - vocab * hidden + hidden
     hd = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * ctx
+    attn_layers = cfg.num_hidden_layers
+    recurrent = 0
+    if hybrid:  # K/V of the full-attention layers only; each linear layer reads + writes its state
+        types = list(cfg.layer_types)
+        attn_layers = types.count("full_attention")
+        recurrent = 2 * types.count("linear_attention") * cfg.linear_num_value_heads * \
+            cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # f32 state, bytes
+    kv = 2 * attn_layers * cfg.num_key_value_heads * hd * ctx
     esize = torch.tensor([], dtype=dtype).element_size()
-    bytes_per_step = (weights + kv) * esize
+    bytes_per_step = (weights + kv) * esize + recurrent
     floor = bytes_per_step / (copy_gbps * 1e9)
 
     med = {k: (v["median_ms"] if v else None) for k, v in stats.items()}
@@ -249,7 +305,7 @@ def main(argv=None):
         "ar_step_ms": ar,
         "sampled_step_ms": med["sampled_step"],
         "verify_ms": {k.split(".", 1)[1]: v for k, v in med.items() if k.startswith("verify.")},
-        "tree_shape": "binary heap, parents[i] = (i - 1) // 2; no KV compaction",
+        "tree_shape": None if hybrid else "binary heap, parents[i] = (i - 1) // 2; no KV compaction",
         "tree_mask": tree_mask_kind,
         "tree_error": tree_error,
         "stats": stats,

@@ -1,7 +1,7 @@
 //! Launch of the gated delta rule's tree kernel (`gated_delta_kernels.cu`, NVRTC, one module per
 //! key head dim, compiled on first use): [`crate::gated_delta::tree_recurrent`] and
 //! [`crate::gated_delta::advance`] on CUDA, one launch instead of a dozen candle ops per tree
-//! depth or per token.
+//! depth or per token; and the layer kernels around it ([`crate::gated_delta_layer`]).
 //!
 //! Invariants: inputs are made contiguous f32 here; the parents and the kept-state flags
 //! ([`crate::gated_delta::kept_states`]) cross to the device in one upload; every output element
@@ -130,4 +130,184 @@ pub(crate) fn tree_recurrent(
     // is null only without outputs, which the kernel checks).
     unsafe { b.launch(cfg) }.w()?;
     Ok((out, last))
+}
+
+/// Launch configuration of a thread per item (`items` threads in blocks of 128).
+fn per_item(items: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (items.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn dtype_suffix(t: &Tensor, what: &str) -> Result<&'static str> {
+    match t.dtype() {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => Err(CoreError::InvalidInput(format!(
+            "{what}: {d:?} (the layer kernels take f32 or bf16)"
+        ))),
+    }
+}
+
+/// See [`crate::gated_delta_layer::conv_and_rule_inputs`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_and_rule_inputs(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    conv_w: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    dt_bias: &Tensor,
+    neg_a: &Tensor,
+    parents: &[i64],
+    heads: crate::gated_delta_layer::LayerHeads,
+) -> Result<crate::gated_delta_layer::RuleInputs> {
+    let crate::gated_delta_layer::LayerHeads { hk, hv, dk, dv } = heads;
+    let (n, c) = qkv.dims2()?;
+    let k = conv_w.dim(1)?;
+    let sfx = dtype_suffix(qkv, "conv_and_rule_inputs")?;
+    if c != 2 * hk * dk + hv * dv
+        || conv_w.dims() != [c, k]
+        || conv_state.dims() != [k - 1, c]
+        || !(2..=8).contains(&k)
+        || b.dims() != [n, hv]
+        || a.dims() != [n, hv]
+        || b.dtype() != qkv.dtype()
+        || a.dtype() != qkv.dtype()
+        || parents.len() != n
+        || hk == 0
+        || !hv.is_multiple_of(hk)
+    {
+        return Err(CoreError::InvalidInput(format!(
+            "conv_and_rule_inputs: qkv {:?}, conv {:?} / {:?}, gates {:?} {:?}, {} parents, {heads:?}",
+            qkv.dims(),
+            conv_w.dims(),
+            conv_state.dims(),
+            b.dims(),
+            a.dims(),
+            parents.len()
+        )));
+    }
+    let dev_t = qkv.device();
+    let f32c = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.contiguous());
+    let (qkv, b, a) = (qkv.contiguous()?, b.contiguous()?, a.contiguous()?);
+    let (cs, cw, dtb, na) = (
+        f32c(conv_state)?,
+        f32c(conv_w)?,
+        f32c(dt_bias)?,
+        f32c(neg_a)?,
+    );
+    let words: Vec<u32> = parents.iter().map(|&p| p as i32 as u32).collect();
+    let parents_t = Tensor::from_vec(words, n, dev_t)?;
+    // SAFETY (all): every element is written by exactly one thread before anything reads it.
+    let empty = |shape: &[usize]| unsafe { Tensor::empty(shape, DType::F32, dev_t) };
+    let (u, qkv32) = (empty(&[n, c])?, empty(&[n, c])?);
+    let (q, kk) = (empty(&[n, hv, dk])?, empty(&[n, hv, dk])?);
+    let (v, g, beta) = (empty(&[n, hv, dv])?, empty(&[n, hv])?, empty(&[n, hv])?);
+    let (xp, dev) = address(&qkv, "qkv")?;
+    let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
+    let (csp, cwp, pp) = (
+        ptr(&cs, "conv state")?,
+        ptr(&cw, "conv weight")?,
+        ptr(&parents_t, "parents")?,
+    );
+    let (up, q32p) = (ptr(&u, "u")?, ptr(&qkv32, "qkv f32")?);
+    let (ni, ci, ki) = (n as i32, c as i32, k as i32);
+    let module = format!("dflash_gated_delta_dk{dk}");
+    let src = ptx(dk)?;
+    let f = dev.get_or_load_custom_func(&format!("gdn_conv_silu_{sfx}"), &module, &src)?;
+    let mut l = f.builder();
+    l.arg(&xp)
+        .arg(&csp)
+        .arg(&cwp)
+        .arg(&pp)
+        .arg(&ni)
+        .arg(&ci)
+        .arg(&ki)
+        .arg(&up)
+        .arg(&q32p);
+    // SAFETY: the kernel's arguments in order, live contiguous tensors of the checked sizes.
+    unsafe { l.launch(per_item(n * c)) }.w()?;
+    let (bp, ap, dtp, nap) = (
+        ptr(&b, "beta projection")?,
+        ptr(&a, "decay projection")?,
+        ptr(&dtb, "dt_bias")?,
+        ptr(&na, "-exp(A_log)")?,
+    );
+    let (qp, kp, vp, gp, betap) = (
+        ptr(&q, "q")?,
+        ptr(&kk, "k")?,
+        ptr(&v, "v")?,
+        ptr(&g, "g")?,
+        ptr(&beta, "beta")?,
+    );
+    let (hki, hvi, dvi) = (hk as i32, hv as i32, dv as i32);
+    let f = dev.get_or_load_custom_func(&format!("gdn_rule_inputs_{sfx}"), &module, &src)?;
+    let mut l = f.builder();
+    l.arg(&up)
+        .arg(&bp)
+        .arg(&ap)
+        .arg(&dtp)
+        .arg(&nap)
+        .arg(&ni)
+        .arg(&hki)
+        .arg(&hvi)
+        .arg(&dvi)
+        .arg(&qp)
+        .arg(&kp)
+        .arg(&vp)
+        .arg(&gp)
+        .arg(&betap);
+    // SAFETY: as above.
+    unsafe { l.launch(per_item(n * hv)) }.w()?;
+    Ok(crate::gated_delta_layer::RuleInputs {
+        qkv: qkv32,
+        q,
+        k: kk,
+        v,
+        g,
+        beta,
+    })
+}
+
+/// See [`crate::gated_delta_layer::gated_norm`].
+pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let (n, hv, dv) = o.dims3()?;
+    let sfx = dtype_suffix(z, "gated_norm")?;
+    if z.dims() != [n, hv * dv] || w.dims() != [dv] || o.dtype() != DType::F32 {
+        return Err(CoreError::InvalidInput(format!(
+            "gated_norm: o {:?} ({:?}), z {:?}, weight {:?}",
+            o.dims(),
+            o.dtype(),
+            z.dims(),
+            w.dims()
+        )));
+    }
+    let dk_module = 16; // the norm does not depend on DK: any compiled module holds it
+    let (o, z) = (o.contiguous()?, z.contiguous()?);
+    let w = w.to_dtype(DType::F32)?.contiguous()?;
+    // SAFETY: every element is written by exactly one thread.
+    let y = unsafe { Tensor::empty((n, hv * dv), z.dtype(), z.device())? };
+    let (op, dev) = address(&o, "gated norm input")?;
+    let (zp, _) = address(&z, "gate")?;
+    let (wp, _) = address(&w, "norm weight")?;
+    let (yp, _) = address(&y, "gated norm output")?;
+    let (ni, hvi, dvi, e) = (n as i32, hv as i32, dv as i32, eps as f32);
+    let module = format!("dflash_gated_delta_dk{dk_module}");
+    let f =
+        dev.get_or_load_custom_func(&format!("gdn_gated_norm_{sfx}"), &module, &ptx(dk_module)?)?;
+    let mut l = f.builder();
+    l.arg(&op)
+        .arg(&zp)
+        .arg(&wp)
+        .arg(&ni)
+        .arg(&hvi)
+        .arg(&dvi)
+        .arg(&e)
+        .arg(&yp);
+    // SAFETY: the kernel's arguments in order, live contiguous tensors of the checked sizes.
+    unsafe { l.launch(per_item(n * hv)) }.w()?;
+    Ok(y)
 }

@@ -83,3 +83,131 @@ extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_f32(
 #pragma unroll
     for (int r = 0; r < DK; ++r) dst[(size_t)r * dv + j] = s[r];
 }
+
+// ---------------------------------------------------------------------------------------------
+// The Gated DeltaNet layer around the rule (gated_delta_ops.rs), the host composite of
+// gated_deltanet.rs as three kernels, a thread per output element or per (token, head) — again
+// threads that share nothing. `_f32` / `_bf16`: the compute dtype of the projections' outputs
+// (everything is computed in f32; bf16 values are widened exactly and rounded to nearest even).
+
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float gd_ld(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float gd_ld(const bf16_t* p, size_t i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void gd_st(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void gd_st(bf16_t* p, size_t i, float v) {
+    unsigned int u = __float_as_uint(v);
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (finite values)
+    p[i] = (bf16_t)(u >> 16);
+}
+__device__ __forceinline__ float gd_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// Causal depthwise convolution along each token's ancestors, then SiLU. Thread (token i,
+// channel c): window row j (oldest first, K rows) is the input of the ancestor K-1-j steps up
+// (`qkv`), or, past the tree's root, a row of the convolution state (its newest row first).
+// Writes u [n, C] = silu(Σ_j w[c, j] · window_j) and the f32 inputs [n, C] (the record's).
+template <typename T>
+__device__ void gdn_conv_silu(const T* qkv, const float* conv_state, const float* w,
+                              const int* parents, int n, int C, int K, float* u, float* qkv32) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)n * C) return;
+    const int i = (int)(idx / C), c = (int)(idx % C);
+    float win[8];
+    int node = i, back = 0;
+    for (int j = K - 1; j >= 0; --j) {
+        if (node >= 0) {
+            win[j] = gd_ld(qkv, (size_t)node * C + c);
+            node = parents[node];
+        } else {
+            ++back;
+            win[j] = conv_state[(size_t)(K - 1 - back) * C + c];
+        }
+    }
+    float acc = win[0] * w[(size_t)c * K];
+    for (int j = 1; j < K; ++j) acc = acc + win[j] * w[(size_t)c * K + j];
+    u[idx] = gd_silu(acc);
+    qkv32[idx] = gd_ld(qkv, idx);
+}
+extern "C" __global__ void gdn_conv_silu_f32(const float* qkv, const float* conv_state,
+                                             const float* w, const int* parents, int n, int C,
+                                             int K, float* u, float* qkv32) {
+    gdn_conv_silu(qkv, conv_state, w, parents, n, C, K, u, qkv32);
+}
+extern "C" __global__ void gdn_conv_silu_bf16(const bf16_t* qkv, const float* conv_state,
+                                              const float* w, const int* parents, int n, int C,
+                                              int K, float* u, float* qkv32) {
+    gdn_conv_silu(qkv, conv_state, w, parents, n, C, K, u, qkv32);
+}
+
+// The rule's inputs from the convolved u [n, C] (C = 2·Hk·DK + Hv·dv) and the gate projections
+// b, a [n, Hv]. Thread (token i, value head h) reads key head h / (Hv / Hk): q and k
+// l2-normalised (x / sqrt(Σx² + 1e-6)), q times DK^-½; v copied; β = sigmoid(b);
+// g = softplus(a + dt_bias[h]) · neg_a[h] with softplus(x) = max(x, 0) + log(e^{-|x|} + 1).
+template <typename T>
+__device__ void gdn_rule_inputs(const float* u, const T* b, const T* a, const float* dt_bias,
+                                const float* neg_a, int n, int Hk, int Hv, int dv, float* q,
+                                float* k, float* v, float* g, float* beta) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)n * Hv) return;
+    const int i = (int)(idx / Hv), h = (int)(idx % Hv);
+    const int kh = h / (Hv / Hk);
+    const size_t C = (size_t)2 * Hk * DK + (size_t)Hv * dv;
+    const float* row = u + (size_t)i * C;
+    const float* uq = row + (size_t)kh * DK;
+    const float* uk = row + (size_t)Hk * DK + (size_t)kh * DK;
+    float sq = 0.0f, sk = 0.0f;
+    for (int r = 0; r < DK; ++r) {
+        sq += uq[r] * uq[r];
+        sk += uk[r] * uk[r];
+    }
+    const float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+    const float scale = 1.0f / sqrtf((float)DK);
+    for (int r = 0; r < DK; ++r) {
+        q[idx * DK + r] = uq[r] * iq * scale;
+        k[idx * DK + r] = uk[r] * ik;
+    }
+    const float* uv = row + (size_t)2 * Hk * DK + (size_t)h * dv;
+    for (int c = 0; c < dv; ++c) v[idx * dv + c] = uv[c];
+    beta[idx] = 1.0f / (1.0f + expf(-gd_ld(b, idx)));
+    const float x = gd_ld(a, idx) + dt_bias[h];
+    const float softplus = fmaxf(x, 0.0f) + logf(expf(-fabsf(x)) + 1.0f);
+    g[idx] = softplus * neg_a[h];
+}
+extern "C" __global__ void gdn_rule_inputs_f32(const float* u, const float* b, const float* a,
+                                               const float* dt_bias, const float* neg_a, int n,
+                                               int Hk, int Hv, int dv, float* q, float* k,
+                                               float* v, float* g, float* beta) {
+    gdn_rule_inputs(u, b, a, dt_bias, neg_a, n, Hk, Hv, dv, q, k, v, g, beta);
+}
+extern "C" __global__ void gdn_rule_inputs_bf16(const float* u, const bf16_t* b, const bf16_t* a,
+                                                const float* dt_bias, const float* neg_a, int n,
+                                                int Hk, int Hv, int dv, float* q, float* k,
+                                                float* v, float* g, float* beta) {
+    gdn_rule_inputs(u, b, a, dt_bias, neg_a, n, Hk, Hv, dv, q, k, v, g, beta);
+}
+
+// The gated RMSNorm per value head: thread (token i, head h) gives
+// y[i, h·dv + c] = o[i, h, c] / sqrt(mean_c o² + eps) · w[c] · silu(z[i, h·dv + c]), in T.
+template <typename T>
+__device__ void gdn_gated_norm(const float* o, const T* z, const float* w, int n, int Hv, int dv,
+                               float eps, T* y) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)n * Hv) return;
+    const float* oh = o + idx * dv;
+    float ss = 0.0f;
+    for (int c = 0; c < dv; ++c) ss += oh[c] * oh[c];
+    const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (int c = 0; c < dv; ++c) {
+        const size_t e = idx * dv + c;
+        gd_st(y, e, oh[c] * inv * w[c] * gd_silu(gd_ld(z, e)));
+    }
+}
+extern "C" __global__ void gdn_gated_norm_f32(const float* o, const float* z, const float* w,
+                                              int n, int Hv, int dv, float eps, float* y) {
+    gdn_gated_norm(o, z, w, n, Hv, dv, eps, y);
+}
+extern "C" __global__ void gdn_gated_norm_bf16(const float* o, const bf16_t* z, const float* w,
+                                               int n, int Hv, int dv, float eps, bf16_t* y) {
+    gdn_gated_norm(o, z, w, n, Hv, dv, eps, y);
+}

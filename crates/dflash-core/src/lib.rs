@@ -22,6 +22,7 @@ pub mod fused_grad;
 pub mod gated_delta;
 #[cfg(feature = "cuda")]
 mod gated_delta_cuda;
+pub mod gated_delta_layer;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod graph_arena;
 #[cfg(feature = "cuda")]

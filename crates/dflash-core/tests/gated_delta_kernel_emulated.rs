@@ -1,10 +1,12 @@
-//! The gated delta rule's CUDA kernel (`src/gated_delta_kernels.cu`), emulated on the CPU: its
+//! The Gated DeltaNet CUDA kernels (`src/gated_delta_kernels.cu`), emulated on the CPU: their
 //! source compiled as C++ (g++, with CUDA's keywords defined away and the grid walked block by
-//! block, thread by thread — valid because its threads share nothing, the kernel's invariant)
-//! and checked against the host rule (`gated_delta::tree_recurrent`, `advance`) for chains, trees
-//! with branches and several roots, and the replay mode without outputs, at two key head dims.
-//! What it does not check — the launch itself, on a GPU — `decode_ops_device.rs` does on the
-//! H200.
+//! block, thread by thread — valid because their threads share nothing, the kernels'
+//! invariant). The rule's tree kernel is checked against the host rule
+//! (`gated_delta::tree_recurrent`, `advance`) for chains, trees with branches and several roots,
+//! and the replay mode without outputs, at two key head dims; the layer kernels around it
+//! (convolution + SiLU along a tree's ancestors, the rule's inputs, the gated RMSNorm) against
+//! host loops of the model's composite, in f32 and bf16. What this cannot check — the launches
+//! themselves — `decode_ops_device.rs` and the reference fixtures check on the H200.
 
 use candle_core::{Device, Tensor};
 use dflash_core::gated_delta::{self, kept_states, DeltaInputs};
@@ -25,19 +27,30 @@ const PRELUDE: &str = r#"
 #define __restrict__
 #define __launch_bounds__(x)
 #define RELOAD(p) (*(p))
+#include <string.h>
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 struct Dim3 { unsigned x, y, z; };
 static Dim3 blockIdx, threadIdx, blockDim;
 "#;
 
 const MAIN: &str = r#"
 #include <stdio.h>
+#include <stdlib.h>
 #include <vector>
 template <class T> static std::vector<T> take(size_t n) {
     std::vector<T> v(n);
     if (n && fread(v.data(), sizeof(T), n, stdin) != n) { fprintf(stderr, "short input\n"); exit(2); }
     return v;
 }
-int main() {
+template <class T> static void put(const std::vector<T>& v) { fwrite(v.data(), sizeof(T), v.size(), stdout); }
+// a grid of `items` threads in blocks of 128 (gated_delta_cuda.rs's per_item)
+template <class F> static void per_item(size_t items, F f) {
+    blockDim = {128, 1, 1};
+    for (unsigned bx = 0; bx < (items + 127) / 128; ++bx)
+        for (unsigned tx = 0; tx < 128; ++tx) { blockIdx = {bx, 0, 0}; threadIdx = {tx, 0, 0}; f(); }
+}
+static int tree() {
     auto head = take<int>(5);
     int T = head[0], H = head[1], dk = head[2], dv = head[3], outputs = head[4];
     if (dk != DK) { fprintf(stderr, "dk %d but DK %d\n", dk, DK); return 2; }
@@ -61,9 +74,71 @@ int main() {
                                      outputs ? out.data() : nullptr, scratch.data(), last.data(),
                                      T, H, dv);
             }
-    if (outputs) fwrite(out.data(), sizeof(float), out.size(), stdout);
-    fwrite(last.data(), sizeof(float), last.size(), stdout);
+    if (outputs) put(out);
+    put(last);
     return 0;
+}
+static int conv() {
+    auto head = take<int>(4);
+    int n = head[0], C = head[1], K = head[2], bf = head[3];
+    auto x32 = bf ? std::vector<float>() : take<float>((size_t)n * C);
+    auto x16 = bf ? take<bf16_t>((size_t)n * C) : std::vector<bf16_t>();
+    auto cs = take<float>((size_t)(K - 1) * C), w = take<float>((size_t)C * K);
+    auto parents = take<int>(n);
+    std::vector<float> u((size_t)n * C, NAN), q32((size_t)n * C, NAN);
+    per_item((size_t)n * C, [&] {
+        if (bf) gdn_conv_silu_bf16(x16.data(), cs.data(), w.data(), parents.data(), n, C, K, u.data(), q32.data());
+        else gdn_conv_silu_f32(x32.data(), cs.data(), w.data(), parents.data(), n, C, K, u.data(), q32.data());
+    });
+    put(u);
+    put(q32);
+    return 0;
+}
+static int rule_inputs() {
+    auto head = take<int>(5);
+    int n = head[0], Hk = head[1], Hv = head[2], dv = head[3], bf = head[4];
+    size_t C = (size_t)2 * Hk * DK + (size_t)Hv * dv;
+    auto u = take<float>(n * C);
+    auto b32 = bf ? std::vector<float>() : take<float>((size_t)n * Hv);
+    auto a32 = bf ? std::vector<float>() : take<float>((size_t)n * Hv);
+    auto b16 = bf ? take<bf16_t>((size_t)n * Hv) : std::vector<bf16_t>();
+    auto a16 = bf ? take<bf16_t>((size_t)n * Hv) : std::vector<bf16_t>();
+    auto dtb = take<float>(Hv), na = take<float>(Hv);
+    std::vector<float> q((size_t)n * Hv * DK, NAN), k((size_t)n * Hv * DK, NAN),
+        v((size_t)n * Hv * dv, NAN), g((size_t)n * Hv, NAN), beta((size_t)n * Hv, NAN);
+    per_item((size_t)n * Hv, [&] {
+        if (bf) gdn_rule_inputs_bf16(u.data(), b16.data(), a16.data(), dtb.data(), na.data(), n, Hk, Hv, dv, q.data(), k.data(), v.data(), g.data(), beta.data());
+        else gdn_rule_inputs_f32(u.data(), b32.data(), a32.data(), dtb.data(), na.data(), n, Hk, Hv, dv, q.data(), k.data(), v.data(), g.data(), beta.data());
+    });
+    put(q); put(k); put(v); put(g); put(beta);
+    return 0;
+}
+static int gated_norm() {
+    auto head = take<int>(4);
+    int n = head[0], Hv = head[1], dv = head[2], bf = head[3];
+    float eps = take<float>(1)[0];
+    auto o = take<float>((size_t)n * Hv * dv);
+    auto z32 = bf ? std::vector<float>() : take<float>((size_t)n * Hv * dv);
+    auto z16 = bf ? take<bf16_t>((size_t)n * Hv * dv) : std::vector<bf16_t>();
+    auto w = take<float>(dv);
+    std::vector<float> y32((size_t)n * Hv * dv, NAN);
+    std::vector<bf16_t> y16((size_t)n * Hv * dv, 0xffff);
+    per_item((size_t)n * Hv, [&] {
+        if (bf) gdn_gated_norm_bf16(o.data(), z16.data(), w.data(), n, Hv, dv, eps, y16.data());
+        else gdn_gated_norm_f32(o.data(), z32.data(), w.data(), n, Hv, dv, eps, y32.data());
+    });
+    if (bf) put(y16); else put(y32);
+    return 0;
+}
+int main() {
+    int mode = take<int>(1)[0];
+    switch (mode) {
+        case 0: return tree();
+        case 1: return conv();
+        case 2: return rule_inputs();
+        case 3: return gated_norm();
+    }
+    return 2;
 }
 "#;
 
@@ -106,7 +181,7 @@ fn emulate(
 ) -> (Option<Vec<f32>>, Vec<f32>) {
     let (t, h, dk) = x.k.dims3().unwrap();
     let dv = x.v.dim(2).unwrap();
-    let mut input = bytes_i32(&[t as i32, h as i32, dk as i32, dv as i32, outputs as i32]);
+    let mut input = bytes_i32(&[0, t as i32, h as i32, dk as i32, dv as i32, outputs as i32]);
     input.extend(bytes_i32(
         &parents.iter().map(|&p| p as i32).collect::<Vec<_>>(),
     ));
@@ -243,4 +318,193 @@ fn kept_states_are_the_nodes_a_later_non_adjacent_child_reads() {
         kept_states(&[-1, 0, 1, 0, 1]),
         [true, true, false, false, false]
     );
+}
+
+/// Runs the emulated kernels of `exe` on `input` (mode word first); the f32 words it prints.
+fn run(exe: &std::path::Path, input: &[u8]) -> Vec<u8> {
+    let mut child = Command::new(exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    o.stdout
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Values as the kernel's compute dtype sees them: f32 as is, or rounded to bf16 (its bits).
+fn compute_dtype(v: &[f32], bf16: bool) -> (Vec<f32>, Vec<u8>) {
+    if !bf16 {
+        return (v.to_vec(), f32s(v));
+    }
+    let b: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+    (
+        b.iter().map(|x| x.to_f32()).collect(),
+        b.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+    )
+}
+
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: sizes");
+    let scale = want.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(err <= tol * scale, "{what}: off by {err} (scale {scale})");
+}
+
+/// `n` draws uniform in (−1, 1).
+fn uniform(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The layer kernels around the rule (convolution + SiLU along a tree's ancestors, the rule's
+/// inputs from the convolved rows and the gate projections, the gated RMSNorm) against plain host
+/// loops of the map `dflash_models::gated_deltanet` computes, in f32 and bf16.
+#[test]
+fn the_layer_kernels_compute_the_host_composite() {
+    let dir = tempfile::tempdir().unwrap();
+    let dk = 16;
+    let exe = build(dir.path(), dk);
+    let (hk, hv, dv, kw) = (2usize, 4usize, 24usize, 4usize);
+    let c = 2 * hk * dk + hv * dv;
+    let parents: Vec<i64> = vec![-1, 0, 1, 0, 3, 1, -1, 6];
+    let n = parents.len();
+    let raw = uniform(n * c, 3); // [n, c]
+    let cs = uniform((kw - 1) * c, 4);
+    let w = uniform(c * kw, 5);
+    for bf16 in [false, true] {
+        let (xv, xb) = compute_dtype(&raw, bf16);
+        // the convolution
+        let mut input = bytes_i32(&[1, n as i32, c as i32, kw as i32, bf16 as i32]);
+        input.extend(xb);
+        input.extend(f32s(&cs));
+        input.extend(f32s(&w));
+        input.extend(bytes_i32(
+            &parents.iter().map(|&p| p as i32).collect::<Vec<_>>(),
+        ));
+        let out = floats(&run(&exe, &input));
+        let (u, q32) = out.split_at(n * c);
+        let mut want = vec![0f32; n * c];
+        for i in 0..n {
+            for ch in 0..c {
+                let (mut node, mut back) = (i as i64, 0usize);
+                let mut win = vec![0f32; kw];
+                for j in (0..kw).rev() {
+                    win[j] = if node >= 0 {
+                        let x = xv[node as usize * c + ch];
+                        node = parents[node as usize];
+                        x
+                    } else {
+                        back += 1;
+                        cs[(kw - 1 - back) * c + ch]
+                    };
+                }
+                let acc = (0..kw).map(|j| win[j] * w[ch * kw + j]).sum::<f32>();
+                want[i * c + ch] = silu(acc);
+            }
+        }
+        close(u, &want, 1e-5, &format!("convolution (bf16 {bf16})"));
+        assert_eq!(q32, &xv[..], "the record's f32 inputs");
+        // the rule's inputs from u and the gates
+        let bg = uniform(2 * n * hv, 6);
+        let (b, a): (Vec<f32>, Vec<f32>) = bg.chunks(2).map(|p| (p[0] * 3.0, p[1] * 3.0)).unzip();
+        let (bv, bb) = compute_dtype(&b, bf16);
+        let (av, ab) = compute_dtype(&a, bf16);
+        let dt_bias: Vec<f32> = (0..hv).map(|h| 0.1 * h as f32 - 0.2).collect();
+        let neg_a: Vec<f32> = (0..hv).map(|h| -0.5 - h as f32).collect();
+        let mut input = bytes_i32(&[2, n as i32, hk as i32, hv as i32, dv as i32, bf16 as i32]);
+        input.extend(f32s(&want));
+        input.extend(bb);
+        input.extend(ab);
+        input.extend(f32s(&dt_bias));
+        input.extend(f32s(&neg_a));
+        let out = floats(&run(&exe, &input));
+        let (q, rest) = out.split_at(n * hv * dk);
+        let (k, rest) = rest.split_at(n * hv * dk);
+        let (v, rest) = rest.split_at(n * hv * dv);
+        let (g, beta) = rest.split_at(n * hv);
+        let (mut wq, mut wk, mut wv, mut wg, mut wb) = (vec![], vec![], vec![], vec![], vec![]);
+        for i in 0..n {
+            let row = &want[i * c..(i + 1) * c];
+            for h in 0..hv {
+                let kh = h / (hv / hk);
+                let norm = |x: &[f32]| {
+                    let ss: f32 = x.iter().map(|v| v * v).sum();
+                    let inv = 1.0 / (ss + 1e-6).sqrt();
+                    x.iter().map(|v| v * inv).collect::<Vec<f32>>()
+                };
+                let scale = (dk as f32).powf(-0.5);
+                wq.extend(norm(&row[kh * dk..(kh + 1) * dk]).iter().map(|x| x * scale));
+                wk.extend(norm(&row[(hk + kh) * dk..(hk + kh + 1) * dk]));
+                let v0 = 2 * hk * dk + h * dv;
+                wv.extend_from_slice(&row[v0..v0 + dv]);
+                let e = i * hv + h;
+                wb.push(1.0 / (1.0 + (-bv[e]).exp()));
+                let x = av[e] + dt_bias[h];
+                wg.push((x.max(0.0) + ((-x.abs()).exp() + 1.0).ln()) * neg_a[h]);
+            }
+        }
+        close(q, &wq, 1e-5, "q");
+        close(k, &wk, 1e-5, "k");
+        close(v, &wv, 0.0, "v");
+        close(g, &wg, 1e-5, "g");
+        close(beta, &wb, 1e-5, "beta");
+        // the gated norm
+        let o = &want[..n * hv * dv];
+        let (zv, zb) = compute_dtype(&want[n * c - n * hv * dv..], bf16);
+        let nw: Vec<f32> = (0..dv).map(|j| 0.5 + 0.05 * j as f32).collect();
+        let eps = 1e-6f32;
+        let mut input = bytes_i32(&[3, n as i32, hv as i32, dv as i32, bf16 as i32]);
+        input.extend(f32s(&[eps]));
+        input.extend(f32s(o));
+        input.extend(zb);
+        input.extend(f32s(&nw));
+        let bytes = run(&exe, &input);
+        let got: Vec<f32> = if bf16 {
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect()
+        } else {
+            floats(&bytes)
+        };
+        let mut wy = vec![];
+        for head in o.chunks(dv) {
+            let ms = head.iter().map(|x| x * x).sum::<f32>() / dv as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            let base = wy.len();
+            for (j, &x) in head.iter().enumerate() {
+                wy.push(x * inv * nw[j] * silu(zv[base + j]));
+            }
+        }
+        let tol = if bf16 { 8e-3 } else { 1e-5 };
+        close(&got, &wy, tol, &format!("gated norm (bf16 {bf16})"));
+    }
 }

@@ -21,6 +21,7 @@ use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use dflash_core::gated_delta::{self, DeltaInputs};
+use dflash_core::gated_delta_layer;
 use dflash_core::{RecurrentCache, RecurrentRecord, RecurrentState};
 
 /// Off the CPU and without the rule's CUDA kernel, causal blocks of at least this many tokens run
@@ -204,6 +205,9 @@ impl GatedDeltaNet {
         }
         gated_delta::tree_depths(parents)?;
         let is_chain = parents.iter().enumerate().all(|(i, &p)| p == i as i64 - 1);
+        if gated_delta_layer::layer_kernels_available(x.device(), dk, x.dtype(), k) {
+            return self.forward_tree_kernels(x, state, parents, is_chain);
+        }
         let qkv = self.in_proj_qkv.forward(x)?; // [n, C]
                                                 // causal depthwise convolution over [state ; qkv] along each token's ancestors, then SiLU
         let qkv = qkv.to_dtype(DType::F32)?;
@@ -323,6 +327,70 @@ impl GatedDeltaNet {
         Ok(DeltaForward {
             out: self.out_proj.forward(&y)?,
             record,
+            end,
+        })
+    }
+}
+
+impl GatedDeltaNet {
+    /// [`GatedDeltaNet::forward_tree`] on CUDA through the layer kernels
+    /// (`dflash_core::gated_delta_layer`): the same map in five launches around the projections.
+    fn forward_tree_kernels(
+        &self,
+        x: &Tensor,
+        state: &RecurrentState,
+        parents: &[i64],
+        is_chain: bool,
+    ) -> Result<DeltaForward> {
+        let s = self.shape;
+        let (n, _) = x.dims2()?;
+        let heads = gated_delta_layer::LayerHeads {
+            hk: s.key_heads,
+            hv: s.value_heads,
+            dk: s.key_dim,
+            dv: s.value_dim,
+        };
+        let r = gated_delta_layer::conv_and_rule_inputs(
+            &self.in_proj_qkv.forward(x)?,
+            &state.conv,
+            &self.conv1d,
+            &self.in_proj_b.forward(x)?,
+            &self.in_proj_a.forward(x)?,
+            &self.dt_bias,
+            &self.neg_a,
+            parents,
+            heads,
+        )?;
+        let inputs = DeltaInputs {
+            q: &r.q,
+            k: &r.k,
+            v: &r.v,
+            g: &r.g,
+            beta: &r.beta,
+        };
+        let (o, last) = gated_delta::tree_recurrent(&inputs, &state.ssm, parents)?;
+        let end = if is_chain {
+            let padded = Tensor::cat(&[&state.conv, &r.qkv], 0)?;
+            Some(RecurrentState {
+                conv: padded.narrow(0, n, s.conv_kernel - 1)?.contiguous()?,
+                ssm: last,
+            })
+        } else {
+            None
+        };
+        let y =
+            gated_delta_layer::gated_norm(&o, &self.in_proj_z.forward(x)?, &self.norm, self.eps)?;
+        Ok(DeltaForward {
+            out: self.out_proj.forward(&y)?,
+            record: RecurrentRecord {
+                start: state.clone(),
+                conv_in: r.qkv,
+                k: r.k,
+                v: r.v,
+                g: r.g,
+                beta: r.beta,
+                parents: parents.to_vec(),
+            },
             end,
         })
     }

@@ -1,0 +1,96 @@
+//! The Gated DeltaNet layer's ops around the gated delta rule ([`crate::gated_delta`]) as CUDA
+//! kernels (`gated_delta_kernels.cu`): the short convolution, q/k/v heads and gates before the
+//! rule, the gated RMSNorm after it — the host composite of `dflash_models::gated_deltanet` in
+//! three launches instead of some thirty candle ops.
+//!
+//! Invariants:
+//! - The same map as the host composite, computed in f32 whatever the compute dtype (bf16 inputs
+//!   widened exactly, outputs rounded to nearest even); checked against a host reference by
+//!   compiling the kernels as C++ (tests/gated_delta_kernel_emulated.rs) and, through the model,
+//!   against transformers on the GPU (reference fixtures).
+//! - CUDA only: [`layer_kernels_available`] says when they run; elsewhere the functions refuse.
+
+use crate::{CoreError, Result};
+use candle_core::{DType, Tensor};
+
+/// A Gated DeltaNet layer's head counts and dims (`linear_num_key_heads`, `…value_heads`,
+/// `…key_head_dim`, `…value_head_dim`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerHeads {
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// What [`conv_and_rule_inputs`] gives: the convolution's inputs in f32 (`[n, C]`, what a
+/// recurrent record keeps) and the rule's inputs (see [`crate::gated_delta::DeltaInputs`]).
+pub struct RuleInputs {
+    pub qkv: Tensor,
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+}
+
+/// Whether the layer kernels ([`conv_and_rule_inputs`], [`gated_norm`]) and the rule's kernel run
+/// for this device, key head dim and compute dtype (f32 or bf16) and convolution width (≤ 8).
+pub fn layer_kernels_available(
+    device: &candle_core::Device,
+    dk: usize,
+    dtype: DType,
+    conv_kernel: usize,
+) -> bool {
+    crate::gated_delta::kernel_available(device, dk)
+        && matches!(dtype, DType::F32 | DType::BF16)
+        && (2..=8).contains(&conv_kernel)
+}
+
+/// The Gated DeltaNet layer's ops between its input projections and the rule, in two CUDA
+/// launches: the causal depthwise convolution of `qkv` (`[n, C]`, compute dtype) along each
+/// token's ancestors (`parents`, as [`crate::gated_delta::tree_recurrent`] takes them; rows before a root come from
+/// `conv_state` `[K−1, C]`, newest last) with weight `conv_w` `[C, K]`, then SiLU; q and k
+/// l2-normalised per key head (q times `dk^-½`) and repeated to the value heads; v; β =
+/// sigmoid(`b`); g = softplus(`a` + `dt_bias`) · `neg_a` (`b`, `a` `[n, Hv]`). The same map as
+/// the host composite in `dflash_models::gated_deltanet` (tested against it on the GPU through
+/// the model, and against a host reference by emulation). CUDA only
+/// ([`layer_kernels_available`]).
+#[allow(clippy::too_many_arguments)]
+pub fn conv_and_rule_inputs(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    conv_w: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    dt_bias: &Tensor,
+    neg_a: &Tensor,
+    parents: &[i64],
+    heads: LayerHeads,
+) -> Result<RuleInputs> {
+    crate::gated_delta::tree_depths(parents)?;
+    #[cfg(feature = "cuda")]
+    if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), conv_w.dim(1)?) {
+        return crate::gated_delta_cuda::conv_and_rule_inputs(
+            qkv, conv_state, conv_w, b, a, dt_bias, neg_a, parents, heads,
+        );
+    }
+    let _ = (qkv, conv_state, conv_w, b, a, dt_bias, neg_a, heads);
+    Err(CoreError::InvalidInput(
+        "conv_and_rule_inputs: the layer kernels run on CUDA only".into(),
+    ))
+}
+
+/// The gated RMSNorm after the rule, one CUDA launch: `o` `[n, Hv, dv]` (f32) normed per value
+/// head (`1/sqrt(mean o² + eps)`), times `w` `[dv]`, times SiLU of the gate `z` `[n, Hv·dv]`;
+/// returned `[n, Hv·dv]` in `z`'s dtype. CUDA only ([`layer_kernels_available`]).
+pub fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if z.device().is_cuda() {
+        return crate::gated_delta_cuda::gated_norm(o, z, w, eps);
+    }
+    let _ = (o, z, w, eps);
+    Err(CoreError::InvalidInput(
+        "gated_norm: the layer kernels run on CUDA only".into(),
+    ))
+}
