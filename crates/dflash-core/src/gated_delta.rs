@@ -17,10 +17,11 @@
 //! - Both forms give the same outputs and final state up to f32 rounding (tested), from any
 //!   starting state; the state after token t of [`recurrent`]'s checkpoints is the state a
 //!   forward over tokens `0..=t` alone ends in, so rolling back to an accepted prefix is exact.
-//! - On CUDA (key head dim ≤ [`MAX_KERNEL_KEY_DIM`]) [`tree_recurrent`] and [`advance`] are one
-//!   launch of the same kernel (`gated_delta_kernels.cu`: a thread per state column, the host's
-//!   per-head arithmetic in the same order), so a state replayed along a path is computed as the
-//!   forward computed it; wider heads step through candle's ops ([`step`], shared the same way).
+//! - On CUDA (key head dim ≤ [`MAX_KERNEL_KEY_DIM`], a multiple of 4) [`tree_recurrent`] and
+//!   [`advance`] are one launch of the same kernel (`gated_delta_kernels.cu`: a thread per state
+//!   column, the host's per-head arithmetic with its row sums split four ways), so a state
+//!   replayed along a path is computed as the forward computed it; other heads step through
+//!   candle's ops ([`step`], shared the same way).
 
 use crate::{CoreError, Result};
 use candle_core::{DType, Tensor, D};
@@ -276,10 +277,11 @@ pub fn kept_states(parents: &[i64]) -> Vec<bool> {
 pub const MAX_KERNEL_KEY_DIM: usize = 256;
 
 /// Whether [`tree_recurrent`] runs as one CUDA kernel launch on `device` for key head dim `dk`
-/// (a build with the `cuda` feature, a CUDA device, `dk` ≤ [`MAX_KERNEL_KEY_DIM`]). Then it beats
+/// (a build with the `cuda` feature, a CUDA device, `dk` ≤ [`MAX_KERNEL_KEY_DIM`] and a multiple
+/// of 4). Then it beats
 /// [`chunked`]'s dozens of small ops per chunk at every length, prefill included.
 pub fn kernel_available(device: &candle_core::Device, dk: usize) -> bool {
-    cfg!(feature = "cuda") && device.is_cuda() && dk <= MAX_KERNEL_KEY_DIM
+    cfg!(feature = "cuda") && device.is_cuda() && dk <= MAX_KERNEL_KEY_DIM && dk.is_multiple_of(4)
 }
 
 /// The rule over a token tree from `state`: node `i` continues from the state of its parent

@@ -8,8 +8,10 @@
 //   for an earlier node the host marked `keep`). Columns of S never interact in the rule
 //   (S ← α(I − βkkᵀ)S + βkvᵀ mixes rows only), so threads share nothing: no shared memory, no
 //   barriers, no warp shuffles. Each output element is written by exactly one thread.
-// - Per node and column, the arithmetic is the host's `step_head` / `read_head` in the same order
-//   (decay, then the prediction summed over rows 0..DK, then the write, then the read-out).
+// - Per node and column, the arithmetic is the host's `step_head` / `read_head` (decay, then the
+//   prediction summed over the rows, then the write, then the read-out), but each sum over the DK
+//   rows is four interleaved partial sums added pairwise (DK a multiple of 4): the GPU's result
+//   equals the host's up to f32 rounding, and a replay through this kernel equals the forward.
 // - `out` may be null (a replay that needs only the final state); `scratch` is read and written
 //   only for nodes marked `keep`.
 
@@ -57,22 +59,25 @@ extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_f32(
         const size_t th = (size_t)i * H + h;
         const float alpha = expf(g[th]);
         const float* kk = k + th * DK;
-        float pred = 0.0f;
+        // sums over the rows in four interleaved partial sums (row r into sum r mod 4): a chain
+        // of DK / 4 dependent adds instead of DK
+        float pred[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int r = 0; r < DK; ++r) {
             s[r] *= alpha;
-            pred += kk[r] * s[r];
+            pred[r & 3] += kk[r] * s[r];
         }
-        const float d = beta[th] * (v[th * dv + j] - pred);
+        const float d =
+            beta[th] * (v[th * dv + j] - ((pred[0] + pred[1]) + (pred[2] + pred[3])));
         // the write and the read-out in one pass (out null: the write alone)
         const float* qq = q + th * DK;
-        float o = 0.0f;
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int r = 0; r < DK; ++r) {
             s[r] += RELOAD(kk + r) * d;
-            if (out) o += qq[r] * s[r];
+            if (out) o[r & 3] += qq[r] * s[r];
         }
-        if (out) out[th * dv + j] = o;
+        if (out) out[th * dv + j] = (o[0] + o[1]) + (o[2] + o[3]);
         if (keep[i]) {
             float* dst = scratch + th * head;
 #pragma unroll
