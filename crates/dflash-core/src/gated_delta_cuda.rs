@@ -152,19 +152,17 @@ fn dtype_suffix(t: &Tensor, what: &str) -> Result<&'static str> {
 }
 
 /// See [`crate::gated_delta_layer::conv_and_rule_inputs`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn conv_and_rule_inputs(
     qkv: &Tensor,
     conv_state: &Tensor,
-    conv_w: &Tensor,
     b: &Tensor,
     a: &Tensor,
-    dt_bias: &Tensor,
-    neg_a: &Tensor,
     parents: &[i64],
+    w: crate::gated_delta_layer::LayerWeights,
     heads: crate::gated_delta_layer::LayerHeads,
 ) -> Result<crate::gated_delta_layer::RuleInputs> {
     let crate::gated_delta_layer::LayerHeads { hk, hv, dk, dv } = heads;
+    let (conv_w, dt_bias, neg_a) = (w.conv_w, w.dt_bias, w.neg_a);
     let (n, c) = qkv.dims2()?;
     let k = conv_w.dim(1)?;
     let sfx = dtype_suffix(qkv, "conv_and_rule_inputs")?;

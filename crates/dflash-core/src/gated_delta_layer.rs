@@ -34,6 +34,15 @@ pub struct RuleInputs {
     pub beta: Tensor,
 }
 
+/// The layer's own weights the kernels read: the convolution `[C, K]`, `dt_bias` and
+/// `−exp(A_log)` `[Hv]` (any float dtype; read in f32).
+#[derive(Clone, Copy)]
+pub struct LayerWeights<'a> {
+    pub conv_w: &'a Tensor,
+    pub dt_bias: &'a Tensor,
+    pub neg_a: &'a Tensor,
+}
+
 /// Whether the layer kernels ([`conv_and_rule_inputs`], [`gated_norm`]) and the rule's kernel run
 /// for this device, key head dim and compute dtype (f32 or bf16) and convolution width (≤ 8).
 pub fn layer_kernels_available(
@@ -50,32 +59,29 @@ pub fn layer_kernels_available(
 /// The Gated DeltaNet layer's ops between its input projections and the rule, in two CUDA
 /// launches: the causal depthwise convolution of `qkv` (`[n, C]`, compute dtype) along each
 /// token's ancestors (`parents`, as [`crate::gated_delta::tree_recurrent`] takes them; rows before a root come from
-/// `conv_state` `[K−1, C]`, newest last) with weight `conv_w` `[C, K]`, then SiLU; q and k
-/// l2-normalised per key head (q times `dk^-½`) and repeated to the value heads; v; β =
-/// sigmoid(`b`); g = softplus(`a` + `dt_bias`) · `neg_a` (`b`, `a` `[n, Hv]`). The same map as
+/// `conv_state` `[K−1, C]`, newest last) with the weight `w.conv_w` `[C, K]`, then SiLU; q and
+/// k l2-normalised per key head (q times `dk^-½`) and repeated to the value heads; v; β =
+/// sigmoid(`b`); g = softplus(`a` + `w.dt_bias`) · `w.neg_a` (`b`, `a` `[n, Hv]`). The same map as
 /// the host composite in `dflash_models::gated_deltanet` (tested against it on the GPU through
 /// the model, and against a host reference by emulation). CUDA only
 /// ([`layer_kernels_available`]).
-#[allow(clippy::too_many_arguments)]
 pub fn conv_and_rule_inputs(
     qkv: &Tensor,
     conv_state: &Tensor,
-    conv_w: &Tensor,
     b: &Tensor,
     a: &Tensor,
-    dt_bias: &Tensor,
-    neg_a: &Tensor,
     parents: &[i64],
+    w: LayerWeights,
     heads: LayerHeads,
 ) -> Result<RuleInputs> {
     crate::gated_delta::tree_depths(parents)?;
     #[cfg(feature = "cuda")]
-    if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), conv_w.dim(1)?) {
+    if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
         return crate::gated_delta_cuda::conv_and_rule_inputs(
-            qkv, conv_state, conv_w, b, a, dt_bias, neg_a, parents, heads,
+            qkv, conv_state, b, a, parents, w, heads,
         );
     }
-    let _ = (qkv, conv_state, conv_w, b, a, dt_bias, neg_a, heads);
+    let _ = (qkv, conv_state, b, a, w, heads);
     Err(CoreError::InvalidInput(
         "conv_and_rule_inputs: the layer kernels run on CUDA only".into(),
     ))

@@ -194,20 +194,7 @@ fn emulate(
     for a in [x.q, x.k, x.v, x.g, x.beta, state] {
         input.extend(bytes_f32(a));
     }
-    let mut child = Command::new(exe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(&input).unwrap();
-    let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let f: Vec<f32> = o
-        .stdout
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    let f = floats(&run(exe, &input));
     let n_out = if outputs { t * h * dv } else { 0 };
     assert_eq!(f.len(), n_out + h * dk * dv, "output size");
     let out = outputs.then(|| f[..n_out].to_vec());
@@ -217,16 +204,10 @@ fn emulate(
 /// Random rule inputs of `t` tokens (q, k l2-normalised, g ≤ 0, β in (0, 1)) and a state.
 fn inputs(t: usize, h: usize, dk: usize, dv: usize, seed: u64) -> (Vec<Tensor>, Tensor) {
     let dev = Device::Cpu;
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut rnd = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0
-            })
-            .collect()
+    let mut next_seed = seed;
+    let mut rnd = |n: usize| {
+        next_seed = next_seed.wrapping_add(0x51_7cc1);
+        uniform(n, next_seed)
     };
     let mut t3 = |d: usize| Tensor::from_vec(rnd(t * h * d), (t, h, d), &dev).unwrap();
     let q = gated_delta::l2norm(&t3(dk)).unwrap();

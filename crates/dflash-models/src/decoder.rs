@@ -287,13 +287,13 @@ enum GateUp {
     Fused(Linear),
 }
 
-struct Mlp {
+pub(crate) struct Mlp {
     gate_up: GateUp,
     down_proj: Linear,
 }
 
 impl Mlp {
-    fn new(cfg: &DecoderConfig, vb: VarBuilder, fused: bool) -> Result<Self> {
+    pub(crate) fn new(cfg: &DecoderConfig, vb: VarBuilder, fused: bool) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let (gate_proj, up_proj) = (
             linear(&vb, h, i, "gate_proj")?,
@@ -310,7 +310,7 @@ impl Mlp {
             down_proj: linear(&vb, i, h, "down_proj")?,
         })
     }
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = match &self.gate_up {
             GateUp::Separate { gate_proj, up_proj } => {
                 (candle_nn::ops::silu(&project(gate_proj, x)?)? * project(up_proj, x)?)?

@@ -350,15 +350,18 @@ impl GatedDeltaNet {
             dk: s.key_dim,
             dv: s.value_dim,
         };
+        let weights = gated_delta_layer::LayerWeights {
+            conv_w: &self.conv1d,
+            dt_bias: &self.dt_bias,
+            neg_a: &self.neg_a,
+        };
         let r = gated_delta_layer::conv_and_rule_inputs(
             &self.in_proj_qkv.forward(x)?,
             &state.conv,
-            &self.conv1d,
             &self.in_proj_b.forward(x)?,
             &self.in_proj_a.forward(x)?,
-            &self.dt_bias,
-            &self.neg_a,
             parents,
+            weights,
             heads,
         )?;
         let inputs = DeltaInputs {

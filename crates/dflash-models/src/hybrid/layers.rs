@@ -1,5 +1,6 @@
-//! The pieces of a Qwen3.5 / Qwen3.6 decoder layer other than Gated DeltaNet: the zero-centred
-//! RMSNorm, the gated full-attention layer and the SiLU-gated MLP.
+//! The pieces of a Qwen3.5 / Qwen3.6 decoder layer other than Gated DeltaNet and the MLP (the
+//! dense decoder's, gate and up stacked on CUDA): the zero-centred RMSNorm and the gated
+//! full-attention layer.
 //!
 //! Invariants:
 //! - Every norm of these models (decoder, q/k, final) computes `rmsnorm(x)·(1 + w)` with a
@@ -140,29 +141,6 @@ impl GatedAttention {
             None => o,
         };
         project(&self.o_proj, &o)
-    }
-}
-
-/// The SiLU-gated MLP (`mlp.gate_proj`, `up_proj`, `down_proj`).
-pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-}
-
-impl Mlp {
-    pub fn new(hidden: usize, intermediate: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            gate_proj: linear(&vb, hidden, intermediate, "gate_proj")?,
-            up_proj: linear(&vb, hidden, intermediate, "up_proj")?,
-            down_proj: linear(&vb, intermediate, hidden, "down_proj")?,
-        })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h =
-            (candle_nn::ops::silu(&project(&self.gate_proj, x)?)? * project(&self.up_proj, x)?)?;
-        project(&self.down_proj, &h)
     }
 }
 

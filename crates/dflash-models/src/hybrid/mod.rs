@@ -24,6 +24,7 @@
 pub mod layers;
 
 use crate::config::DecoderConfig;
+use crate::decoder::Mlp;
 use crate::gated_deltanet::GatedDeltaNet;
 use crate::target::{
     BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
@@ -32,7 +33,7 @@ use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
 use dflash_core::{AttentionMask, Grad, LayerCache, RotaryEmbedding, SequenceCache};
-use layers::{unsupported_mask, zero_centred_norm, GatedAttention, Mlp, Rope, ZeroCentredNorm};
+use layers::{unsupported_mask, zero_centred_norm, GatedAttention, Rope, ZeroCentredNorm};
 
 /// A layer's token mixer.
 enum Mixer {
@@ -79,6 +80,8 @@ impl HybridDecoder {
         let embed_w = m.get((cfg.vocab_size, h), "embed_tokens.weight")?;
         let recurrent = cfg.recurrent_layers();
         let heads = (cfg.num_attention_heads, cfg.num_kv_heads(), cfg.head_dim());
+        // on CUDA, gate and up as one GEMM and one silu·mul kernel (the dense decoder's MLP)
+        let fused_mlp = dflash_core::decode_ops::fused_decode(vb.device());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, &rec) in recurrent.iter().enumerate() {
             let l = m.pp(format!("layers.{i}"));
@@ -99,7 +102,7 @@ impl HybridDecoder {
             };
             layers.push(HybridLayer {
                 mixer,
-                mlp: Mlp::new(h, cfg.intermediate_size, l.pp("mlp"))?,
+                mlp: Mlp::new(cfg, l.pp("mlp"), fused_mlp)?,
                 input_layernorm: zero_centred_norm(l.pp("input_layernorm"), h, eps)?,
                 post_attention_layernorm: zero_centred_norm(
                     l.pp("post_attention_layernorm"),
