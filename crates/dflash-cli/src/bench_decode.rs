@@ -52,7 +52,8 @@ const LOOP_ROUNDS: usize = 3;
 
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
-    /// Named shape: tiny, smollm2-135m, qwen3-0.6b, qwen3-8b (default smollm2-135m).
+    /// Named shape: tiny, smollm2-135m, qwen3-0.6b, qwen3-8b, qwen3.5-4b, qwen3.6-27b (default
+    /// smollm2-135m).
     #[arg(long, conflicts_with = "target")]
     shape: Option<String>,
     /// An HF model directory whose config.json gives the shape (its weights are not read).
@@ -369,6 +370,17 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         t,
     );
 
+    // hybrids: the state commit after that verify — half the block accepted, every Gated
+    // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
+    if let Some(t) = state_commit(target, &mut cache, &block, &block_pos, &taps, context, &a)? {
+        push(
+            &mut ops,
+            "state_commit".into(),
+            format!("state commit ({} of {} kept)", block.len() / 2, block.len()),
+            t,
+        );
+    }
+
     // verify of DDTree trees, as spec.rs's DDTree step (compaction included)
     let mut tree_info = Map::new();
     for &w in &widths {
@@ -461,6 +473,54 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     });
     print_table(&ops, floor, bytes, &bw);
     write_report(&report, a.out.as_deref())
+}
+
+/// For a target with recurrent layers: per round, the verify of `block` (untimed), then the
+/// crop to half of it and every recurrent layer's state materialised (timed, between device
+/// synchronisations), then the crop back to `context`. `None` for attention-only targets.
+fn state_commit(
+    target: &dyn TargetModel,
+    cache: &mut dflash_core::SequenceCache,
+    block: &[u32],
+    block_pos: &[u32],
+    taps: &[usize],
+    context: usize,
+    a: &DecodeArgs,
+) -> Result<Option<Timing>> {
+    use dflash_core::LayerCache;
+    if !cache
+        .layers
+        .iter()
+        .any(|l| matches!(l, LayerCache::Recurrent(_)))
+    {
+        return Ok(None);
+    }
+    let dev = cache.device().clone();
+    let mut v = vec![];
+    for round in 0..a.warmup + a.rounds {
+        let req = ForwardRequest {
+            tokens: block,
+            positions: block_pos,
+            mask: AttentionMask::Causal,
+            taps,
+            logits: LogitRows::All,
+        };
+        black_box(target.forward(&req, cache)?);
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        cache.crop(context + block.len() / 2);
+        for l in &mut cache.layers {
+            if let LayerCache::Recurrent(c) = l {
+                black_box(c.state()?);
+            }
+        }
+        dev.synchronize()?;
+        if round >= a.warmup {
+            v.push(t0.elapsed().as_secs_f64());
+        }
+        cache.crop(context);
+    }
+    Ok(Some(Timing::of(v)))
 }
 
 /// The loop rows (see the module invariants): seconds per step of AR, DFlash and DDTree-64
@@ -582,6 +642,7 @@ fn report(r: &ReportIn) -> Value {
         "sampled_step_ms": get("sampled_step").map(ms),
         "verify_ms": verify,
         "draft_block_ms": get("draft_block").map(ms),
+        "state_commit_ms": get("state_commit").map(ms),
         "tree_build_ms": ms(tree_build),
         "tree_build_budget": DEFAULT_TREE_BUDGET,
         "tree_topk_ms": get(&format!("tree_topk.{DEFAULT_TREE_BUDGET}")).map(ms),

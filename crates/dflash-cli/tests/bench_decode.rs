@@ -121,10 +121,14 @@ fn target_config_gives_the_shape() {
 }
 
 /// A Qwen3.5 hybrid's config (Gated DeltaNet and gated full-attention layers): every op runs on
-/// its recurrent caches, and the report names the architecture.
+/// its recurrent caches, the report names the architecture and times the state commit (a dense
+/// target has none).
 #[test]
 fn hybrid_target_config_runs() {
-    assert_eq!(bench_fixture("tiny-qwen3.5")["architecture"], "qwen3_5");
+    let r = bench_fixture("tiny-qwen3.5");
+    assert_eq!(r["architecture"], "qwen3_5");
+    assert!(r["state_commit_ms"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(bench_fixture("tiny-qwen3")["state_commit_ms"].is_null());
 }
 
 #[test]
