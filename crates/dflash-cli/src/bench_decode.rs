@@ -476,8 +476,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 }
 
 /// For a target with recurrent layers: per round, the verify of `block` (untimed), then the
-/// crop to half of it and every recurrent layer's state materialised (timed, between device
-/// synchronisations), then the crop back to `context`. `None` for attention-only targets.
+/// crop to half of it and every recurrent layer's state settled as the next forward settles it
+/// (`SequenceCache::settle_recurrent`; timed, between device synchronisations), then the crop
+/// back to `context`. `None` for attention-only targets.
 fn state_commit(
     target: &dyn TargetModel,
     cache: &mut dflash_core::SequenceCache,
@@ -509,11 +510,7 @@ fn state_commit(
         dev.synchronize()?;
         let t0 = Instant::now();
         cache.crop(context + block.len() / 2);
-        for l in &mut cache.layers {
-            if let LayerCache::Recurrent(c) = l {
-                black_box(c.state()?);
-            }
-        }
+        cache.settle_recurrent()?;
         dev.synchronize()?;
         if round >= a.warmup {
             v.push(t0.elapsed().as_secs_f64());

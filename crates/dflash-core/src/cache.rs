@@ -264,6 +264,22 @@ impl SequenceCache {
         }
     }
 
+    /// Makes every recurrent layer's state at the cache's length concrete — the replays a crop
+    /// or a path compaction left pending — all layers at once
+    /// ([`crate::recurrent_cache::settle_replays`]: one kernel launch on CUDA). A forward calls it
+    /// first; otherwise each layer would replay alone on first use (the same states).
+    pub fn settle_recurrent(&mut self) -> Result<()> {
+        let mut rec: Vec<&mut RecurrentCache> = self
+            .layers
+            .iter_mut()
+            .filter_map(|l| match l {
+                LayerCache::Recurrent(c) => Some(c),
+                LayerCache::Attention(_) => None,
+            })
+            .collect();
+        crate::recurrent_cache::settle_replays(&mut rec)
+    }
+
     pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
         #[cfg(feature = "cuda")]
         if self.device.is_cuda() && self.keep_rows_on_device(base, rows)? {

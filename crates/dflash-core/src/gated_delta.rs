@@ -416,6 +416,34 @@ pub fn advance(
     Ok(s.squeeze(0)?)
 }
 
+/// One layer's replay for [`advance_layers`]: tokens `k`, `v`, `g`, `beta` (`[T, H, ·]`, f32)
+/// fed one by one from `state`.
+#[derive(Clone, Copy)]
+pub struct AdvanceJob<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub beta: &'a Tensor,
+    pub state: &'a Tensor,
+}
+
+/// [`advance`] for many layers of one shape and token count at once — the state commit of every
+/// recurrent layer after a verify: one kernel launch on CUDA (the same code as the forward's, so
+/// each state is the one [`advance`] gives, bit for bit), [`advance`] per job elsewhere.
+pub fn advance_layers(jobs: &[AdvanceJob]) -> Result<Vec<Tensor>> {
+    let Some(first) = jobs.first() else {
+        return Ok(vec![]);
+    };
+    #[cfg(feature = "cuda")]
+    if first.k.dim(0)? > 0 && kernel_available(first.state.device(), first.k.dim(2)?) {
+        return crate::gated_delta_cuda::advance_layers(jobs);
+    }
+    let _ = first;
+    jobs.iter()
+        .map(|j| advance(j.k, j.v, j.g, j.beta, j.state))
+        .collect()
+}
+
 /// `[n, n]` lower-triangular ones (diagonal included when `diag`).
 fn tril(n: usize, diag: bool, device: &candle_core::Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..n * n)

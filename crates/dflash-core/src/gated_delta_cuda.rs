@@ -42,6 +42,60 @@ fn ptx(dk: usize) -> candle_core::Result<String> {
         .map_err(candle_core::Error::Msg)
 }
 
+/// One layer's arguments of the rule's kernel (device addresses; 0 for null).
+struct LayerArgs {
+    q: u64,
+    k: u64,
+    v: u64,
+    g: u64,
+    beta: u64,
+    state: u64,
+    parents: u64,
+    keep: u64,
+    out: u64,
+    scratch: u64,
+    last: u64,
+}
+
+/// Launches `gated_delta_tree_layers_f32` over `layers` (one pointer table upload, one launch):
+/// each layer's tree of `t` tokens, `h` heads, key dim `dk`, value dim `dv`. `meta` is a u32
+/// buffer of at least `22 · L + extra.len()` words; `extra` (parents and kept flags) is copied
+/// right after the table, at the addresses `layers` name.
+fn launch_layers(
+    meta: &Tensor,
+    layers: &[LayerArgs],
+    extra: &[u32],
+    (t, h, dk, dv): (usize, usize, usize, usize),
+) -> Result<()> {
+    let mut words = Vec::with_capacity(22 * layers.len() + extra.len());
+    for l in layers {
+        for p in [
+            l.q, l.k, l.v, l.g, l.beta, l.state, l.parents, l.keep, l.out, l.scratch, l.last,
+        ] {
+            words.push(p as u32);
+            words.push((p >> 32) as u32);
+        }
+    }
+    words.extend_from_slice(extra);
+    crate::step_cuda::upload_meta(meta, &words)?;
+    let (mp, dev) = address(meta, "gated delta pointer table")?;
+    let (ti, hi, dvi) = (t as i32, h as i32, dv as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (dv.div_ceil(THREADS) as u32, h as u32, layers.len() as u32),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let module = format!("dflash_gated_delta_dk{dk}");
+    let f = dev.get_or_load_custom_func("gated_delta_tree_layers_f32", &module, &ptx(dk)?)?;
+    let mut b = f.builder();
+    b.arg(&mp).arg(&ti).arg(&hi).arg(&dvi);
+    // SAFETY: the table holds, per layer, device addresses of live contiguous tensors of the sizes
+    // the kernel reads and writes (or 0 where the kernel checks for null); `meta` outlives the
+    // launch on this stream.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
 /// The rule over the tree `parents` from `state` on the device: the outputs `[T, H, dv]` (when
 /// `outputs`) and the state after the last node `[H, dk, dv]`. `parents` must already be checked
 /// (`tree_depths`); `x.q` is not read without `outputs`.
@@ -64,16 +118,10 @@ pub(crate) fn tree_recurrent(
     let dev_t = state.device();
     let c = |a: &Tensor| a.to_dtype(DType::F32).and_then(|a| a.contiguous());
     let (q, k, v, g, beta, s0) = (c(x.q)?, c(x.k)?, c(x.v)?, c(x.g)?, c(x.beta)?, c(state)?);
-    // parents then the kept flags, one upload
     let keep = kept_states(parents);
     let any_kept = keep.iter().any(|&b| b);
-    let words: Vec<u32> = parents
-        .iter()
-        .map(|&p| p as i32 as u32)
-        .chain(keep.iter().map(|&b| b as u32))
-        .collect();
-    let meta = Tensor::from_vec(words, 2 * t, dev_t)?;
-    // SAFETY (all three): every element the kernel's readers see is written by it first.
+    // SAFETY (all four): every element a reader sees is written first (the table and flags by
+    // the upload, the rest by the kernel).
     let out = if outputs {
         Some(unsafe { Tensor::empty((t, h, dv), DType::F32, dev_t)? })
     } else {
@@ -85,51 +133,77 @@ pub(crate) fn tree_recurrent(
         None
     };
     let last = unsafe { Tensor::empty((h, dk, dv), DType::F32, dev_t)? };
-    let (qp, dev) = address(if outputs { &q } else { &k }, "gated delta q")?;
-    let (kp, _) = address(&k, "gated delta k")?;
-    let (vp, _) = address(&v, "gated delta v")?;
-    let (gp, _) = address(&g, "gated delta g")?;
-    let (bp, _) = address(&beta, "gated delta beta")?;
-    let (sp, _) = address(&s0, "gated delta state")?;
-    let (mp, _) = address(&meta, "gated delta parents")?;
-    let kp_flags = mp + 4 * t as u64;
-    let op = match &out {
-        Some(o) => address(o, "gated delta out")?.0,
-        None => 0u64,
+    let meta = unsafe { Tensor::empty(22 + 2 * t, DType::U32, dev_t)? };
+    let (base, _) = address(&meta, "gated delta pointer table")?;
+    let ptr = |x: &Tensor, what: &str| address(x, what).map(|p| p.0);
+    let opt = |x: &Option<Tensor>, what: &str| x.as_ref().map_or(Ok(0), |x| ptr(x, what));
+    let args = LayerArgs {
+        q: ptr(if outputs { &q } else { &k }, "gated delta q")?,
+        k: ptr(&k, "gated delta k")?,
+        v: ptr(&v, "gated delta v")?,
+        g: ptr(&g, "gated delta g")?,
+        beta: ptr(&beta, "gated delta beta")?,
+        state: ptr(&s0, "gated delta state")?,
+        parents: base + 88,
+        keep: base + 88 + 4 * t as u64,
+        out: opt(&out, "gated delta out")?,
+        scratch: opt(&scratch, "gated delta scratch")?,
+        last: ptr(&last, "gated delta state out")?,
     };
-    let scp = match &scratch {
-        Some(s) => address(s, "gated delta scratch")?.0,
-        None => 0u64,
-    };
-    let (lp, _) = address(&last, "gated delta state out")?;
-    let (ti, hi, dvi) = (t as i32, h as i32, dv as i32);
-    let cfg = LaunchConfig {
-        grid_dim: (dv.div_ceil(THREADS) as u32, h as u32, 1),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let module = format!("dflash_gated_delta_dk{dk}");
-    let f = dev.get_or_load_custom_func("gated_delta_tree_f32", &module, &ptx(dk)?)?;
-    let mut b = f.builder();
-    b.arg(&qp)
-        .arg(&kp)
-        .arg(&vp)
-        .arg(&gp)
-        .arg(&bp)
-        .arg(&sp)
-        .arg(&mp)
-        .arg(&kp_flags)
-        .arg(&op)
-        .arg(&scp)
-        .arg(&lp)
-        .arg(&ti)
-        .arg(&hi)
-        .arg(&dvi);
-    // SAFETY: arguments in the kernel's order and types; device addresses of live contiguous
-    // tensors of the sizes it reads and writes (the scratch exists whenever a node is kept; out
-    // is null only without outputs, which the kernel checks).
-    unsafe { b.launch(cfg) }.w()?;
+    let extra: Vec<u32> = parents
+        .iter()
+        .map(|&p| p as i32 as u32)
+        .chain(keep.iter().map(|&b| b as u32))
+        .collect();
+    launch_layers(&meta, &[args], &extra, (t, h, dk, dv))?;
     Ok((out, last))
+}
+
+/// See [`crate::gated_delta::advance_layers`]: every job's chain of `t` tokens in one launch.
+pub(crate) fn advance_layers(jobs: &[crate::gated_delta::AdvanceJob]) -> Result<Vec<Tensor>> {
+    let first = jobs.first().expect("the caller passes at least one job");
+    let (t, h, dk) = first.k.dims3()?;
+    let dv = first.v.dim(2)?;
+    let dev_t = first.state.device();
+    let c = |a: &Tensor| a.to_dtype(DType::F32).and_then(|a| a.contiguous());
+    let mut kept = Vec::with_capacity(jobs.len()); // the inputs, alive until the launch is queued
+    let mut outs = Vec::with_capacity(jobs.len());
+    let mut args = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        if j.k.dims() != [t, h, dk] || j.v.dims() != [t, h, dv] || j.state.dims() != [h, dk, dv] {
+            return Err(CoreError::InvalidInput(format!(
+                "advance_layers: k {:?}, v {:?}, state {:?} beside k {:?}",
+                j.k.dims(),
+                j.v.dims(),
+                j.state.dims(),
+                first.k.dims()
+            )));
+        }
+        let (k, v, g, beta, s0) = (c(j.k)?, c(j.v)?, c(j.g)?, c(j.beta)?, c(j.state)?);
+        // SAFETY: written by the kernel before anything reads it.
+        let last = unsafe { Tensor::empty((h, dk, dv), DType::F32, dev_t)? };
+        let ptr = |x: &Tensor| address(x, "advance_layers").map(|p| p.0);
+        args.push(LayerArgs {
+            q: ptr(&k)?,
+            k: ptr(&k)?,
+            v: ptr(&v)?,
+            g: ptr(&g)?,
+            beta: ptr(&beta)?,
+            state: ptr(&s0)?,
+            parents: 0,
+            keep: 0,
+            out: 0,
+            scratch: 0,
+            last: ptr(&last)?,
+        });
+        kept.push((k, v, g, beta, s0));
+        outs.push(last);
+    }
+    // SAFETY: the upload writes the whole table before the kernel reads it.
+    let meta = unsafe { Tensor::empty(22 * jobs.len(), DType::U32, dev_t)? };
+    launch_layers(&meta, &args, &[], (t, h, dk, dv))?;
+    drop(kept);
+    Ok(outs)
 }
 
 /// Launch configuration of a thread per item (`items` threads in blocks of 128).

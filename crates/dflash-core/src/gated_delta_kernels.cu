@@ -13,7 +13,8 @@
 //   rows is four interleaved partial sums added pairwise (DK a multiple of 4): the GPU's result
 //   equals the host's up to f32 rounding, and a replay through this kernel equals the forward.
 // - `out` may be null (a replay that needs only the final state); `scratch` is read and written
-//   only for nodes marked `keep`.
+//   only for nodes marked `keep`. `gated_delta_tree_layers_f32` runs it for many layers at once
+//   (the replay of every recurrent layer) through the same per-thread code.
 
 #ifndef DK
 #define DK 128
@@ -30,26 +31,25 @@ __device__ __forceinline__ float RELOAD(const float* p) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_f32(
+// The rule over the tree for thread (head h, column j) of one layer (see the invariants).
+__device__ __forceinline__ void gated_delta_tree(
     const float* __restrict__ q,       // [T, H, DK], l2-normalised and scaled
     const float* __restrict__ k,       // [T, H, DK], l2-normalised
     const float* __restrict__ v,       // [T, H, dv]
     const float* __restrict__ g,       // [T, H] log decay
     const float* __restrict__ beta,    // [T, H]
     const float* __restrict__ state,   // [H, DK, dv], the state every root continues from
-    const int* __restrict__ parents,   // [T], parents[i] < i, -1 for a root
+    const int* __restrict__ parents,   // [T], parents[i] < i, -1 for a root; null: a chain
     const int* __restrict__ keep,      // [T], 1: the node's state is read by a later node != i+1
     float* __restrict__ out,           // [T, H, dv] or null
     float* __restrict__ scratch,       // [T, H, DK, dv] (rows of kept nodes only)
     float* __restrict__ last,          // [H, DK, dv], the state after node T-1
-    int T, int H, int dv) {
-    const int h = blockIdx.y;
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= dv) return;
+    int T, int H, int dv, int h, int j) {
     const size_t head = (size_t)DK * dv;
     float s[DK];
+#pragma unroll 1
     for (int i = 0; i < T; ++i) {
-        const int p = parents[i];
+        const int p = parents ? parents[i] : i - 1;
         if (p != i - 1 || i == 0) {
             const float* src = p < 0 ? state + (size_t)h * head
                                      : scratch + ((size_t)p * H + h) * head;
@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_f32(
             if (out) o[r & 3] += qq[r] * s[r];
         }
         if (out) out[th * dv + j] = (o[0] + o[1]) + (o[2] + o[3]);
-        if (keep[i]) {
+        if (keep && keep[i]) {
             float* dst = scratch + th * head;
 #pragma unroll
             for (int r = 0; r < DK; ++r) dst[(size_t)r * dv + j] = s[r];
@@ -87,6 +87,24 @@ extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_f32(
     float* dst = last + (size_t)h * head;
 #pragma unroll
     for (int r = 0; r < DK; ++r) dst[(size_t)r * dv + j] = s[r];
+}
+
+// The one entry point of the rule: the tree for each of L layers at once (a forward: L = 1; the
+// replay of every recurrent layer after a verify: one chain per layer, same length). Layer
+// blockIdx.z reads the eleven arguments of `gated_delta_tree` (q, k, v, g, beta, state, parents,
+// keep, out, scratch, last; null parents: a chain, null keep: nothing kept, null out: no
+// outputs) from `ptrs` [L][11] at run time, so a forward and a replay run the very same code
+// and a replayed state is the forward's, bit for bit. (Specialised on compile-time nulls, the
+// chain replay spilled 608 bytes at DK 128.)
+extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_layers_f32(
+    const unsigned long long* __restrict__ ptrs, int T, int H, int dv) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= dv) return;
+    const unsigned long long* p = ptrs + (size_t)blockIdx.z * 11;
+    gated_delta_tree((const float*)p[0], (const float*)p[1], (const float*)p[2],
+                     (const float*)p[3], (const float*)p[4], (const float*)p[5],
+                     (const int*)p[6], (const int*)p[7], (float*)p[8], (float*)p[9],
+                     (float*)p[10], T, H, dv, blockIdx.y, j);
 }
 
 // ---------------------------------------------------------------------------------------------

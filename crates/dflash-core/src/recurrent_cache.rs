@@ -95,11 +95,68 @@ impl RecurrentRecord {
             &head(&self.beta)?,
             &self.start.ssm,
         )?;
-        let window = self.start.conv.dim(0)?;
-        let all = Tensor::cat(&[&self.start.conv, &head(&self.conv_in)?], 0)?;
-        let conv = all.narrow(0, all.dim(0)? - window, window)?.contiguous()?;
-        Ok(RecurrentState { conv, ssm })
+        Ok(RecurrentState {
+            conv: self.conv_after(n)?,
+            ssm,
+        })
     }
+
+    /// The convolution window after the first `n` tokens (a chain).
+    fn conv_after(&self, n: usize) -> Result<Tensor> {
+        let window = self.start.conv.dim(0)?;
+        let all = Tensor::cat(&[&self.start.conv, &self.conv_in.narrow(0, 0, n)?], 0)?;
+        Ok(all.narrow(0, all.dim(0)? - window, window)?.contiguous()?)
+    }
+}
+
+/// Settles the pending replays of many recurrent layers at once (what [`RecurrentCache::state`]
+/// does layer by layer): the delta-rule states of the layers whose replays keep the same number
+/// of tokens through one [`gated_delta::advance_layers`] (one launch on CUDA), the convolution
+/// windows per layer. The same states as layer by layer, bit for bit.
+pub fn settle_replays(caches: &mut [&mut RecurrentCache]) -> Result<()> {
+    let mut pending: Vec<(usize, usize)> = caches
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| match (&c.at, &c.last) {
+            (At::Replay(n), Some(_)) if *n > 0 => Some((*n, i)),
+            _ => None,
+        })
+        .collect();
+    pending.sort_unstable();
+    for group in pending.chunk_by(|a, b| a.0 == b.0) {
+        let n = group[0].0;
+        let heads: Vec<[Tensor; 4]> = group
+            .iter()
+            .map(|&(_, i)| {
+                let (_, rec) = caches[i].last.as_ref().expect("a replay has a record");
+                let head = |t: &Tensor| t.narrow(0, 0, n);
+                Ok([
+                    head(&rec.k)?,
+                    head(&rec.v)?,
+                    head(&rec.g)?,
+                    head(&rec.beta)?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        let jobs: Vec<gated_delta::AdvanceJob> = group
+            .iter()
+            .zip(&heads)
+            .map(|(&(_, i), [k, v, g, beta])| gated_delta::AdvanceJob {
+                k,
+                v,
+                g,
+                beta,
+                state: &caches[i].last.as_ref().expect("checked").1.start.ssm,
+            })
+            .collect();
+        let states = gated_delta::advance_layers(&jobs)?;
+        for (&(_, i), ssm) in group.iter().zip(states) {
+            let (_, rec) = caches[i].last.as_ref().expect("checked");
+            let conv = rec.conv_after(n)?;
+            caches[i].at = At::State(Some(RecurrentState { conv, ssm }));
+        }
+    }
+    Ok(())
 }
 
 /// Where the state at `len` comes from.
@@ -424,5 +481,44 @@ mod tests {
             small.commit(r, None),
             Err(CoreError::CacheOverflow { .. })
         ));
+    }
+
+    #[test]
+    fn settling_many_layers_at_once_gives_each_layers_own_replay() {
+        let s0 = start();
+        // four layers: two cropped inside a chain to 3 tokens, one compacted to a tree path of 3,
+        // one cropped to 2 (another group), and a fresh one (nothing pending)
+        let mut caches: Vec<RecurrentCache> = (0..5).map(|_| RecurrentCache::new(32)).collect();
+        let parents = [-1i64, 0, 0, 1, 2, 4];
+        for (i, c) in caches.iter_mut().enumerate().take(4) {
+            let rec = if i == 2 {
+                record(&parents, &s0, 20 + i as u64)
+            } else {
+                record(&[-1, 0, 1, 2, 3], &s0, 20 + i as u64)
+            };
+            c.commit(rec, None).unwrap();
+            match i {
+                2 => c.keep_rows(0, &[0, 2, 4]).unwrap(),
+                3 => c.crop(2),
+                _ => c.crop(3),
+            }
+        }
+        let mut alone = caches.clone();
+        let mut refs: Vec<&mut RecurrentCache> = caches.iter_mut().collect();
+        settle_replays(&mut refs).unwrap();
+        for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
+            assert!(
+                i == 4 || matches!(c.at, At::State(Some(_))),
+                "layer {i} settled"
+            );
+            match (c.state().unwrap(), a.state().unwrap()) {
+                (Some(x), Some(y)) => {
+                    assert_eq!(max_abs_diff(&x.ssm, &y.ssm), 0.0, "layer {i}");
+                    assert_eq!(max_abs_diff(&x.conv, &y.conv), 0.0, "layer {i}");
+                }
+                (None, None) => assert_eq!(i, 4),
+                _ => panic!("layer {i}: one settled, one not"),
+            }
+        }
     }
 }

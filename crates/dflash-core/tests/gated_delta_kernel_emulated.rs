@@ -50,6 +50,45 @@ template <class F> static void per_item(size_t items, F f) {
     for (unsigned bx = 0; bx < (items + 127) / 128; ++bx)
         for (unsigned tx = 0; tx < 128; ++tx) { blockIdx = {bx, 0, 0}; threadIdx = {tx, 0, 0}; f(); }
 }
+// the grid of gated_delta_cuda.rs's launch_layers: blocks of 32 threads, ceil(dv / 32) × H × L
+static void launch_layers(const unsigned long long* table, int L, int T, int H, int dv) {
+    const unsigned threads = 32;
+    blockDim = {threads, 1, 1};
+    for (unsigned bz = 0; bz < (unsigned)L; ++bz)
+        for (unsigned by = 0; by < (unsigned)H; ++by)
+            for (unsigned bx = 0; bx < (dv + threads - 1) / threads; ++bx)
+                for (unsigned tx = 0; tx < threads; ++tx) {
+                    blockIdx = {bx, by, bz};
+                    threadIdx = {tx, 0, 0};
+                    gated_delta_tree_layers_f32(table, T, H, dv);
+                }
+}
+// L layers' chains of T tokens at once, no outputs (advance_layers): per layer k, v, g, beta,
+// state in; the final states out
+static int chain_layers() {
+    auto head = take<int>(5);
+    int L = head[0], T = head[1], H = head[2], dk = head[3], dv = head[4];
+    if (dk != DK) { fprintf(stderr, "dk %d but DK %d\n", dk, DK); return 2; }
+    std::vector<std::vector<float>> in;
+    std::vector<std::vector<float>> last(L, std::vector<float>((size_t)H * dk * dv, NAN));
+    std::vector<unsigned long long> table;
+    for (int l = 0; l < L; ++l) {
+        in.push_back(take<float>((size_t)T * H * dk));
+        in.push_back(take<float>((size_t)T * H * dv));
+        in.push_back(take<float>((size_t)T * H));
+        in.push_back(take<float>((size_t)T * H));
+        in.push_back(take<float>((size_t)H * dk * dv));
+    }
+    for (int l = 0; l < L; ++l) {
+        auto p = [&](int i) { return (unsigned long long)in[5 * l + i].data(); };
+        unsigned long long row[11] = {p(0), p(0), p(1), p(2), p(3), p(4), 0, 0, 0, 0,
+                                      (unsigned long long)last[l].data()};
+        table.insert(table.end(), row, row + 11);
+    }
+    launch_layers(table.data(), L, T, H, dv);
+    for (auto& s : last) put(s);
+    return 0;
+}
 static int tree() {
     auto head = take<int>(5);
     int T = head[0], H = head[1], dk = head[2], dv = head[3], outputs = head[4];
@@ -62,18 +101,15 @@ static int tree() {
     auto state = take<float>((size_t)H * dk * dv);
     std::vector<float> out((size_t)T * H * dv, NAN), scratch((size_t)T * H * dk * dv, NAN),
         last((size_t)H * dk * dv, NAN);
-    const unsigned threads = 32;
-    blockDim = {threads, 1, 1};
-    for (unsigned by = 0; by < (unsigned)H; ++by)
-        for (unsigned bx = 0; bx < (dv + threads - 1) / threads; ++bx)
-            for (unsigned tx = 0; tx < threads; ++tx) {
-                blockIdx = {bx, by, 0};
-                threadIdx = {tx, 0, 0};
-                gated_delta_tree_f32(q.data(), k.data(), v.data(), g.data(), beta.data(),
-                                     state.data(), parents.data(), keep.data(),
-                                     outputs ? out.data() : nullptr, scratch.data(), last.data(),
-                                     T, H, dv);
-            }
+    // one layer through the pointer table, as gated_delta_cuda.rs launches it
+    unsigned long long table[11] = {
+        (unsigned long long)q.data(), (unsigned long long)k.data(), (unsigned long long)v.data(),
+        (unsigned long long)g.data(), (unsigned long long)beta.data(),
+        (unsigned long long)state.data(), (unsigned long long)parents.data(),
+        (unsigned long long)keep.data(),
+        outputs ? (unsigned long long)out.data() : 0ull,
+        (unsigned long long)scratch.data(), (unsigned long long)last.data()};
+    launch_layers(table, 1, T, H, dv);
     if (outputs) put(out);
     put(last);
     return 0;
@@ -137,6 +173,7 @@ int main() {
         case 1: return conv();
         case 2: return rule_inputs();
         case 3: return gated_norm();
+        case 4: return chain_layers();
     }
     return 2;
 }
@@ -487,5 +524,46 @@ fn the_layer_kernels_compute_the_host_composite() {
         }
         let tol = if bf16 { 8e-3 } else { 1e-5 };
         close(&got, &wy, tol, &format!("gated norm (bf16 {bf16})"));
+    }
+}
+
+/// The replay of many layers in one launch (`advance_layers` on CUDA: the table of L layers, no
+/// outputs) gives each layer the host's `advance`, and exactly the bits the one-layer forward of
+/// the same chain (with outputs) ends in.
+#[test]
+fn the_many_layer_replay_is_each_layers_advance_and_the_forwards_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dk, dv, h, t, layers) = (16usize, 40usize, 3usize, 6usize, 3usize);
+    let exe = build(dir.path(), dk);
+    let chain: Vec<i64> = (0..t as i64).map(|i| i - 1).collect();
+    let per_layer: Vec<(Vec<Tensor>, Tensor)> = (0..layers)
+        .map(|l| inputs(t, h, dk, dv, 40 + l as u64))
+        .collect();
+    let mut input = bytes_i32(&[4, layers as i32, t as i32, h as i32, dk as i32, dv as i32]);
+    for (x, s0) in &per_layer {
+        for a in [&x[1], &x[2], &x[3], &x[4], s0] {
+            input.extend(bytes_f32(a));
+        }
+    }
+    let out = floats(&run(&exe, &input));
+    let size = h * dk * dv;
+    assert_eq!(out.len(), layers * size);
+    for (l, (x, s0)) in per_layer.iter().enumerate() {
+        let got = &out[l * size..(l + 1) * size];
+        let want = gated_delta::advance(&x[1], &x[2], &x[3], &x[4], s0).unwrap();
+        let e = max_rel(got, &want);
+        assert!(e < 1e-5, "layer {l}: replayed state off by {e}");
+        let di = DeltaInputs {
+            q: &x[0],
+            k: &x[1],
+            v: &x[2],
+            g: &x[3],
+            beta: &x[4],
+        };
+        let (_, forward_last) = emulate(&exe, &di, s0, &chain, true);
+        assert!(
+            forward_last == got,
+            "layer {l}: the replay is not the forward's state, bit for bit"
+        );
     }
 }

@@ -666,8 +666,8 @@ fn device_drafts_replay_the_cpu_draft() {
 
 /// The gated delta rule on the device (one kernel launch on CUDA: `gated_delta_kernels.cu`)
 /// against the host rule on the same inputs — chains and branching trees at the real key head dim
-/// (128) and the tiny fixture's (16) — and its replay (`advance`) ending in the bits the
-/// forward's chain ended in (exact rollback).
+/// (128) and the tiny fixture's (16) — and its replays (`advance`, and `advance_layers` for
+/// many layers at once) ending in the bits the forward's chain ended in (exact rollback).
 #[test]
 fn the_gated_delta_rule_matches_the_host_on_the_device() {
     use dflash_core::gated_delta::{self, DeltaInputs};
@@ -714,6 +714,19 @@ fn the_gated_delta_rule_matches_the_host_on_the_device() {
                 assert!(
                     bits(&got.1) == bits(&replayed),
                     "dk {dk}: the replayed state is not the forward's, bit for bit"
+                );
+                // the many-layer replay (one launch for every recurrent layer's commit)
+                let job = gated_delta::AdvanceJob {
+                    k: &on[1],
+                    v: &on[2],
+                    g: &on[3],
+                    beta: &on[4],
+                    state: &on[5],
+                };
+                let many = gated_delta::advance_layers(&[job, job]).unwrap();
+                assert!(
+                    many.iter().all(|m| bits(m) == bits(&replayed)),
+                    "dk {dk}: advance_layers differs from advance"
                 );
             }
         }

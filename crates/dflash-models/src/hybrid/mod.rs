@@ -206,6 +206,8 @@ impl TargetModel for HybridDecoder {
         if let Some(p) = parents {
             dflash_core::gated_delta::tree_depths(p)?;
         }
+        // every layer's pending replay (a crop or compaction after the last verify) at once
+        cache.settle_recurrent()?;
         let dev = &self.info.device;
         let past = cache.len();
         let mask = req.mask.build(n, past + n, dev)?;
