@@ -383,3 +383,51 @@ pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result
     unsafe { l.launch(per_item(n * hv)) }.w()?;
     Ok(y)
 }
+
+/// See [`crate::gated_delta_layer::conv_windows`]: one table upload, one launch.
+pub(crate) fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<Tensor>> {
+    let (w, c) = jobs[0].0.dims2()?;
+    let dev_t = jobs[0].0.device();
+    let mut kept = Vec::with_capacity(jobs.len());
+    let mut outs = Vec::with_capacity(jobs.len());
+    let mut words = Vec::with_capacity(6 * jobs.len());
+    for &(start, conv_in) in jobs {
+        if start.dims() != [w, c] || conv_in.dim(1)? != c || conv_in.dim(0)? < n {
+            return Err(CoreError::InvalidInput(format!(
+                "conv_windows: start {:?}, inputs {:?}, {n} kept",
+                start.dims(),
+                conv_in.dims()
+            )));
+        }
+        let f32c = |a: &Tensor| a.to_dtype(DType::F32).and_then(|a| a.contiguous());
+        let (s, x) = (f32c(start)?, f32c(conv_in)?);
+        // SAFETY: every element is written by the kernel.
+        let out = unsafe { Tensor::empty((w, c), DType::F32, dev_t)? };
+        for t in [&s, &x, &out] {
+            let p = address(t, "conv window")?.0;
+            words.push(p as u32);
+            words.push((p >> 32) as u32);
+        }
+        kept.push((s, x));
+        outs.push(out);
+    }
+    // SAFETY: the upload writes the whole table before the kernel reads it.
+    let meta = unsafe { Tensor::empty(words.len(), DType::U32, dev_t)? };
+    crate::step_cuda::upload_meta(&meta, &words)?;
+    let (mp, dev) = address(&meta, "conv window table")?;
+    let (ni, wi, ci) = (n as i32, w as i32, c as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((w * c).div_ceil(128) as u32, jobs.len() as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let module = "dflash_gated_delta_dk16"; // the window does not depend on DK
+    let f = dev.get_or_load_custom_func("gdn_conv_window_layers", module, &ptx(16)?)?;
+    let mut b = f.builder();
+    b.arg(&mp).arg(&ni).arg(&wi).arg(&ci);
+    // SAFETY: the table holds live contiguous f32 tensors of the checked sizes; `meta` outlives
+    // the launch on this stream.
+    unsafe { b.launch(cfg) }.w()?;
+    drop(kept);
+    Ok(outs)
+}

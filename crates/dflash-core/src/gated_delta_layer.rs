@@ -100,3 +100,24 @@ pub fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor
         "gated_norm: the layer kernels run on CUDA only".into(),
     ))
 }
+
+/// The convolution windows `[K−1, C]` the first `n` tokens of each job leave: the last `K−1`
+/// rows of `[start; conv_in[..n]]` (`start` `[K−1, C]`, `conv_in` `[≥ n, C]`, f32) — for many
+/// recurrent layers at once (the state commit): one launch on CUDA, a concatenation per job
+/// elsewhere. Exact copies either way.
+pub fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<Tensor>> {
+    let Some(&(first, _)) = jobs.first() else {
+        return Ok(vec![]);
+    };
+    #[cfg(feature = "cuda")]
+    if first.device().is_cuda() && first.dim(0)? > 0 {
+        return crate::gated_delta_cuda::conv_windows(jobs, n);
+    }
+    let w = first.dim(0)?;
+    jobs.iter()
+        .map(|&(start, conv_in)| {
+            let all = Tensor::cat(&[start, &conv_in.narrow(0, 0, n)?], 0)?;
+            Ok(all.narrow(0, all.dim(0)? - w, w)?.contiguous()?)
+        })
+        .collect()
+}

@@ -111,8 +111,9 @@ impl RecurrentRecord {
 
 /// Settles the pending replays of many recurrent layers at once (what [`RecurrentCache::state`]
 /// does layer by layer): the delta-rule states of the layers whose replays keep the same number
-/// of tokens through one [`gated_delta::advance_layers`] (one launch on CUDA), the convolution
-/// windows per layer. The same states as layer by layer, bit for bit.
+/// of tokens through one [`gated_delta::advance_layers`], their convolution windows through one
+/// [`crate::gated_delta_layer::conv_windows`] (one launch each on CUDA). The same states as layer
+/// by layer, bit for bit.
 pub fn settle_replays(caches: &mut [&mut RecurrentCache]) -> Result<()> {
     let mut pending: Vec<(usize, usize)> = caches
         .iter()
@@ -150,9 +151,15 @@ pub fn settle_replays(caches: &mut [&mut RecurrentCache]) -> Result<()> {
             })
             .collect();
         let states = gated_delta::advance_layers(&jobs)?;
-        for (&(_, i), ssm) in group.iter().zip(states) {
-            let (_, rec) = caches[i].last.as_ref().expect("checked");
-            let conv = rec.conv_after(n)?;
+        let windows: Vec<(&Tensor, &Tensor)> = group
+            .iter()
+            .map(|&(_, i)| {
+                let (_, rec) = caches[i].last.as_ref().expect("checked");
+                (&rec.start.conv, &rec.conv_in)
+            })
+            .collect();
+        let convs = crate::gated_delta_layer::conv_windows(&windows, n)?;
+        for ((&(_, i), ssm), conv) in group.iter().zip(states).zip(convs) {
             caches[i].at = At::State(Some(RecurrentState { conv, ssm }));
         }
     }

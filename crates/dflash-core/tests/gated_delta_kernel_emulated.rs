@@ -3,9 +3,11 @@
 //! block, thread by thread — valid because their threads share nothing, the kernels'
 //! invariant). The rule's tree kernel is checked against the host rule
 //! (`gated_delta::tree_recurrent`, `advance`) for chains, trees with branches and several roots,
-//! and the replay mode without outputs, at two key head dims; the layer kernels around it
-//! (convolution + SiLU along a tree's ancestors, the rule's inputs, the gated RMSNorm) against
-//! host loops of the model's composite, in f32 and bf16. What this cannot check — the launches
+//! and the replay mode without outputs, at two key head dims, and the many-layer replay through
+//! its pointer table (each layer's `advance`, and the forward's bits); the layer kernels around
+//! it (convolution + SiLU along a tree's ancestors, the rule's inputs, the gated RMSNorm, the
+//! state commit's convolution windows) against host loops of the model's composite, in f32 and
+//! bf16. What this cannot check — the launches
 //! themselves — `decode_ops_device.rs` and the reference fixtures check on the H200.
 
 use candle_core::{Device, Tensor};
@@ -87,6 +89,33 @@ static int chain_layers() {
     }
     launch_layers(table.data(), L, T, H, dv);
     for (auto& s : last) put(s);
+    return 0;
+}
+// L layers' convolution windows after n kept tokens (gdn_conv_window_layers): per layer start
+// [W, C] and conv_in [rows, C] in; the windows out
+static int conv_windows() {
+    auto head = take<int>(5);
+    int L = head[0], n = head[1], W = head[2], C = head[3], rows = head[4];
+    std::vector<std::vector<float>> in, out(L, std::vector<float>((size_t)W * C, NAN));
+    std::vector<unsigned long long> table;
+    for (int l = 0; l < L; ++l) {
+        in.push_back(take<float>((size_t)W * C));
+        in.push_back(take<float>((size_t)rows * C));
+    }
+    for (int l = 0; l < L; ++l) {
+        table.push_back((unsigned long long)in[2 * l].data());
+        table.push_back((unsigned long long)in[2 * l + 1].data());
+        table.push_back((unsigned long long)out[l].data());
+    }
+    blockDim = {128, 1, 1};
+    for (unsigned by = 0; by < (unsigned)L; ++by)
+        for (unsigned bx = 0; bx < ((unsigned)(W * C) + 127) / 128; ++bx)
+            for (unsigned tx = 0; tx < 128; ++tx) {
+                blockIdx = {bx, by, 0};
+                threadIdx = {tx, 0, 0};
+                gdn_conv_window_layers(table.data(), n, W, C);
+            }
+    for (auto& o : out) put(o);
     return 0;
 }
 static int tree() {
@@ -174,6 +203,7 @@ int main() {
         case 2: return rule_inputs();
         case 3: return gated_norm();
         case 4: return chain_layers();
+        case 5: return conv_windows();
     }
     return 2;
 }
@@ -565,5 +595,36 @@ fn the_many_layer_replay_is_each_layers_advance_and_the_forwards_bits() {
             forward_last == got,
             "layer {l}: the replay is not the forward's state, bit for bit"
         );
+    }
+}
+
+/// The state commit's convolution windows for many layers in one launch
+/// (`gated_delta_layer::conv_windows` on CUDA) are the host's: the last K − 1 rows of
+/// [start; the kept inputs], for kept counts shorter and longer than the window.
+#[test]
+fn the_many_layer_conv_windows_are_the_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = build(dir.path(), 16);
+    let (layers, w, c, rows) = (3usize, 3usize, 10usize, 7usize);
+    let data: Vec<(Tensor, Tensor)> = (0..layers)
+        .map(|l| {
+            let start = Tensor::from_vec(uniform(w * c, 60 + l as u64), (w, c), &Device::Cpu);
+            let x = Tensor::from_vec(uniform(rows * c, 70 + l as u64), (rows, c), &Device::Cpu);
+            (start.unwrap(), x.unwrap())
+        })
+        .collect();
+    for n in [1usize, 2, 3, 5, 7] {
+        let mut input = bytes_i32(&[5, layers as i32, n as i32, w as i32, c as i32, rows as i32]);
+        for (s0, x) in &data {
+            input.extend(bytes_f32(s0));
+            input.extend(bytes_f32(x));
+        }
+        let out = floats(&run(&exe, &input));
+        let jobs: Vec<(&Tensor, &Tensor)> = data.iter().map(|(s0, x)| (s0, x)).collect();
+        let want = dflash_core::gated_delta_layer::conv_windows(&jobs, n).unwrap();
+        for (l, wl) in want.iter().enumerate() {
+            let got = &out[l * w * c..(l + 1) * w * c];
+            assert_eq!(max_rel(got, wl), 0.0, "layer {l}, {n} kept");
+        }
     }
 }

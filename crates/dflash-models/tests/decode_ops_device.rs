@@ -728,6 +728,22 @@ fn the_gated_delta_rule_matches_the_host_on_the_device() {
                     many.iter().all(|m| bits(m) == bits(&replayed)),
                     "dk {dk}: advance_layers differs from advance"
                 );
+                // the commit's convolution windows: exact copies, on the device as on the host
+                let (w, c) = (3usize, 24usize);
+                let start = r(&[w, c]);
+                let inputs = r(&[t, c]);
+                let (ds, di) = (
+                    start.to_device(&dev).unwrap(),
+                    inputs.to_device(&dev).unwrap(),
+                );
+                for n in [1usize, 5] {
+                    let host =
+                        dflash_core::gated_delta_layer::conv_windows(&[(&start, &inputs)], n)
+                            .unwrap();
+                    let on =
+                        dflash_core::gated_delta_layer::conv_windows(&[(&ds, &di)], n).unwrap();
+                    assert!(bits(&host[0]) == bits(&on[0]), "conv window after {n}");
+                }
             }
         }
     }
