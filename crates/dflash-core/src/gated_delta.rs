@@ -281,7 +281,18 @@ pub const MAX_KERNEL_KEY_DIM: usize = 256;
 /// of 4). Then it beats
 /// [`chunked`]'s dozens of small ops per chunk at every length, prefill included.
 pub fn kernel_available(device: &candle_core::Device, dk: usize) -> bool {
-    cfg!(feature = "cuda") && device.is_cuda() && dk <= MAX_KERNEL_KEY_DIM && dk.is_multiple_of(4)
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && dk <= MAX_KERNEL_KEY_DIM
+        && dk.is_multiple_of(4)
+        && kernels_enabled()
+}
+
+/// Whether the Gated DeltaNet kernels may run: not when `DFLASH_GDN_KERNELS=0` (read once; a
+/// documented override for A/B runs against candle's composite, which stays the CPU's path).
+pub fn kernels_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_GDN_KERNELS").as_deref() != Ok("0"))
 }
 
 /// The rule over a token tree from `state`: node `i` continues from the state of its parent

@@ -110,7 +110,7 @@ pub fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<Tensor>
         return Ok(vec![]);
     };
     #[cfg(feature = "cuda")]
-    if first.device().is_cuda() && first.dim(0)? > 0 {
+    if first.device().is_cuda() && first.dim(0)? > 0 && crate::gated_delta::kernels_enabled() {
         return crate::gated_delta_cuda::conv_windows(jobs, n);
     }
     let w = first.dim(0)?;
