@@ -63,6 +63,13 @@ _HYBRID = dict(model_type="qwen3_5_text", num_attention_heads=None, num_key_valu
                vocab_size=248320, max_position_embeddings=262144, attn_output_gate=True,
                rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
                                     partial_rotary_factor=0.25))
+# the tiny hybrid of fixtures/tiny-qwen3.5 (for a CPU check of this script: --device cpu)
+SHAPES["tiny-qwen3.5"] = dict(_HYBRID, vocab_size=512, hidden_size=64, intermediate_size=104,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=16, linear_value_head_dim=16,
+                              max_position_embeddings=4096, tie_word_embeddings=False,
+                              layer_types=["linear_attention"] * 3 + ["full_attention"])
 SHAPES["qwen3.5-4b"] = dict(_HYBRID, hidden_size=2560, intermediate_size=9216,
                             num_hidden_layers=32, num_attention_heads=16,
                             linear_num_value_heads=32, tie_word_embeddings=True,
