@@ -81,7 +81,8 @@ pub struct TrainArgs {
     #[arg(long)]
     time_limit: Option<f64>,
     /// Starting weights of a new run: `random` (N(0, 0.02²), the target's final norm),
-    /// `target-layers` (the target's top layers, fc = the deepest tap), or a drafter directory
+    /// `target-layers` (the target's top layers — a hybrid's top full-attention layers — fc =
+    /// the deepest tap), or a drafter directory
     /// (a warm start: its weights, with a fresh optimizer and schedule).
     #[arg(long, default_value = "random")]
     init: String,

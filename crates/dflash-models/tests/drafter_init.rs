@@ -84,3 +84,73 @@ fn warm_start_round_trips_a_saved_drafter_and_refuses_another_shape() {
     assert!(err.contains("layers"), "{err}");
     assert!(warm_start_weights(&dir.path().join("nope"), &cfg).is_err());
 }
+
+/// A hybrid target (tiny Qwen3.5: three Gated DeltaNet layers, then one gated full-attention
+/// layer) starts the drafter from its full-attention layer: the query rows without the gate rows,
+/// the zero-centred norms as `1 + w`, the MLP as is; the drafter drafts against the target; a
+/// drafter deeper than the target's attention layers is refused naming them.
+#[test]
+fn a_hybrid_target_starts_the_drafter_from_its_attention_layers() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-qwen3.5");
+    let t = load_target(&dir, &Device::Cpu, DType::F32).unwrap();
+    let tt = target_tensors(&dir).unwrap();
+    let cfg = config_for_target(&t, 1, 4, 0);
+    let w = init_from_target_layers(&cfg, &tt, 3).unwrap();
+    for (name, shape) in parameter_shapes(&cfg) {
+        assert_eq!(w[&name].dims(), shape.as_slice(), "{name}");
+    }
+    let (heads, hd) = (cfg.num_attention_heads, cfg.head_dim);
+    let q = tt["model.layers.3.self_attn.q_proj.weight"].clone();
+    assert_eq!(
+        q.dim(0).unwrap(),
+        2 * heads * hd,
+        "the fixture's attention is gated"
+    );
+    for head in 0..heads {
+        let got = w["layers.0.self_attn.q_proj.weight"]
+            .narrow(0, head * hd, hd)
+            .unwrap();
+        let want = q.narrow(0, 2 * head * hd, hd).unwrap();
+        assert!(
+            same(&got, &want),
+            "head {head}: its query rows, not its gate rows"
+        );
+    }
+    for (dst, src) in [
+        (
+            "layers.0.self_attn.k_norm.weight",
+            "model.layers.3.self_attn.k_norm.weight",
+        ),
+        (
+            "layers.0.input_layernorm.weight",
+            "model.layers.3.input_layernorm.weight",
+        ),
+        (
+            "hidden_norm.weight",
+            "model.layers.3.input_layernorm.weight",
+        ),
+        ("norm.weight", "model.norm.weight"),
+    ] {
+        assert!(
+            same(&w[dst], &(&tt[src] + 1.0).unwrap()),
+            "{dst} is 1 + {src}"
+        );
+    }
+    assert!(same(
+        &w["layers.0.mlp.down_proj.weight"],
+        &tt["model.layers.3.mlp.down_proj.weight"]
+    ));
+    // the drafter from these weights drafts against the hybrid
+    let tmp = tempfile::tempdir().unwrap();
+    save_drafter(tmp.path(), &cfg, &w, 16 << 20).unwrap();
+    let d = load_drafter(tmp.path(), &Device::Cpu, DType::F32).unwrap();
+    d.check_target(t.model.as_ref()).unwrap();
+    // two drafter layers from one attention layer: refused, naming it
+    let err = init_from_target_layers(&config_for_target(&t, 2, 4, 0), &tt, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("full-attention layers") && err.contains("[3]"),
+        "{err}"
+    );
+}

@@ -169,17 +169,22 @@ pub fn init_weights_for_target(
 /// so the context rows enter the first copied layer as that tap; `hidden_norm` copies the first
 /// copied layer's input norm and `norm` the target's final norm. Everything else is
 /// [`random_weights`]. Errors when a copied tensor's shape differs from the drafter's.
+///
+/// A Qwen3.5 / Qwen3.6 hybrid (its tensors name `linear_attn` layers) starts from its top `L`
+/// *full-attention* layers instead (a Gated DeltaNet layer has no attention to copy): the query
+/// rows of each head without its output-gate rows, its zero-centred norms as the effective
+/// weights `1 + w` (layer norms, q/k norms, the final norm), text weights under either prefix
+/// (`model.` or `model.language_model.`).
 pub fn init_from_target_layers(
     cfg: &DFlashConfig,
     target: &std::collections::HashMap<String, Tensor>,
     seed: u64,
 ) -> Result<BTreeMap<String, Tensor>> {
+    if target.keys().any(|k| k.contains(".linear_attn.")) {
+        return init_from_hybrid_attention_layers(cfg, target, seed);
+    }
     let mut w = random_weights(cfg, seed)?;
-    let (n, l, h) = (
-        cfg.num_target_layers,
-        cfg.num_hidden_layers,
-        cfg.hidden_size,
-    );
+    let (n, l) = (cfg.num_target_layers, cfg.num_hidden_layers);
     if l > n {
         return Err(ModelError::Mismatch(format!(
             "a {l}-layer drafter cannot start from a {n}-layer target's top layers"
@@ -233,16 +238,111 @@ pub fn init_from_target_layers(
         true,
     )?;
     copy("norm.weight".into(), "model.norm.weight".into(), true)?;
-    let taps = cfg.target_layer_ids().len();
+    w.insert("fc.weight".into(), fc_from_deepest_tap(cfg)?);
+    Ok(w)
+}
+
+/// [`init_from_target_layers`] for a hybrid target (see there).
+fn init_from_hybrid_attention_layers(
+    cfg: &DFlashConfig,
+    target: &std::collections::HashMap<String, Tensor>,
+    seed: u64,
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut w = random_weights(cfg, seed)?;
+    let p = if target.contains_key("model.language_model.embed_tokens.weight") {
+        "model.language_model"
+    } else {
+        "model"
+    };
+    let mut attention: Vec<usize> = target
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix(&format!("{p}.layers."))?
+                .strip_suffix(".self_attn.q_proj.weight")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    attention.sort_unstable();
+    let l = cfg.num_hidden_layers;
+    if l > attention.len() {
+        return Err(ModelError::Mismatch(format!(
+            "a {l}-layer drafter cannot start from a hybrid target's top full-attention layers:              it has {} ({attention:?})",
+            attention.len()
+        )));
+    }
+    let get = |src: &str| -> Result<Tensor> {
+        let t = target.get(src).ok_or_else(|| {
+            ModelError::Mismatch(format!("the hybrid target has no tensor {src}"))
+        })?;
+        Ok(t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)
+    };
+    let mut put = |dst: String, t: Tensor| -> Result<()> {
+        let want = w.get(&dst).map(|t| t.dims().to_vec()).unwrap_or_default();
+        if t.dims() != want.as_slice() {
+            return Err(ModelError::Mismatch(format!(
+                "the hybrid target's tensor for {dst} has shape {:?}, the drafter needs {want:?}",
+                t.dims()
+            )));
+        }
+        w.insert(dst, t);
+        Ok(())
+    };
+    let (heads, hd) = (cfg.num_attention_heads, cfg.head_dim);
+    let top = &attention[attention.len() - l..];
+    for (i, &j) in top.iter().enumerate() {
+        let src = |name: &str| format!("{p}.layers.{j}.{name}");
+        let dst = |name: &str| format!("layers.{i}.{name}");
+        // q_proj rows: per head hd query rows, then (gated attention) hd gate rows
+        let q = get(&src("self_attn.q_proj.weight"))?;
+        let q = if q.dim(0)? == 2 * heads * hd {
+            q.reshape((heads, 2, hd, ()))?
+                .narrow(1, 0, 1)?
+                .reshape((heads * hd, ()))?
+        } else {
+            q
+        };
+        put(dst("self_attn.q_proj.weight"), q)?;
+        for name in [
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ] {
+            put(dst(name), get(&src(name))?)?;
+        }
+        for name in [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+        ] {
+            put(dst(name), (get(&src(name))? + 1.0)?)?;
+        }
+    }
+    put(
+        "hidden_norm.weight".into(),
+        (get(&format!("{p}.layers.{}.input_layernorm.weight", top[0]))? + 1.0)?,
+    )?;
+    put(
+        "norm.weight".into(),
+        (get(&format!("{p}.norm.weight"))? + 1.0)?,
+    )?;
+    w.insert("fc.weight".into(), fc_from_deepest_tap(cfg)?);
+    Ok(w)
+}
+
+/// `fc` `[H, T·H]` as the identity on the deepest tap and 0 elsewhere: the context rows enter the
+/// first layer copied from the target as that tap.
+fn fc_from_deepest_tap(cfg: &DFlashConfig) -> Result<Tensor> {
+    let (h, taps) = (cfg.hidden_size, cfg.target_layer_ids().len());
     let mut fc = vec![0f32; h * taps * h];
     for r in 0..h {
         fc[r * taps * h + (taps - 1) * h + r] = 1.0;
     }
-    w.insert(
-        "fc.weight".into(),
-        Tensor::from_vec(fc, (h, taps * h), &Device::Cpu)?,
-    );
-    Ok(w)
+    Ok(Tensor::from_vec(fc, (h, taps * h), &Device::Cpu)?)
 }
 
 /// The weights of the drafter saved in `dir` (z-lab format), f32 on the CPU, to continue
