@@ -268,6 +268,17 @@ fn emulate(
     (out, f[n_out..].to_vec())
 }
 
+/// The rule's inputs of [`inputs`]' q, k, v, g, beta.
+fn view(x: &[Tensor]) -> DeltaInputs<'_> {
+    DeltaInputs {
+        q: &x[0],
+        k: &x[1],
+        v: &x[2],
+        g: &x[3],
+        beta: &x[4],
+    }
+}
+
 /// Random rule inputs of `t` tokens (q, k l2-normalised, g ≤ 0, β in (0, 1)) and a state.
 fn inputs(t: usize, h: usize, dk: usize, dv: usize, seed: u64) -> (Vec<Tensor>, Tensor) {
     let dev = Device::Cpu;
@@ -326,13 +337,7 @@ fn the_tree_kernel_computes_the_host_rule_for_chains_and_trees() {
         for (ti, parents) in trees.iter().enumerate() {
             let t = parents.len();
             let (x, s0) = inputs(t, h, dk, dv, 7 + ti as u64);
-            let di = DeltaInputs {
-                q: &x[0],
-                k: &x[1],
-                v: &x[2],
-                g: &x[3],
-                beta: &x[4],
-            };
+            let di = view(&x);
             let (want_out, want_last) = gated_delta::tree_recurrent(&di, &s0, parents).unwrap();
             let (out, last) = emulate(&exe, &di, &s0, parents, true);
             let e_out = max_rel(&out.unwrap(), &want_out);
@@ -583,13 +588,7 @@ fn the_many_layer_replay_is_each_layers_advance_and_the_forwards_bits() {
         let want = gated_delta::advance(&x[1], &x[2], &x[3], &x[4], s0).unwrap();
         let e = max_rel(got, &want);
         assert!(e < 1e-5, "layer {l}: replayed state off by {e}");
-        let di = DeltaInputs {
-            q: &x[0],
-            k: &x[1],
-            v: &x[2],
-            g: &x[3],
-            beta: &x[4],
-        };
+        let di = view(x);
         let (_, forward_last) = emulate(&exe, &di, s0, &chain, true);
         assert!(
             forward_last == got,
