@@ -318,8 +318,7 @@ pub fn tree_recurrent(
     }
     #[cfg(feature = "cuda")]
     if kernel_available(state.device(), dk) {
-        let (out, last) = crate::gated_delta_cuda::tree_recurrent(x, state, parents, true)?;
-        return Ok((out.expect("outputs asked for"), last));
+        return crate::gated_delta_cuda::tree_recurrent(x, state, parents);
     }
     let dev = state.device();
     let max_depth = depth.iter().copied().max().unwrap_or(0);
@@ -408,16 +407,15 @@ pub fn advance(
     }
     #[cfg(feature = "cuda")]
     if t > 0 && kernel_available(state.device(), k.dim(2)?) {
-        // the chain through the tree kernel (the arithmetic the forward used), no outputs
-        let chain: Vec<i64> = (0..t as i64).map(|i| i - 1).collect();
-        let x = DeltaInputs {
-            q: k,
+        // the one-layer case of the many-layer replay (the kernel the forward used)
+        let job = AdvanceJob {
             k,
             v,
             g,
             beta,
+            state,
         };
-        return Ok(crate::gated_delta_cuda::tree_recurrent(&x, state, &chain, false)?.1);
+        return Ok(crate::gated_delta_cuda::advance_layers(&[job])?.remove(0));
     }
     let mut s = state.unsqueeze(0)?;
     for i in 0..t {

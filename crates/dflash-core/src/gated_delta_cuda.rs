@@ -96,15 +96,13 @@ fn launch_layers(
     Ok(())
 }
 
-/// The rule over the tree `parents` from `state` on the device: the outputs `[T, H, dv]` (when
-/// `outputs`) and the state after the last node `[H, dk, dv]`. `parents` must already be checked
-/// (`tree_depths`); `x.q` is not read without `outputs`.
+/// The rule over the tree `parents` from `state` on the device: the outputs `[T, H, dv]` and the
+/// state after the last node `[H, dk, dv]`. `parents` must already be checked (`tree_depths`).
 pub(crate) fn tree_recurrent(
     x: &DeltaInputs,
     state: &Tensor,
     parents: &[i64],
-    outputs: bool,
-) -> Result<(Option<Tensor>, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let (t, h, dk) = x.k.dims3()?;
     let dv = x.v.dim(2)?;
     if t == 0 || parents.len() != t || state.dims() != [h, dk, dv] {
@@ -122,11 +120,7 @@ pub(crate) fn tree_recurrent(
     let any_kept = keep.iter().any(|&b| b);
     // SAFETY (all four): every element a reader sees is written first (the table and flags by
     // the upload, the rest by the kernel).
-    let out = if outputs {
-        Some(unsafe { Tensor::empty((t, h, dv), DType::F32, dev_t)? })
-    } else {
-        None
-    };
+    let out = unsafe { Tensor::empty((t, h, dv), DType::F32, dev_t)? };
     let scratch = if any_kept {
         Some(unsafe { Tensor::empty((t, h, dk, dv), DType::F32, dev_t)? })
     } else {
@@ -138,7 +132,7 @@ pub(crate) fn tree_recurrent(
     let ptr = |x: &Tensor, what: &str| address(x, what).map(|p| p.0);
     let opt = |x: &Option<Tensor>, what: &str| x.as_ref().map_or(Ok(0), |x| ptr(x, what));
     let args = LayerArgs {
-        q: ptr(if outputs { &q } else { &k }, "gated delta q")?,
+        q: ptr(&q, "gated delta q")?,
         k: ptr(&k, "gated delta k")?,
         v: ptr(&v, "gated delta v")?,
         g: ptr(&g, "gated delta g")?,
@@ -146,7 +140,7 @@ pub(crate) fn tree_recurrent(
         state: ptr(&s0, "gated delta state")?,
         parents: base + 88,
         keep: base + 88 + 4 * t as u64,
-        out: opt(&out, "gated delta out")?,
+        out: ptr(&out, "gated delta out")?,
         scratch: opt(&scratch, "gated delta scratch")?,
         last: ptr(&last, "gated delta state out")?,
     };

@@ -82,7 +82,9 @@ impl RecurrentRecord {
         })
     }
 
-    /// The state after the first `n` tokens (which form a chain) from the starting state.
+    /// The state after the first `n` tokens (which form a chain) from the starting state, by the
+    /// host reference ops (the tests' expected values).
+    #[cfg(test)]
     fn state_after(&self, n: usize) -> Result<RecurrentState> {
         if n == 0 {
             return Ok(self.start.clone());
@@ -95,22 +97,16 @@ impl RecurrentRecord {
             &head(&self.beta)?,
             &self.start.ssm,
         )?;
+        let conv = crate::gated_delta_layer::conv_windows(&[(&self.start.conv, &self.conv_in)], n)?;
         Ok(RecurrentState {
-            conv: self.conv_after(n)?,
+            conv: conv.into_iter().next().expect("one job"),
             ssm,
         })
     }
-
-    /// The convolution window after the first `n` tokens (a chain).
-    fn conv_after(&self, n: usize) -> Result<Tensor> {
-        let window = self.start.conv.dim(0)?;
-        let all = Tensor::cat(&[&self.start.conv, &self.conv_in.narrow(0, 0, n)?], 0)?;
-        Ok(all.narrow(0, all.dim(0)? - window, window)?.contiguous()?)
-    }
 }
 
-/// Settles the pending replays of many recurrent layers at once (what [`RecurrentCache::state`]
-/// does layer by layer): the delta-rule states of the layers whose replays keep the same number
+/// Settles the pending replays of many recurrent layers at once ([`RecurrentCache::state`] is
+/// the one-layer case): the delta-rule states of the layers whose replays keep the same number
 /// of tokens through one [`gated_delta::advance_layers`], their convolution windows through one
 /// [`crate::gated_delta_layer::conv_windows`] (one launch each on CUDA). The same states as layer
 /// by layer, bit for bit.
@@ -213,16 +209,17 @@ impl RecurrentCache {
 
     /// The state at `len` (`None`: the zero state), replaying a pending crop or compaction.
     pub fn state(&mut self) -> Result<Option<RecurrentState>> {
-        let s = match &self.at {
+        match &self.at {
             At::State(s) => return Ok(s.clone()),
             At::Lost(why) => return Err(CoreError::InvalidInput(why.clone())),
-            At::Replay(n) => {
+            At::Replay(0) => {
                 let (_, rec) = self.last.as_ref().expect("a replay has a record");
-                rec.state_after(*n)?
+                self.at = At::State(Some(rec.start.clone()));
             }
-        };
-        self.at = At::State(Some(s.clone()));
-        Ok(Some(s))
+            // the one-layer case of settling many layers at once
+            At::Replay(_) => settle_replays(&mut [self])?,
+        }
+        self.state()
     }
 
     /// Counts a forward of `record.parents.len()` tokens fed from the state at `len`; `end` is the
