@@ -250,8 +250,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let target = dflash_models::random::random_target_model(&cfg, dtype, &dev, a.seed)?;
     let target = target.as_ref();
     let dcfg = config_for_decoder(&cfg, a.draft_layers, a.block_size, mask);
-    let drafter = dflash_models::random_drafter(&dcfg, dtype, &dev, a.seed + 1)?;
-    drafter.check_target(target)?;
+    let mut drafter = dflash_models::random_drafter(&dcfg, dtype, &dev, a.seed + 1)?;
+    drafter.bind_target(target)?;
     dev.synchronize()?;
     let build_s = t0.elapsed().as_secs_f64();
     let params_target = target_params(&cfg)?;

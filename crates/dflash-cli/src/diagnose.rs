@@ -114,9 +114,9 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
     };
     let target = load_target(&target_path, &device, dtype)
         .with_context(|| format!("loading target {}", target_path.display()))?;
-    let drafter = load_drafter(&draft_dir, &device, dtype)
+    let mut drafter = load_drafter(&draft_dir, &device, dtype)
         .with_context(|| format!("loading drafter {}", draft_dir.display()))?;
-    drafter.check_target(target.model.as_ref())?;
+    drafter.bind_target(target.model.as_ref())?;
     let recorded = stats::read_tap_stats(&draft_dir)?;
     let cfg = GenerateConfig {
         max_new_tokens: a.max_new_tokens,
@@ -131,7 +131,6 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
     let answer_seconds = t1.elapsed().as_secs_f64();
 
     let opts = Options {
-        final_norm_eps: target.config.rms_norm_eps,
         tree_budget: a.tree_budget,
         integrity_positions: 32,
         recorded_stats: recorded,
@@ -273,8 +272,15 @@ pub fn print_checks(checks: &[Check]) {
 fn print_table(d: &Diagnosis) {
     print_checks(&d.checks);
     let s = &d.conventions;
+    let w = s
+        .variants
+        .iter()
+        .map(|v| v.variant.name.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(24);
     eprintln!(
-        "\n{:<24} {:<24} {:>10} {:>11} {:>10} {:>11} {:>9} {:>8}",
+        "\n{:<w$} {:<24} {:>10} {:>11} {:>10} {:>11} {:>9} {:>8}",
         "variant",
         "taps",
         format!("ddtree-{}", s.tree_budget),
@@ -295,7 +301,7 @@ fn print_table(d: &Diagnosis) {
             }
         );
         eprintln!(
-            "{:<24} {:<24} {:>10.2} {:>11} {:>10.2} {:>11} {:>9.2} {:>8.3}",
+            "{:<w$} {:<24} {:>10.2} {:>11} {:>10.2} {:>11} {:>9.2} {:>8.3}",
             v.variant.name,
             taps,
             v.ddtree_tau,

@@ -124,7 +124,6 @@ pub fn check(
         prompts,
         max_new_tokens,
         stop_tokens: target.eos_token_ids.clone(),
-        final_norm_eps: target.config.rms_norm_eps,
     };
     let (report, measured) = train_eval::measure(
         target.model.as_ref(),

@@ -157,7 +157,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         let dir = crate::defaults::drafter_path(a.set.draft.as_deref(), &target_path)?;
         let mut d = load_drafter(&dir, &device, dtype)
             .with_context(|| format!("loading drafter {}", dir.display()))?;
-        d.check_target(target.model.as_ref())?;
+        d.bind_target(target.model.as_ref())?;
         if let Some(b) = a.block_size {
             d.set_block_size(b)?;
         }

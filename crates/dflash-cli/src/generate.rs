@@ -210,7 +210,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                     let dir = &found?;
                     let mut d = load_drafter(dir, &device, dtype)
                         .with_context(|| format!("loading drafter {}", dir.display()))?;
-                    d.check_target(target.model.as_ref())?;
+                    d.bind_target(target.model.as_ref())?;
                     if let Some(b) = args.block_size {
                         d.set_block_size(b)?;
                     }

@@ -103,6 +103,12 @@ pub struct TrainArgs {
     /// code runs. For reproducing drafters trained elsewhere and testing `dflash diagnose`.
     #[arg(long, default_value_t = 0, hide = true, allow_hyphen_values = true)]
     block_position_offset: i64,
+    /// Train with the target's final RMSNorm on the last tap, declared in the drafter's config
+    /// (`dflash_config.final_norm_on_last_tap`) so that its validation and decoding feed it the
+    /// same; off is the z-lab convention (raw layer outputs), the only one z-lab's code runs.
+    /// For reproducing drafters trained elsewhere and testing `dflash diagnose`.
+    #[arg(long, hide = true)]
+    final_norm_on_last_tap: bool,
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -131,6 +137,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         position_offset: a.block_position_offset,
         anchor_slot_masked: false,
     });
+    draft_cfg.set_final_norm_on_last_tap(a.final_norm_on_last_tap);
     let cfg = TrainConfig {
         anchors: a.anchors,
         gamma: a.gamma,

@@ -143,6 +143,7 @@ pub fn record(run: &Path, r: &RecordInputs) -> Result<RunManifest> {
             // training's forward lays blocks out as the drafter's config declares
             position_offset: r.draft_cfg.block_convention().position_offset,
             anchor_slot_masked: r.draft_cfg.block_convention().anchor_slot_masked,
+            final_norm_on_last_tap: r.draft_cfg.final_norm_on_last_tap(),
             rope_theta: r.draft_cfg.rope_theta,
             export_dtype: dtype_name(r.export_dtype),
         },
@@ -196,12 +197,12 @@ pub fn diagnose_after_validation(
     dtype: DType,
 ) -> Result<()> {
     let t0 = Instant::now();
-    let drafter = dflash_models::load_drafter(&m.drafter_dir(run), device, dtype)?;
+    let mut drafter = dflash_models::load_drafter(&m.drafter_dir(run), device, dtype)?;
+    drafter.bind_target(target.model.as_ref())?;
     let settings = train_eval::Settings {
         prompts,
         max_new_tokens: DIAGNOSIS_TOKENS,
         stop_tokens: target.eos_token_ids.clone(),
-        final_norm_eps: target.config.rms_norm_eps,
     };
     let (te, _) = train_eval::measure(
         target.model.as_ref(),

@@ -302,6 +302,34 @@ fn a_planted_block_layout_fails_and_names_the_config_field() {
     );
 }
 
+/// A config declaring the target's final norm on the last tap (`final_norm_on_last_tap`, which
+/// the drafter then applies itself) for a drafter trained on raw layer outputs is a FAIL naming
+/// the field to remove.
+#[test]
+fn a_planted_final_norm_on_the_last_tap_fails_and_names_the_config_field() {
+    if smollm2().is_none() {
+        return;
+    }
+    let (code, c, err) = diagnose_planted(|cfg| {
+        assert!(cfg["dflash_config"].get("final_norm_on_last_tap").is_none());
+        cfg["dflash_config"]["final_norm_on_last_tap"] = serde_json::json!(true);
+    });
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(c["verdict"], "FAIL", "{c}");
+    assert!(
+        c["cause"]
+            .as_str()
+            .unwrap()
+            .contains("no final norm on last tap"),
+        "{c}"
+    );
+    let fix = c["fix"].as_str().unwrap();
+    assert!(
+        fix.contains("remove dflash_config.final_norm_on_last_tap"),
+        "{fix}\n{err}"
+    );
+}
+
 /// A drafter saved by z-lab's own package (PyPI `dflash`, transformers 5's config layout:
 /// `rope_parameters` instead of `rope_theta`, fixtures/zlab-pypi-smollm2) with the shipped weights
 /// is diagnosed without a run directory as the shipped drafter is: no FAIL, the declared taps, the

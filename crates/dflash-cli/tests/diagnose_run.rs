@@ -81,9 +81,9 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
             "f32",
         ])
         .args(["--export-dtype", "f32", "--diagnose-prompts", "1"])
-        // a non-z-lab block layout, declared in the exported config: validation, the record and
-        // every later decode of the drafter use it
-        .arg("--block-position-offset=1"));
+        // a non-z-lab block layout and the final norm on the last tap, declared in the
+        // exported config: validation, the record and every later decode of the drafter use them
+        .args(["--block-position-offset=1", "--final-norm-on-last-tap"]));
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("train_vs_eval"), "the end-of-run table: {err}");
 
@@ -102,6 +102,11 @@ fn a_trained_run_is_diagnosed_from_its_records_and_a_planted_tau_fails() {
         "{exported}"
     );
     assert_eq!(m["drafter"]["anchor_slot_masked"], false);
+    assert_eq!(m["drafter"]["final_norm_on_last_tap"], true);
+    assert_eq!(
+        exported["dflash_config"]["final_norm_on_last_tap"], true,
+        "{exported}"
+    );
     assert!(m["drafter"]["mask_token_id"].is_u64());
     assert_eq!(m["data"]["examples"], 8);
     assert_eq!(m["data"]["format"]["template"], "chat_ml", "{}", m["data"]);

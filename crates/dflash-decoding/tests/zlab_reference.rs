@@ -30,8 +30,9 @@ fn matches_zlab_reference() {
             .collect()
     };
     let target = tiny("tiny-qwen3");
-    let drafter = load_drafter(&fixtures().join("zlab/drafter"), &Device::Cpu, DType::F32).unwrap();
-    drafter.check_target(target.model.as_ref()).unwrap();
+    let mut drafter =
+        load_drafter(&fixtures().join("zlab/drafter"), &Device::Cpu, DType::F32).unwrap();
+    drafter.bind_target(target.model.as_ref()).unwrap();
     let prompt = ids(&r["prompt"]);
     let bonus = ids(&r["bonus"])[0];
     let m = target.model.as_ref();

@@ -97,8 +97,6 @@ pub struct Sample {
 /// Settings of a diagnosis.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// The target's final-norm epsilon (its config's `rms_norm_eps`).
-    pub final_norm_eps: f64,
     /// DDTree node budget of the replayed τ (decoding's default 64).
     pub tree_budget: usize,
     /// Answer positions whose logits the integrity check compares.

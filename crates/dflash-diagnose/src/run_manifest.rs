@@ -96,6 +96,10 @@ pub struct DrafterFacts {
     pub position_offset: i64,
     /// Slot 0 holds the mask token (false: the anchor's token, decoding's bonus token).
     pub anchor_slot_masked: bool,
+    /// The target's final norm on the last tap (`dflash_config.final_norm_on_last_tap`; absent
+    /// in manifests written before it existed: false).
+    #[serde(default)]
+    pub final_norm_on_last_tap: bool,
     pub rope_theta: f64,
     /// Dtype of the exported weights (`--export-dtype`).
     pub export_dtype: String,
@@ -370,6 +374,7 @@ mod tests {
                 mask_token_id: 2,
                 position_offset: 0,
                 anchor_slot_masked: false,
+                final_norm_on_last_tap: false,
                 rope_theta: 100000.0,
                 export_dtype: "bf16".into(),
             },

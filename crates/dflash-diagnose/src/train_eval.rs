@@ -141,8 +141,6 @@ pub struct Settings {
     /// Answer tokens at most (each prompt also stops at its training answer's length).
     pub max_new_tokens: usize,
     pub stop_tokens: Vec<u32>,
-    /// The target's final-norm epsilon (for [`Options`]).
-    pub final_norm_eps: f64,
 }
 
 /// Decodes the manifest's first validation prompts live and replays both answers (see the
@@ -216,7 +214,6 @@ pub fn measure(
         });
     }
     let opts = Options {
-        final_norm_eps: s.final_norm_eps,
         tree_budget: budget,
         integrity_positions: 0,
         recorded_stats: None,

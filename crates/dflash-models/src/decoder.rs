@@ -734,8 +734,9 @@ impl TargetModel for Decoder {
         ))
     }
 
-    fn final_norm_weight(&self) -> Option<Tensor> {
-        Some(self.norm.weight().clone())
+    fn final_norm(&self) -> Option<RmsNorm> {
+        let w = self.norm.weight().to_dtype(DType::F32).ok()?;
+        Some(RmsNorm::new(w, self.norm.eps()))
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {

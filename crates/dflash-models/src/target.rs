@@ -11,7 +11,7 @@
 
 use crate::Result;
 use candle_core::{DType, Device, Tensor};
-use dflash_core::{AttentionMask, SequenceCache};
+use dflash_core::{AttentionMask, RmsNorm, SequenceCache};
 
 /// Which rows of a forward need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,8 +133,11 @@ pub trait TargetModel: Send {
             self.info().architecture
         )))
     }
-    /// The final norm's weight `[hidden]`, if the model has one (a drafter starts from it).
-    fn final_norm_weight(&self) -> Option<Tensor> {
+    /// The final norm as a plain RMSNorm with an f32 weight `[hidden]` (a zero-centred norm's
+    /// effective weight `1 + w`) and the model's epsilon, if the model has one: a drafter starts
+    /// from it, and applies it to its last tap when its config declares
+    /// `final_norm_on_last_tap`.
+    fn final_norm(&self) -> Option<RmsNorm> {
         None
     }
     /// Token embeddings `[n] -> [n, hidden]`.

@@ -143,8 +143,8 @@ fn a_hybrid_target_starts_the_drafter_from_its_attention_layers() {
     // the drafter from these weights drafts against the hybrid
     let tmp = tempfile::tempdir().unwrap();
     save_drafter(tmp.path(), &cfg, &w, 16 << 20).unwrap();
-    let d = load_drafter(tmp.path(), &Device::Cpu, DType::F32).unwrap();
-    d.check_target(t.model.as_ref()).unwrap();
+    let mut d = load_drafter(tmp.path(), &Device::Cpu, DType::F32).unwrap();
+    d.bind_target(t.model.as_ref()).unwrap();
     // two drafter layers from one attention layer: refused, naming it
     let err = init_from_target_layers(&config_for_target(&t, 2, 4, 0), &tt, 3)
         .unwrap_err()

@@ -31,7 +31,8 @@ fn drafter_from(cfg: &DFlashConfig, seed: u64) -> (DFlashDrafter, VarMap) {
 }
 
 fn parity(cfg: &DFlashConfig, target: &dyn TargetModel, what: &str) {
-    let (drafter, _) = drafter_from(cfg, 5);
+    let (mut drafter, _) = drafter_from(cfg, 5);
+    drafter.bind_target(target).unwrap();
     let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 263).collect();
     let taps = sequence_taps(target, &tokens, drafter.target_layers());
     let anchors = [4u32, 9, 15, 17];
@@ -93,6 +94,81 @@ fn training_and_inference_forwards_agree() {
             &format!("block layout offset {offset:+}, slot 0 masked {masked}"),
         );
     }
+    // the target's final norm on the last tap, declared: both paths apply it
+    let mut cfg = config_for_target(&t, 2, 6, 262);
+    cfg.set_final_norm_on_last_tap(true);
+    parity(&cfg, t.model.as_ref(), "final norm on the last tap");
+}
+
+/// `dflash_config.final_norm_on_last_tap`: the drafter feeds its last tap through the target's
+/// final norm itself (the same drafts as an undeclared drafter fed that tap normed by hand), it
+/// changes the drafts, it survives a save and load (absent by default), and a drafter declaring
+/// it refuses to draft until bound to a target.
+#[test]
+fn a_declared_final_norm_on_the_last_tap_is_applied_by_the_drafter() {
+    let t = load_target(&fixtures().join("tiny-llama"), &Device::Cpu, DType::F32).unwrap();
+    let target = t.model.as_ref();
+    let plain = config_for_target(&t, 2, 6, 262);
+    let mut normed = plain.clone();
+    normed.set_final_norm_on_last_tap(true);
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 11) % 263).collect();
+    let draft = |d: &DFlashDrafter, taps: &Tensor| {
+        let mut cache = d.new_cache(64);
+        d.draft(
+            target,
+            &mut cache,
+            &taps.narrow(0, 0, 7).unwrap(),
+            tokens[7],
+            7,
+        )
+    };
+    let (mut declared, _) = drafter_from(&normed, 5);
+    let taps = sequence_taps(target, &tokens, declared.target_layers());
+    let err = draft(&declared, &taps).unwrap_err().to_string();
+    assert!(
+        err.contains("final_norm_on_last_tap") && err.contains("bind_target"),
+        "{err}"
+    );
+    declared.bind_target(target).unwrap();
+    let (mut undeclared, _) = drafter_from(&plain, 5);
+    undeclared.bind_target(target).unwrap();
+    let h = plain.hidden_size;
+    let w = taps.dim(1).unwrap();
+    let last = target
+        .final_norm()
+        .unwrap()
+        .forward(&taps.narrow(1, w - h, h).unwrap(), Grad::Off)
+        .unwrap();
+    let by_hand = Tensor::cat(&[taps.narrow(1, 0, w - h).unwrap(), last], 1).unwrap();
+    let got = draft(&declared, &taps).unwrap();
+    let err = max_abs_diff(&got, &draft(&undeclared, &by_hand).unwrap());
+    assert!(err < 1e-5, "declared vs normed by hand: {err}");
+    assert!(
+        max_abs_diff(&got, &draft(&undeclared, &taps).unwrap()) > 1e-3,
+        "the declared norm changes the drafts"
+    );
+    // the diagnose variant's toggle is the same drafter either way
+    let off = declared.with_final_norm_on_last_tap(false);
+    assert!(
+        max_abs_diff(
+            &draft(&off, &taps).unwrap(),
+            &draft(&undeclared, &taps).unwrap()
+        ) < 1e-6
+    );
+    let dir = tempfile::tempdir().unwrap();
+    save_drafter(
+        dir.path(),
+        &normed,
+        &random_weights(&normed, 1).unwrap(),
+        1 << 30,
+    )
+    .unwrap();
+    let d = load_drafter(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    assert!(d.config().final_norm_on_last_tap());
+    let json = serde_json::to_value(&plain).unwrap();
+    assert!(json["dflash_config"]
+        .get("final_norm_on_last_tap")
+        .is_none());
 }
 
 /// A declared block layout changes what the drafter computes (so the parity above could fail),
@@ -229,21 +305,21 @@ fn save_load_round_trip_shards_and_mismatch_is_refused() {
         dir.path().join("model.safetensors.index.json").is_file(),
         "small shard limit must shard"
     );
-    let d = load_drafter(dir.path(), &Device::Cpu, DType::F32).unwrap();
-    d.check_target(t.model.as_ref()).unwrap();
+    let mut d = load_drafter(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    d.bind_target(t.model.as_ref()).unwrap();
     assert_eq!(d.target_layers(), cfg.target_layer_ids().as_slice());
     let mut bad = cfg.clone();
     bad.hidden_size = 96;
     let dir2 = tempfile::tempdir().unwrap();
     let w2 = random_weights(&bad, 1).unwrap();
     save_drafter(dir2.path(), &bad, &w2, 1 << 30).unwrap();
-    let d2 = load_drafter(dir2.path(), &Device::Cpu, DType::F32).unwrap();
-    let err = d2.check_target(t.model.as_ref()).unwrap_err().to_string();
+    let mut d2 = load_drafter(dir2.path(), &Device::Cpu, DType::F32).unwrap();
+    let err = d2.bind_target(t.model.as_ref()).unwrap_err().to_string();
     assert!(err.contains("hidden size: drafter 96, target 64"), "{err}");
     let mut bad_mask = cfg.clone();
     bad_mask.dflash_config.mask_token_id = Some(999);
-    let (d3, _) = drafter_from(&bad_mask, 1);
-    let err = d3.check_target(t.model.as_ref()).unwrap_err().to_string();
+    let (mut d3, _) = drafter_from(&bad_mask, 1);
+    let err = d3.bind_target(t.model.as_ref()).unwrap_err().to_string();
     assert!(
         err.contains("mask token id") && err.contains("999") && err.contains("263"),
         "{err}"

@@ -127,7 +127,12 @@ pub fn soft_label_positions(s: usize, n: usize, bs: usize, anchors: &[u32]) -> V
 
 /// The drafter that computes in `dtype` over the f32 masters in `varmap`: each weight is a cast of
 /// its master `Var` (a graph edge), so backward lands on the masters. For f32 it is the masters.
-pub fn compute_drafter(cfg: &DFlashConfig, varmap: &VarMap, dtype: DType) -> Result<DFlashDrafter> {
+pub fn compute_drafter(
+    cfg: &DFlashConfig,
+    varmap: &VarMap,
+    dtype: DType,
+    target: &dyn TargetModel,
+) -> Result<DFlashDrafter> {
     let data = varmap.data().lock().expect("varmap");
     let dev = data
         .values()
@@ -139,10 +144,9 @@ pub fn compute_drafter(cfg: &DFlashConfig, varmap: &VarMap, dtype: DType) -> Res
         .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(dtype)?)))
         .collect::<Result<_>>()?;
     drop(data);
-    Ok(DFlashDrafter::new(
-        cfg,
-        VarBuilder::from_tensors(weights, dtype, &dev),
-    )?)
+    let mut d = DFlashDrafter::new(cfg, VarBuilder::from_tensors(weights, dtype, &dev))?;
+    d.bind_target(target)?;
+    Ok(d)
 }
 
 /// A sequence of one step's group.

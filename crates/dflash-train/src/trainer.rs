@@ -264,11 +264,11 @@ impl<'a> Trainer<'a> {
                 );
             }
         }
-        let drafter = DFlashDrafter::new(
+        let mut drafter = DFlashDrafter::new(
             &draft_cfg,
             VarBuilder::from_varmap(&varmap, DType::F32, &dev),
         )?;
-        drafter.check_target(target)?;
+        drafter.bind_target(target)?;
         if !drafter.plain_logits() {
             // the loss multiplies the LM head in chunks itself (step.rs), without the drafter's
             // output multiplier or soft cap: training would optimise other logits than decoding
@@ -446,6 +446,7 @@ impl<'a> Trainer<'a> {
                     &self.draft_cfg,
                     &self.varmap,
                     self.compute_dtype,
+                    self.target,
                 )?)
             };
             timer.mark("cast_weights")?;

@@ -255,7 +255,7 @@ fn bf16_compute_trains_the_f32_masters_over_packed_sequences() {
     let mut losses = vec![];
     for s in 0..30 {
         // a fresh bf16 view of the masters every step, as the trainer does
-        let d = dflash_train::compute_drafter(&cfg, &vm, DType::BF16).unwrap();
+        let d = dflash_train::compute_drafter(&cfg, &vm, DType::BF16, t.model.as_ref()).unwrap();
         let r = step_once(&ts, &t, &d, &mut opt, &group, s);
         assert_eq!(
             r.tokens,

@@ -303,23 +303,31 @@ fn explain(scan: &Scan, a: &VariantResult) -> (String, String) {
                 ),
             };
         }
+        Alteration::FinalNorm if !v.final_norm_on_last_tap => {
+            return (
+                format!(
+                    "the drafter was trained on the raw output of its last tap (layer {l}), but its config declares the target's final norm on it"
+                ),
+                "remove dflash_config.final_norm_on_last_tap (or set it to false) in the drafter's config.json".into(),
+            );
+        }
         Alteration::Declared | Alteration::Shift | Alteration::FinalNorm => {}
     }
+    // the final norm on the last tap won
+    let set = "set dflash_config.final_norm_on_last_tap to true in the drafter's config.json";
     if l == last {
         (
             format!(
                 "the drafter was trained on the target's last layer ({l}) after the final norm (HF's hidden_states[-1] is normed), but is fed its raw output"
             ),
-            format!("feed tap {l} through the target's final RMSNorm (or retrain on the raw layer outputs)"),
+            format!("{set} (or retrain on the raw layer outputs)"),
         )
     } else {
         (
             format!(
                 "the drafter's last tap (layer {l}) behaves like a final-normed hidden state: it was trained on another layer path (a model class whose hidden states are normed)"
             ),
-            format!(
-                "retrain on raw decoder-layer outputs, or feed tap {l} through the target's final RMSNorm"
-            ),
+            format!("{set}, or retrain on raw decoder-layer outputs"),
         )
     }
 }
@@ -344,12 +352,19 @@ mod tests {
     }
 
     fn scan_of(taus: &[(f64, [f64; 2])]) -> Scan {
-        let v = variants(&[2, 9, 15, 21, 28], Default::default(), 30, true, None);
+        let v = variants(
+            &[2, 9, 15, 21, 28],
+            Default::default(),
+            30,
+            Some(false),
+            None,
+        );
         Scan {
             declared_target_layer_ids: vec![2, 9, 15, 21, 28],
             declared_mask_token_id: 16,
             declared_position_offset: 0,
             declared_anchor_slot_masked: false,
+            declared_final_norm_on_last_tap: false,
             num_target_layers: 30,
             tree_budget: 64,
             answer_tokens: 100,
@@ -422,7 +437,25 @@ mod tests {
         ]);
         let c = judge(&normed);
         assert_eq!(c.verdict, Verdict::Fail);
-        assert!(c.fix.contains("final RMSNorm"), "{}", c.fix);
+        assert!(
+            c.fix
+                .contains("set dflash_config.final_norm_on_last_tap to true"),
+            "{}",
+            c.fix
+        );
+        // declared with the norm, the variant without it winning names the field to remove
+        let mut declared_normed = normed.clone();
+        declared_normed.declared_final_norm_on_last_tap = true;
+        for r in &mut declared_normed.variants {
+            r.variant.final_norm_on_last_tap = r.variant.alteration != Alteration::FinalNorm;
+        }
+        let c = judge(&declared_normed);
+        assert_eq!(c.verdict, Verdict::Fail);
+        assert!(
+            c.fix.contains("remove dflash_config.final_norm_on_last_tap"),
+            "{}",
+            c.fix
+        );
     }
 
     #[test]
@@ -501,10 +534,9 @@ mod tests {
             causal: true,
             window: Some(4),
         };
-        let mut vs = vec![variants(&taps, Default::default(), 30, true, None).remove(0)];
+        let mut vs = vec![variants(&taps, Default::default(), 30, Some(false), None).remove(0)];
         vs.extend(super::super::drafter_variants(
-            &taps,
-            Default::default(),
+            &vs[0].clone(),
             16,
             &[("eos".into(), 2)],
             &[sliding],
@@ -544,7 +576,7 @@ mod tests {
             anchor_slot_masked: true,
         };
         let taps = [2, 9, 15, 21, 28];
-        let vs = variants(&taps, conv, 30, true, None);
+        let vs = variants(&taps, conv, 30, Some(false), None);
         let mut s = scan_of(&[(2.0, [1.8, 2.2])]);
         s.declared_position_offset = 1;
         s.declared_anchor_slot_masked = true;

@@ -10,9 +10,10 @@
 //!   declares. In the taps tensor: the same rows of other layers (every tap shifted by −1 or +1,
 //!   a shift leaving the target's layers skipped; the last tap moved to the target's last layer —
 //!   the fc fed the last layer — or, declared there, moved off it to the default taps' last
-//!   layer; the z-lab default taps for the target's depth), or the declared taps with the
-//!   target's final RMSNorm applied to the last one; a list equal to an earlier variant's is not
-//!   measured twice. The target runs once per sample for the union of the layers. In the block's
+//!   layer; the z-lab default taps for the target's depth); a list equal to an earlier
+//!   variant's is not measured twice. The target runs once per sample for the union of the
+//!   layers. The target's final RMSNorm on the last tap the other way round from the declared
+//!   `final_norm_on_last_tap` (the drafter applies it itself, as declared). In the block's
 //!   layout (`BlockConvention`): positions −1 / +1 (slot `j` at `anchor + j ± 1`) and slot 0
 //!   holding the mask token. In the drafter (a copy with the same weights): the target's RoPE
 //!   when the drafter declares another, another mask token (the candidates of
@@ -46,7 +47,6 @@ pub use variants::{drafter_variants, variants, Alteration, Attention, Variant, M
 use crate::stats::{TapStatsAccumulator, TapStatsFile};
 use crate::{Options, Result, Sample};
 use candle_core::Tensor;
-use dflash_core::{Grad, RmsNorm};
 use dflash_models::{DFlashDrafter, TargetModel};
 use dflash_train::{anchor_likelihood_with, bootstrap_ci95, replay_steps, sequence_taps};
 use serde::Serialize;
@@ -80,6 +80,8 @@ pub struct Scan {
     /// `anchor_slot_masked`).
     pub declared_position_offset: i64,
     pub declared_anchor_slot_masked: bool,
+    /// `dflash_config.final_norm_on_last_tap` as declared.
+    pub declared_final_norm_on_last_tap: bool,
     pub num_target_layers: usize,
     pub tree_budget: usize,
     /// Answer tokens replayed (over every sample).
@@ -89,23 +91,11 @@ pub struct Scan {
 }
 
 /// `[S, T·H]` taps of `v` from `all` (`[S, U·H]`, the layers of `union` in order).
-fn variant_taps(
-    all: &Tensor,
-    union: &[usize],
-    v: &Variant,
-    hidden: usize,
-    norm: Option<&RmsNorm>,
-) -> Result<Tensor> {
+fn variant_taps(all: &Tensor, union: &[usize], v: &Variant, hidden: usize) -> Result<Tensor> {
     let mut parts = vec![];
-    for (i, l) in v.target_layer_ids.iter().enumerate() {
+    for l in &v.target_layer_ids {
         let u = union.iter().position(|x| x == l).expect("union has it");
-        let mut t = all.narrow(1, u * hidden, hidden)?.contiguous()?;
-        if v.final_norm_on_last_tap && i + 1 == v.target_layer_ids.len() {
-            if let Some(n) = norm {
-                t = n.forward(&t, Grad::Off)?;
-            }
-        }
-        parts.push(t);
+        parts.push(all.narrow(1, u * hidden, hidden)?.contiguous()?);
     }
     Ok(Tensor::cat(&parts, 1)?)
 }
@@ -131,9 +121,6 @@ pub(crate) fn scan_variants(
 ) -> Result<(Scan, TapStatsFile)> {
     let info = target.info();
     let declared = drafter.target_layers().to_vec();
-    let norm = target
-        .final_norm_weight()
-        .map(|w| RmsNorm::new(w, opts.final_norm_eps));
     // the target's RoPE, when the drafter declares another, and the drafter fed it
     let declared_rope = drafter.config().rope().ok();
     let target_rope = opts.target_rope.clone().filter(|(theta, scaling)| {
@@ -142,30 +129,33 @@ pub(crate) fn scan_variants(
             .is_some_and(|d| (d.theta - theta).abs() > 1e-9 * theta.abs() || d.scaling != *scaling)
     });
     let conv = drafter.block_convention();
+    let declared_final_norm = drafter.config().final_norm_on_last_tap();
     let mut vars = variants(
         &declared,
         conv,
         info.num_layers,
-        norm.is_some(),
+        target.final_norm().is_some().then_some(declared_final_norm),
         target_rope.as_ref().map(|r| r.0),
     );
-    vars.extend(drafter_variants(
-        &declared,
-        conv,
+    let own = drafter_variants(
+        &vars[0],
         drafter.mask_token_id(),
         &opts.mask_token_candidates,
         &drafter.layer_attention(),
         drafter.config().sliding_window,
-    ));
+    );
+    vars.extend(own);
     if declared_only {
         vars.truncate(1);
     }
-    // the drafter each variant is fed: the declared one, or a copy with its RoPE, mask token or
-    // attention changed (the same weights)
+    // the drafter each variant is fed: the declared one, or a copy with its final norm on the
+    // last tap, RoPE, mask token or attention changed (the same weights)
     let mut fed: Vec<Option<DFlashDrafter>> = vec![];
     for v in &vars {
         fed.push(if !v.alters_drafter() {
             None
+        } else if v.alteration == Alteration::FinalNorm {
+            Some(drafter.with_final_norm_on_last_tap(v.final_norm_on_last_tap))
         } else if let Some(id) = v.mask_token_id {
             Some(drafter.with_mask_token(id))
         } else if let Some(a) = v.attention {
@@ -197,7 +187,7 @@ pub(crate) fn scan_variants(
         answer_tokens += end - start;
         let all = sequence_taps(target, &s.tokens, &union)?;
         for (vi, v) in vars.iter().enumerate() {
-            let feats = variant_taps(&all, &union, v, info.hidden_size, norm.as_ref())?;
+            let feats = variant_taps(&all, &union, v, info.hidden_size)?;
             if vi == 0 && end > start {
                 for (i, &l) in declared.iter().enumerate() {
                     let rows = feats.narrow(0, start, end - start)?.narrow(
@@ -258,6 +248,7 @@ pub(crate) fn scan_variants(
             declared_mask_token_id: drafter.mask_token_id(),
             declared_position_offset: conv.position_offset,
             declared_anchor_slot_masked: conv.anchor_slot_masked,
+            declared_final_norm_on_last_tap: declared_final_norm,
             num_target_layers: info.num_layers,
             tree_budget: budget,
             answer_tokens,
@@ -272,7 +263,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn variant_taps_pick_the_layers_columns_and_norm_only_the_last() {
+    fn variant_taps_pick_the_layers_columns_in_order() {
         let dev = candle_core::Device::Cpu;
         // union [3, 4, 5], hidden 2: layer l's row r is [10l + r, −(10l + r)]
         let rows: Vec<f32> = (0..2)
@@ -295,12 +286,14 @@ mod tests {
             attention: None,
             alteration: Alteration::FinalNorm,
         };
-        let norm = RmsNorm::new(Tensor::new(&[2f32, 2.0], &dev).unwrap(), 0.0);
-        let got: Vec<Vec<f32>> = variant_taps(&all, &[3, 4, 5], &v, 2, Some(&norm))
+        let got: Vec<Vec<f32>> = variant_taps(&all, &[3, 4, 5], &v, 2)
             .unwrap()
             .to_vec2()
             .unwrap();
-        // layer 5 as is; layer 3 RMS-normed (|x| / rms = 1) times the weight 2
-        assert_eq!(got, [[50.0, -50.0, 2.0, -2.0], [51.0, -51.0, 2.0, -2.0]]);
+        // the raw rows: the final norm is the drafter's to apply (as declared or varied)
+        assert_eq!(
+            got,
+            [[50.0, -50.0, 30.0, -30.0], [51.0, -51.0, 31.0, -31.0]]
+        );
     }
 }

@@ -10,7 +10,8 @@ pub struct Variant {
     pub name: String,
     /// The tap layers, in concatenation order.
     pub target_layer_ids: Vec<usize>,
-    /// The target's final RMSNorm applied to the last tap.
+    /// The target's final RMSNorm applied to the last tap (by the drafter; as declared but in
+    /// the final-norm variant).
     pub final_norm_on_last_tap: bool,
     /// Every tap shifted by this many layers from the declared ones.
     pub shift: i64,
@@ -57,12 +58,13 @@ impl Variant {
         name: impl Into<String>,
         declared: &[usize],
         conv: BlockConvention,
+        final_norm: bool,
         alteration: Alteration,
     ) -> Variant {
         Variant {
             name: name.into(),
             target_layer_ids: declared.to_vec(),
-            final_norm_on_last_tap: false,
+            final_norm_on_last_tap: final_norm,
             shift: 0,
             position_offset: conv.position_offset,
             anchor_slot_masked: conv.anchor_slot_masked,
@@ -80,10 +82,13 @@ impl Variant {
         }
     }
 
-    /// Whether the variant needs another drafter than the declared one (RoPE, mask token,
-    /// attention).
+    /// Whether the variant needs another drafter than the declared one (final norm on the last
+    /// tap, RoPE, mask token, attention).
     pub(super) fn alters_drafter(&self) -> bool {
-        self.target_rope_theta.is_some() || self.mask_token_id.is_some() || self.attention.is_some()
+        self.alteration == Alteration::FinalNorm
+            || self.target_rope_theta.is_some()
+            || self.mask_token_id.is_some()
+            || self.attention.is_some()
     }
 }
 
@@ -94,7 +99,8 @@ pub enum Alteration {
     Declared,
     /// Every tap moved by [`Variant::shift`] layers.
     Shift,
-    /// The target's final RMSNorm on the last tap.
+    /// The target's final RMSNorm on the last tap the other way round from the declared
+    /// `final_norm_on_last_tap`.
     FinalNorm,
     /// The last tap moved to the target's last layer (the fc fed the target's last layer).
     LastLayer,
@@ -118,16 +124,20 @@ pub enum Alteration {
 }
 
 /// The declared setting (first) and each applicable alternative. `conv`: the block layout the
-/// drafter declares. `target_rope`: the target's RoPE θ when it differs from the drafter's
-/// declared RoPE (θ or scaling), which adds the target-RoPE variant.
+/// drafter declares. `final_norm`: when the target has a final norm, whether the drafter
+/// declares it on its last tap (adds the variant the other way round). `target_rope`: the
+/// target's RoPE θ when it differs from the drafter's declared RoPE (θ or scaling), which adds
+/// the target-RoPE variant.
 pub fn variants(
     declared: &[usize],
     conv: BlockConvention,
     num_layers: usize,
-    has_final_norm: bool,
+    final_norm: Option<bool>,
     target_rope: Option<f64>,
 ) -> Vec<Variant> {
-    let base = |name: String, alteration| Variant::base(name, declared, conv, alteration);
+    let declared_norm = final_norm.unwrap_or(false);
+    let base =
+        |name: String, alteration| Variant::base(name, declared, conv, declared_norm, alteration);
     let mut out = vec![base("declared".into(), Alteration::Declared)];
     for shift in [-1i64, 1] {
         let moved: Option<Vec<usize>> = declared
@@ -145,17 +155,22 @@ pub fn variants(
             });
         }
     }
-    if has_final_norm && !declared.is_empty() {
+    if let (Some(on), false) = (final_norm, declared.is_empty()) {
+        let name = if on {
+            "no final norm on last tap"
+        } else {
+            "final norm on last tap"
+        };
         out.push(Variant {
-            final_norm_on_last_tap: true,
-            ..base("final norm on last tap".into(), Alteration::FinalNorm)
+            final_norm_on_last_tap: !on,
+            ..base(name.into(), Alteration::FinalNorm)
         });
     }
     // taps-only alternatives not already in the list
     let mut push_new = |name: &str, layers: Vec<usize>, alteration: Alteration| {
         if !out
             .iter()
-            .any(|v| v.target_layer_ids == layers && !v.final_norm_on_last_tap)
+            .any(|v| v.target_layer_ids == layers && v.alteration != Alteration::FinalNorm)
         {
             out.push(Variant {
                 target_layer_ids: layers,
@@ -217,20 +232,23 @@ pub fn variants(
 /// shipped pair's default diagnosis on 2 CPU cores, which must stay within 2 minutes).
 pub const MAX_MASK_VARIANTS: usize = 1;
 
-/// The drafter's own alternatives, after [`variants`]: the mask token (each of `mask_candidates`,
+/// The drafter's own alternatives of the `declared` variant (the first of [`variants`]): the mask token (each of `mask_candidates`,
 /// labelled, that is not `declared_mask`, the first [`MAX_MASK_VARIANTS`] distinct ones), and
 /// the layers' attention: every layer full when any declared layer is windowed or causal, every
 /// layer windowed (causal, as z-lab's sliding layers are) when all are full and the config gives
 /// a `sliding_window`.
 pub fn drafter_variants(
-    declared: &[usize],
-    conv: BlockConvention,
+    declared: &Variant,
     declared_mask: u32,
     mask_candidates: &[(String, u32)],
     layers: &[LayerAttention],
     sliding_window: Option<usize>,
 ) -> Vec<Variant> {
-    let base = |name: String, alteration| Variant::base(name, declared, conv, alteration);
+    let base = |name: String, alteration| Variant {
+        name,
+        alteration,
+        ..declared.clone()
+    };
     let mut out: Vec<Variant> = vec![];
     for (label, id) in mask_candidates {
         if *id == declared_mask || out.iter().any(|v| v.mask_token_id == Some(*id)) {
@@ -277,9 +295,13 @@ mod tests {
         anchor_slot_masked: false,
     };
 
+    fn declared(taps: &[usize]) -> Variant {
+        variants(taps, Z, 30, Some(false), None).remove(0)
+    }
+
     #[test]
     fn variants_skip_shifts_that_leave_the_target() {
-        let v = variants(&[1, 8, 14, 20, 27], Z, 30, true, None);
+        let v = variants(&[1, 8, 14, 20, 27], Z, 30, Some(false), None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             names,
@@ -298,7 +320,7 @@ mod tests {
         assert_eq!(v[2].target_layer_ids, [2, 9, 15, 21, 28]);
         assert_eq!(v[4].target_layer_ids, [1, 8, 14, 20, 29]);
         // a config whose fc is fed the last layer: the default taps are the alternative
-        let v = variants(&[1, 8, 14, 20, 29], Z, 30, true, Some(10000.0));
+        let v = variants(&[1, 8, 14, 20, 29], Z, 30, Some(false), Some(10000.0));
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             &names[..4],
@@ -316,7 +338,7 @@ mod tests {
         assert_eq!(rope.target_layer_ids, [1, 8, 14, 20, 29]);
         // layer 0 has no −1; layer 29 of 30 has no +1; no final norm, no norm variant; the last
         // tap is the last layer already; the default taps for two taps of 30 layers are [1, 27]
-        let v = variants(&[0, 29], Z, 30, false, None);
+        let v = variants(&[0, 29], Z, 30, None, None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         // the fc fed the last layer: the last tap moved off it (to the default's 27), and the
         // default taps
@@ -342,7 +364,7 @@ mod tests {
             position_offset: 1,
             anchor_slot_masked: true,
         };
-        let v = variants(&[1, 8, 14, 20, 27], conv, 30, true, None);
+        let v = variants(&[1, 8, 14, 20, 27], conv, 30, Some(false), None);
         assert_eq!((v[0].position_offset, v[0].anchor_slot_masked), (1, true));
         assert_eq!(v[0].convention(), conv);
         let pos: Vec<(&str, i64)> = v
@@ -363,7 +385,7 @@ mod tests {
             .find(|v| v.alteration == Alteration::Shift)
             .unwrap();
         assert_eq!(shift.convention(), conv);
-        let m = drafter_variants(&[1, 27], conv, 16, &[("eos".into(), 2)], &[], None);
+        let m = drafter_variants(&v[0], 16, &[("eos".into(), 2)], &[], None);
         assert_eq!(m[0].convention(), conv);
     }
 
@@ -381,10 +403,10 @@ mod tests {
             ("bos".to_string(), 1),
         ];
         // the declared mask is skipped, the first other one measured (at most MAX_MASK_VARIANTS)
-        let v = drafter_variants(&[1, 27], Z, 16, &cands, &[full; 3], None);
+        let v = drafter_variants(&declared(&[1, 27]), 16, &cands, &[full; 3], None);
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, ["mask 2 (eos)"]);
-        let v = drafter_variants(&[1, 27], Z, 2, &cands[1..], &[full; 3], None);
+        let v = drafter_variants(&declared(&[1, 27]), 2, &cands[1..], &[full; 3], None);
         assert_eq!(
             v[0].name, "mask 49151 (vocab - 1)",
             "the declared id is skipped"
@@ -397,7 +419,13 @@ mod tests {
             causal: true,
             window: Some(8),
         };
-        let v = drafter_variants(&[1, 27], Z, 0, &cands[..1], &[full, sliding], Some(8));
+        let v = drafter_variants(
+            &declared(&[1, 27]),
+            0,
+            &cands[..1],
+            &[full, sliding],
+            Some(8),
+        );
         assert_eq!(v.len(), 2);
         assert_eq!(v[0].mask_token_id, Some(16));
         assert_eq!(v[1].alteration, Alteration::Attention);
@@ -409,9 +437,30 @@ mod tests {
             })
         );
         // all full with a window in the config: the sliding alternative; none without one
-        let v = drafter_variants(&[1, 27], Z, 16, &[], &[full; 2], Some(8));
+        let v = drafter_variants(&declared(&[1, 27]), 16, &[], &[full; 2], Some(8));
         assert_eq!(v[0].name, "sliding window 8");
         assert_eq!(v[0].attention.unwrap().window, Some(8));
-        assert!(drafter_variants(&[1, 27], Z, 16, &[], &[full; 2], None).is_empty());
+        assert!(drafter_variants(&declared(&[1, 27]), 16, &[], &[full; 2], None).is_empty());
+    }
+
+    #[test]
+    fn a_declared_final_norm_is_kept_by_every_variant_but_the_norm_one() {
+        let v = variants(&[1, 8, 14, 20, 27], Z, 30, Some(true), None);
+        let norm: Vec<&Variant> = v
+            .iter()
+            .filter(|v| v.alteration == Alteration::FinalNorm)
+            .collect();
+        assert_eq!(norm.len(), 1);
+        assert_eq!(norm[0].name, "no final norm on last tap");
+        assert!(!norm[0].final_norm_on_last_tap && norm[0].alters_drafter());
+        assert!(v
+            .iter()
+            .filter(|v| v.alteration != Alteration::FinalNorm)
+            .all(|v| v.final_norm_on_last_tap));
+        let own = drafter_variants(&v[0], 16, &[("eos".into(), 2)], &[], None);
+        assert!(own[0].final_norm_on_last_tap);
+        // a target without a final norm: no norm variant
+        let v = variants(&[1, 8, 14, 20, 27], Z, 30, None, None);
+        assert!(v.iter().all(|v| v.alteration != Alteration::FinalNorm));
     }
 }

@@ -45,6 +45,12 @@ pub struct DFlashSection {
     /// (absent: false, the z-lab layout); z-lab's code ignores it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub anchor_slot_masked: Option<bool>,
+    /// dflash-rs: the last tap is fed through the target's final RMSNorm before `fc` (absent:
+    /// false, the z-lab convention of raw layer outputs, HF `hidden_states[l + 1]`). For a
+    /// drafter trained elsewhere on normed states (a model class whose last hidden state is the
+    /// normed one); `diagnose` names it; z-lab's code ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_norm_on_last_tap: Option<bool>,
     /// DFlash 2 only (refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conv_kernel_size: Option<Value>,
@@ -206,6 +212,17 @@ impl DFlashConfig {
         self.dflash_config.block_position_offset =
             (conv.position_offset != 0).then_some(conv.position_offset);
         self.dflash_config.anchor_slot_masked = conv.anchor_slot_masked.then_some(true);
+    }
+
+    /// Whether the config declares the target's final norm on the last tap
+    /// (`dflash_config.final_norm_on_last_tap`; false when absent).
+    pub fn final_norm_on_last_tap(&self) -> bool {
+        self.dflash_config.final_norm_on_last_tap.unwrap_or(false)
+    }
+
+    /// Declares (or, with `false`, removes) `dflash_config.final_norm_on_last_tap`.
+    pub fn set_final_norm_on_last_tap(&mut self, on: bool) {
+        self.dflash_config.final_norm_on_last_tap = on.then_some(true);
     }
 
     pub fn mask_token_id(&self) -> Option<u32> {

@@ -151,11 +151,13 @@ pub fn init_weights_for_target(
     seed: u64,
 ) -> Result<BTreeMap<String, Tensor>> {
     let mut w = random_weights(cfg, seed)?;
-    if let Some(norm) = target.final_norm_weight() {
-        if norm.dims() == [cfg.hidden_size] {
+    if let Some(norm) = target.final_norm() {
+        if norm.weight().dims() == [cfg.hidden_size] {
             w.insert(
                 "norm.weight".into(),
-                norm.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+                norm.weight()
+                    .to_dtype(DType::F32)?
+                    .to_device(&Device::Cpu)?,
             );
         }
     }

@@ -95,6 +95,9 @@ pub struct DFlashDrafter {
     cache_pool: dflash_core::cache_pool::CachePool<DraftCache>,
     /// Each layer's weights stacked for the device step, made on the first device draft.
     pub(super) fused: std::sync::OnceLock<Vec<super::device::FusedLayer>>,
+    /// The target's final norm (f32), taken by [`DFlashDrafter::bind_target`]; applied to the
+    /// last tap when the config declares `final_norm_on_last_tap`.
+    target_final_norm: Option<RmsNorm>,
 }
 
 /// Committed-context K/V for inference, one cache per drafter layer.
@@ -181,6 +184,7 @@ impl DFlashDrafter {
             rope_table: std::sync::OnceLock::new(),
             cache_pool: Default::default(),
             fused: std::sync::OnceLock::new(),
+            target_final_norm: None,
         })
     }
 
@@ -218,6 +222,14 @@ impl DFlashDrafter {
         d.fused = std::sync::OnceLock::new();
         d
     }
+    /// The same weights with the target's final norm on the last tap (`on`) or not, whatever
+    /// the config declares (`dflash diagnose` measures the other way round).
+    pub fn with_final_norm_on_last_tap(&self, on: bool) -> Self {
+        let mut d = self.clone();
+        d.cfg.set_final_norm_on_last_tap(on);
+        d
+    }
+
     /// The block layout the config declares, which training, validation and decoding all use.
     pub fn block_convention(&self) -> BlockConvention {
         self.cfg.block_convention()
@@ -250,8 +262,28 @@ impl DFlashDrafter {
         self.cfg.mask_token_id().expect("validated in new")
     }
 
-    /// Refuses a target this drafter was not built for, naming both values.
-    pub fn check_target(&self, target: &dyn TargetModel) -> Result<()> {
+    /// Refuses a target this drafter was not built for, naming both values, and takes what the
+    /// declared conventions need from it (its final norm, for `final_norm_on_last_tap`). Every
+    /// caller pairing a drafter with a target binds it first; a drafter declaring the final norm
+    /// and never bound refuses to draft.
+    pub fn bind_target(&mut self, target: &dyn TargetModel) -> Result<()> {
+        self.check_target(target)?;
+        self.target_final_norm = target
+            .final_norm()
+            .map(|n| -> Result<RmsNorm> {
+                let w = n.weight().to_dtype(DType::F32)?.to_device(&self.device)?;
+                Ok(RmsNorm::new(w, n.eps()))
+            })
+            .transpose()?;
+        if self.cfg.final_norm_on_last_tap() && self.target_final_norm.is_none() {
+            return Err(ModelError::Mismatch(
+                "the drafter declares dflash_config.final_norm_on_last_tap, but the target has no final norm".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_target(&self, target: &dyn TargetModel) -> Result<()> {
         let t = target.info();
         let c = &self.cfg;
         let mismatch = |what: &str, d: usize, tv: usize| {
@@ -300,9 +332,29 @@ impl DFlashDrafter {
         }
     }
 
-    /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`, or `[b, n, T·H] -> [b, n, H]`.
+    /// `hidden_norm(fc(concat taps))`: `[n, T·H] -> [1, n, H]`, or `[b, n, T·H] -> [b, n, H]`;
+    /// with `final_norm_on_last_tap` declared, the last tap goes through the target's final
+    /// norm first (in f32).
     pub(super) fn project_context(&self, feats: &Tensor, grad: Grad) -> Result<Tensor> {
-        let x = project_with(&self.fc, &feats.to_dtype(self.dtype)?, grad)?;
+        let feats = if self.cfg.final_norm_on_last_tap() {
+            let norm = self.target_final_norm.as_ref().ok_or_else(|| {
+                ModelError::InvalidInput(
+                    "the drafter declares dflash_config.final_norm_on_last_tap but was never bound to a target's final norm (DFlashDrafter::bind_target)".into(),
+                )
+            })?;
+            let (last, width) = (feats.rank() - 1, feats.dim(feats.rank() - 1)?);
+            let h = self.cfg.hidden_size;
+            let head = feats.narrow(last, 0, width - h)?;
+            let tail = feats.narrow(last, width - h, h)?.to_dtype(DType::F32)?;
+            let tail = norm.forward(&tail.contiguous()?, grad)?;
+            Tensor::cat(
+                &[head.to_dtype(self.dtype)?, tail.to_dtype(self.dtype)?],
+                last,
+            )?
+        } else {
+            feats.to_dtype(self.dtype)?
+        };
+        let x = project_with(&self.fc, &feats, grad)?;
         let x = self.hidden_norm.forward(&x, grad)?;
         Ok(if x.rank() == 2 { x.unsqueeze(0)? } else { x })
     }

@@ -46,6 +46,11 @@ impl ZeroCentredNorm {
     pub fn weight(&self) -> &Tensor {
         self.0.weight()
     }
+
+    /// The same norm as a plain RMSNorm over the effective weight (f32).
+    pub fn as_plain(&self) -> &RmsNorm {
+        &self.0
+    }
 }
 
 /// The norm from the checkpoint weight `w` at `vb`.

@@ -32,7 +32,7 @@ use crate::target::{
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
-use dflash_core::{AttentionMask, Grad, LayerCache, RotaryEmbedding, SequenceCache};
+use dflash_core::{AttentionMask, Grad, LayerCache, RmsNorm, RotaryEmbedding, SequenceCache};
 use layers::{unsupported_mask, zero_centred_norm, GatedAttention, Rope, ZeroCentredNorm};
 
 /// A layer's token mixer.
@@ -365,9 +365,9 @@ impl TargetModel for HybridDecoder {
         ))
     }
 
-    fn final_norm_weight(&self) -> Option<Tensor> {
-        // the effective weight (1 + w): what a plain-weight norm needs to compute the same
-        self.norm.weight().to_dtype(self.info.dtype).ok()
+    fn final_norm(&self) -> Option<RmsNorm> {
+        // the effective weight (1 + w, f32): what a plain-weight norm needs to compute the same
+        Some(self.norm.as_plain().clone())
     }
 
     fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
