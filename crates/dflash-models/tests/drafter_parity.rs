@@ -30,6 +30,19 @@ fn drafter_from(cfg: &DFlashConfig, seed: u64) -> (DFlashDrafter, VarMap) {
     (d, vm)
 }
 
+/// One inference block at `anchor` from a fresh cache fed the context rows before it.
+fn draft_at(
+    d: &DFlashDrafter,
+    target: &dyn TargetModel,
+    taps: &Tensor,
+    tokens: &[u32],
+    anchor: usize,
+) -> dflash_models::Result<Tensor> {
+    let mut cache = d.new_cache(64);
+    let ctx = taps.narrow(0, 0, anchor)?;
+    d.draft(target, &mut cache, &ctx, tokens[anchor], anchor)
+}
+
 fn parity(cfg: &DFlashConfig, target: &dyn TargetModel, what: &str) {
     let (mut drafter, _) = drafter_from(cfg, 5);
     drafter.bind_target(target).unwrap();
@@ -112,16 +125,7 @@ fn a_declared_final_norm_on_the_last_tap_is_applied_by_the_drafter() {
     let mut normed = plain.clone();
     normed.set_final_norm_on_last_tap(true);
     let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 11) % 263).collect();
-    let draft = |d: &DFlashDrafter, taps: &Tensor| {
-        let mut cache = d.new_cache(64);
-        d.draft(
-            target,
-            &mut cache,
-            &taps.narrow(0, 0, 7).unwrap(),
-            tokens[7],
-            7,
-        )
-    };
+    let draft = |d: &DFlashDrafter, taps: &Tensor| draft_at(d, target, taps, &tokens, 7);
     let (mut declared, _) = drafter_from(&normed, 5);
     let taps = sequence_taps(target, &tokens, declared.target_layers());
     let err = draft(&declared, &taps).unwrap_err().to_string();
@@ -227,15 +231,7 @@ fn output_multiplier_and_softcap_transform_the_logits_and_the_embedding_scale_is
     let draft = |cfg: &DFlashConfig| {
         let (d, _) = drafter_from(cfg, 5);
         let taps = sequence_taps(target, &tokens, d.target_layers());
-        let mut cache = d.new_cache(64);
-        d.draft(
-            target,
-            &mut cache,
-            &taps.narrow(0, 0, 7).unwrap(),
-            tokens[7],
-            7,
-        )
-        .unwrap()
+        draft_at(&d, target, &taps, &tokens, 7).unwrap()
     };
     let plain = draft(&plain_cfg);
     let mut capped = plain_cfg.clone();
