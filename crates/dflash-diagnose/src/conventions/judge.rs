@@ -452,7 +452,8 @@ mod tests {
         let c = judge(&declared_normed);
         assert_eq!(c.verdict, Verdict::Fail);
         assert!(
-            c.fix.contains("remove dflash_config.final_norm_on_last_tap"),
+            c.fix
+                .contains("remove dflash_config.final_norm_on_last_tap"),
             "{}",
             c.fix
         );
