@@ -187,6 +187,57 @@ fn greedy_hybrid_target_modes_equal_ar() {
     }
 }
 
+/// A drafter laid out as z-lab's published Qwen3.6-27B-DFlash (5 layers: 4 sliding-window layers,
+/// causal within the block since the config has no `is_causal`, then a full one; the reference
+/// taps `[1, 16, 31, 46, 61]` of a 64-layer target; block 16), scaled down, on a 64-layer hybrid
+/// laid out as Qwen3.6-27B (48 Gated DeltaNet + 16 gated attention layers): every mode equals AR.
+#[test]
+fn a_zlab_layout_drafter_is_lossless_on_a_64_layer_hybrid() {
+    let vocab = 7;
+    let t = tiny_vocab_hybrid_layers(vocab, 64, 4, 11);
+    let cfg: dflash_models::DFlashConfig = serde_json::from_value(serde_json::json!({
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "block_size": 16, "num_target_layers": 64, "num_hidden_layers": 5,
+        "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+        "max_position_embeddings": 256, "vocab_size": vocab, "tie_word_embeddings": false,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                        "sliding_attention", "full_attention"],
+        "sliding_window": 6,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [1, 16, 31, 46, 61]}
+    }))
+    .unwrap();
+    assert_eq!(
+        cfg.target_layer_ids(),
+        dflash_models::drafter::default_target_layers(64, 5)
+    );
+    let drafter = random_drafter_for(&cfg, &t, 5.0, 5);
+    let attn = drafter.layer_attention();
+    assert!(attn[..4].iter().all(|a| a.causal && a.window == Some(6)));
+    assert!(!attn[4].causal && attn[4].window.is_none());
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+    let mut accepted = 0.0f64;
+    for (i, budget) in [16, 64, 64].into_iter().enumerate() {
+        let prompt: Vec<u32> = (0..rng.random_range(3..12))
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        let mut runner = DFlashRunner::new(&drafter);
+        let (_, tree_tau) = check_modes(
+            &t,
+            &mut runner,
+            &prompt,
+            &greedy(24, vec![]),
+            budget,
+            &format!("z-lab layout on 64 layers, case {i}"),
+        );
+        accepted = accepted.max(tree_tau);
+    }
+    // a random drafter's trees are nearly chains (the target's LM head makes its drafts
+    // confident), but some drafts are accepted: states committed past a rejection in every layer
+    assert!(accepted > 1.0, "no draft accepted: DDTree tau {accepted}");
+}
+
 /// Exact probability of the first three generated tokens under the sampler's filtered distribution.
 fn exact_triples(
     target: &dyn TargetModel,

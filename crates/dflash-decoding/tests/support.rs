@@ -30,20 +30,33 @@ pub fn random_drafter(
 ) -> DFlashDrafter {
     let vocab = target.config.vocab_size as u32;
     let cfg = config_for_target(target, layers, block, vocab - 1);
-    let w = random_weights(&cfg, seed).unwrap();
-    // scale up so the random drafter is confidently (and variously) wrong
+    random_drafter_for(&cfg, target.model.as_ref(), 5.0, seed)
+}
+
+/// A drafter of config `cfg` with random weights (matrices scaled by `scale`), bound to `target`.
+pub fn random_drafter_for(
+    cfg: &dflash_models::DFlashConfig,
+    target: &dyn dflash_models::TargetModel,
+    scale: f64,
+    seed: u64,
+) -> DFlashDrafter {
+    let w = random_weights(cfg, seed).unwrap();
+    // scaled up (by random_drafter), the random drafter is confidently (and variously) wrong
     let w: HashMap<String, Tensor> = w
         .into_iter()
         .map(|(k, v)| {
             let v = if k.ends_with("norm.weight") {
                 v
             } else {
-                (v * 5.0).unwrap()
+                (v * scale).unwrap()
             };
             (k, v)
         })
         .collect();
-    DFlashDrafter::new(&cfg, VarBuilder::from_tensors(w, DType::F32, &Device::Cpu)).unwrap()
+    let mut d =
+        DFlashDrafter::new(cfg, VarBuilder::from_tensors(w, DType::F32, &Device::Cpu)).unwrap();
+    d.bind_target(target).unwrap();
+    d
 }
 
 /// A Llama with a tiny vocabulary (for exact distribution tests) and random weights.
@@ -105,9 +118,19 @@ pub fn tiny_vocab_target(vocab: usize, seed: u64) -> Decoder {
 /// vocabulary (for exact distribution tests) and random weights large enough that its
 /// next-token distributions are far from uniform.
 pub fn tiny_vocab_hybrid(vocab: usize, seed: u64) -> dflash_models::HybridDecoder {
+    tiny_vocab_hybrid_layers(vocab, 3, 3, seed)
+}
+
+/// [`tiny_vocab_hybrid`] with `layers` layers, every `interval`-th one full attention.
+pub fn tiny_vocab_hybrid_layers(
+    vocab: usize,
+    layers: usize,
+    interval: usize,
+    seed: u64,
+) -> dflash_models::HybridDecoder {
     let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
         "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": 32,
-        "intermediate_size": 48, "num_hidden_layers": 3, "full_attention_interval": 3,
+        "intermediate_size": 48, "num_hidden_layers": layers, "full_attention_interval": interval,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
         "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
         "linear_value_head_dim": 8, "max_position_embeddings": 128, "tie_word_embeddings": true
