@@ -1,7 +1,7 @@
 //! The CLI on a Qwen3.5 hybrid target (the tiny transformers fixture with a word-level tokenizer
 //! and a chat template written next to it): `draft init` and `generate --mode ar|dflash|ddtree`
 //! giving the same token ids (greedy, f32); `data regen` (batched) and `train` running end to end,
-//! and the trained drafter decoding losslessly.
+//! and the trained drafter decoding losslessly; `diagnose` measuring it.
 
 use std::path::Path;
 
@@ -123,4 +123,45 @@ fn regen_and_train_run_on_a_hybrid_target() {
     let prompt = "w1 w2 w3 w4";
     let ar = generate_ids(&target, &drafter, "ar", prompt);
     assert_eq!(generate_ids(&target, &drafter, "ddtree", prompt), ar);
+}
+
+/// `dflash diagnose` on a hybrid target: the verify path's logits equal AR's through the
+/// recurrent layers (target integrity ok), the conventions scan replays every variant, and a
+/// random drafter is judged too weak rather than failed.
+#[test]
+fn diagnose_runs_on_a_hybrid_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    let draft = tmp.path().join("draft");
+    std::fs::create_dir(&target).unwrap();
+    hybrid_with_tokenizer(&target);
+    let (code, _, err) = run(dflash()
+        .args(["draft", "init", "--layers", "1", "--block-size", "6"])
+        .arg("--target")
+        .arg(&target)
+        .arg("--out")
+        .arg(&draft));
+    assert_eq!(code, 0, "draft init: {err}");
+    let (code, out, err) = run(dflash()
+        .args(["diagnose", "--bench", "gsm8k", "--limit", "2"])
+        .arg("--target")
+        .arg(&target)
+        .arg("--draft")
+        .arg(&draft));
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let check = |name: &str| {
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap_or_else(|| panic!("no {name} check: {v}"))
+            .clone()
+    };
+    let integrity = check("target_integrity");
+    assert_eq!(integrity["verdict"], "ok", "{integrity}");
+    let conventions = check("conventions");
+    assert_eq!(conventions["verdict"], "warn", "{conventions}");
+    assert!(v["conventions"]["variants"].as_array().unwrap().len() > 4);
 }
