@@ -11,6 +11,12 @@ pub enum ModelError {
     Corrupt { path: PathBuf, msg: String },
     #[error("{}: unsupported architecture '{arch}' (supported: llama, qwen3, qwen3_5 dense hybrids; mixture-of-experts models are not)", path.display())]
     UnknownArchitecture { path: PathBuf, arch: String },
+    #[error("{}: unsupported GGUF architecture '{arch}': {why} (supported GGUF architectures: llama, qwen3, qwen35 = Qwen3.5 / Qwen3.6 dense hybrids)", path.display())]
+    UnsupportedGguf {
+        path: PathBuf,
+        arch: String,
+        why: String,
+    },
     #[error("{}: bad config: {msg}", path.display())]
     Config { path: PathBuf, msg: String },
     #[error("{}: weight '{name}': {msg}", path.display())]

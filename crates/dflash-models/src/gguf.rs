@@ -2,7 +2,9 @@
 //!
 //! Invariants: keys follow the GGUF spec (`{arch}.block_count`, `tokenizer.ggml.*`); integers of any
 //! width are accepted; a missing required key is a [`ModelError::Config`] naming the key; the
-//! config produced is the one transformers' GGUF loader would build for the same file.
+//! config produced is the one transformers' GGUF loader would build for the same file. The keys are
+//! read under the file's own `general.architecture` (`llama.*`, `qwen3.*`, `qwen35.*`); Qwen3.5 /
+//! Qwen3.6 hybrids add their fields in [`crate::gguf_hybrid`].
 
 use crate::config::{Architecture, DecoderConfig};
 use crate::weights::GgufFile;
@@ -10,7 +12,7 @@ use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file::Value;
 use dflash_text::GgufVocab;
 
-fn int(v: &Value) -> Option<u64> {
+pub(crate) fn int(v: &Value) -> Option<u64> {
     match v {
         Value::U8(x) => Some(*x as u64),
         Value::I8(x) => u64::try_from(*x).ok(),
@@ -24,7 +26,7 @@ fn int(v: &Value) -> Option<u64> {
     }
 }
 
-fn float(v: &Value) -> Option<f64> {
+pub(crate) fn float(v: &Value) -> Option<f64> {
     match v {
         Value::F32(x) => Some(*x as f64),
         Value::F64(x) => Some(*x),
@@ -33,11 +35,11 @@ fn float(v: &Value) -> Option<f64> {
 }
 
 impl GgufFile {
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub(crate) fn get(&self, key: &str) -> Option<&Value> {
         self.metadata().get(key)
     }
 
-    fn need_int(&self, key: &str) -> Result<usize> {
+    pub(crate) fn need_int(&self, key: &str) -> Result<usize> {
         self.get(key)
             .and_then(int)
             .map(|x| x as usize)
@@ -47,31 +49,32 @@ impl GgufFile {
             })
     }
 
-    fn string(&self, key: &str) -> Option<String> {
+    pub(crate) fn string(&self, key: &str) -> Option<String> {
         match self.get(key) {
             Some(Value::String(s)) => Some(s.clone()),
             _ => None,
         }
     }
 
-    /// The architecture named by `general.architecture`.
-    pub fn architecture(&self) -> Result<Architecture> {
-        let arch = self
-            .string("general.architecture")
+    /// `general.architecture` as written (the prefix of the model's metadata keys).
+    pub fn architecture_name(&self) -> Result<String> {
+        self.string("general.architecture")
             .ok_or_else(|| ModelError::Config {
                 path: self.path.clone(),
                 msg: "GGUF metadata key 'general.architecture' missing".into(),
-            })?;
-        Architecture::from_model_type(&arch).ok_or_else(|| ModelError::UnknownArchitecture {
-            path: self.path.clone(),
-            arch,
-        })
+            })
+    }
+
+    /// The architecture named by `general.architecture` (see
+    /// [`crate::gguf_hybrid::gguf_architecture`] for the names accepted and refused).
+    pub fn architecture(&self) -> Result<Architecture> {
+        crate::gguf_hybrid::gguf_architecture(&self.path, &self.architecture_name()?)
     }
 
     /// The decoder config, as transformers' GGUF loader maps the metadata.
     pub fn decoder_config(&self) -> Result<DecoderConfig> {
         let arch = self.architecture()?;
-        let a = arch.as_str();
+        let a = self.architecture_name()?;
         let key = |k: &str| format!("{a}.{k}");
         let n_heads = self.need_int(&key("attention.head_count"))?;
         let hidden = self.need_int(&key("embedding_length"))?;
@@ -94,9 +97,9 @@ impl GgufFile {
             .map(|x| x as usize)
             .unwrap_or(hidden / n_heads.max(1));
         let tied = !self.content.tensor_infos.contains_key("output.weight");
-        Ok(DecoderConfig {
+        let cfg = DecoderConfig {
             architectures: vec![],
-            model_type: Some(a.to_string()),
+            model_type: Some(arch.as_str().to_string()),
             vocab_size: vocab,
             hidden_size: hidden,
             intermediate_size: self.need_int(&key("feed_forward_length"))?,
@@ -127,7 +130,11 @@ impl GgufFile {
                 .and_then(int)
                 .map(|x| x.into()),
             hybrid: Default::default(),
-        })
+        };
+        match arch {
+            Architecture::Qwen35 => self.hybrid_decoder_config(cfg),
+            _ => Ok(cfg),
+        }
     }
 
     /// The tokenizer metadata as plain data for dflash-text.

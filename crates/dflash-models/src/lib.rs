@@ -11,6 +11,7 @@ pub mod drafter;
 pub mod error;
 pub mod gated_deltanet;
 pub mod gguf;
+pub mod gguf_hybrid;
 pub mod hybrid;
 pub mod loader;
 mod projection;

@@ -97,13 +97,7 @@ pub fn target_tensors(
     }
     let gguf = GgufFile::open(path)?;
     let cfg = gguf.decoder_config()?;
-    gguf.hf_tensors(
-        gguf.architecture()?,
-        cfg.num_attention_heads,
-        cfg.num_kv_heads(),
-        DType::F32,
-        &Device::Cpu,
-    )
+    gguf.hf_tensors(&cfg, DType::F32, &Device::Cpu)
 }
 
 fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget> {
@@ -138,13 +132,7 @@ fn load_gguf(path: &Path, device: &Device, dtype: DType) -> Result<LoadedTarget>
         msg,
     })?;
     let arch = gguf.architecture()?;
-    let tensors = gguf.hf_tensors(
-        arch,
-        cfg.num_attention_heads,
-        cfg.num_kv_heads(),
-        dtype,
-        device,
-    )?;
+    let tensors = gguf.hf_tensors(&cfg, dtype, device)?;
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
     let model = build(&cfg, arch, vb, path)?;
     let text = TextAssets::from_gguf_vocab(&gguf.vocab()?)?;

@@ -3,9 +3,10 @@
 //!
 //! Invariants: every tensor reaches the model under its HF checkpoint name and in the requested
 //! dtype; llama.cpp's q/k row permutation for Llama GGUFs is undone, so both sources give the same
-//! math; a truncated or corrupt file is a [`ModelError::Corrupt`] naming the path.
+//! math (Qwen3.5 / Qwen3.6 hybrids: [`crate::gguf_hybrid`] undoes the converter's transforms); a
+//! truncated or corrupt file is a [`ModelError::Corrupt`] naming the path.
 
-use crate::config::Architecture;
+use crate::config::{Architecture, DecoderConfig};
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
@@ -147,15 +148,32 @@ impl GgufFile {
         &self.content.metadata
     }
 
-    /// Dequantises every tensor to `dtype` under its Hugging Face name.
+    /// Tensor `name` dequantised to f32 on the CPU; `f` is this file, open.
+    pub(crate) fn dequantized(&self, f: &mut std::fs::File, name: &str) -> Result<Tensor> {
+        let corrupt = |e: candle_core::Error| ModelError::Corrupt {
+            path: self.path.clone(),
+            msg: format!("tensor '{name}': {e}"),
+        };
+        let q = self
+            .content
+            .tensor(f, name, &Device::Cpu)
+            .map_err(corrupt)?;
+        q.dequantize(&Device::Cpu).map_err(corrupt)
+    }
+
+    /// Dequantises every tensor to `dtype` under its Hugging Face name (`cfg` is
+    /// [`GgufFile::decoder_config`]'s).
     pub fn hf_tensors(
         &self,
-        arch: Architecture,
-        n_heads: usize,
-        n_kv_heads: usize,
+        cfg: &DecoderConfig,
         dtype: DType,
         device: &Device,
     ) -> Result<HashMap<String, Tensor>> {
+        let arch = self.architecture()?;
+        if arch == Architecture::Qwen35 {
+            return self.hybrid_hf_tensors(cfg, dtype, device);
+        }
+        let (n_heads, n_kv_heads) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let mut f = std::fs::File::open(&self.path).map_err(|e| ModelError::Io {
             path: self.path.clone(),
             source: e,
@@ -163,15 +181,7 @@ impl GgufFile {
         let mut out = HashMap::new();
         for name in self.content.tensor_infos.keys() {
             let Some(hf) = hf_name(name) else { continue };
-            let corrupt = |e: candle_core::Error| ModelError::Corrupt {
-                path: self.path.clone(),
-                msg: format!("tensor '{name}': {e}"),
-            };
-            let q = self
-                .content
-                .tensor(&mut f, name, &Device::Cpu)
-                .map_err(corrupt)?;
-            let mut t = q.dequantize(&Device::Cpu).map_err(corrupt)?;
+            let mut t = self.dequantized(&mut f, name)?;
             if arch == Architecture::Llama {
                 if name.ends_with("attn_q.weight") {
                     t = unpermute_rows(&t, n_heads)?;
