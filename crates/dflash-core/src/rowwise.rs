@@ -12,7 +12,8 @@
 //!   scale + mask, softmax in f32 over keys in key order (a hidden key adds exactly 0), output
 //!   `Σ_j p_j v_j` in key order, rounded once — a row's result depends on its own visible keys only.
 //! - CPU tensors of f32, bf16 or f16; the projection reads its weight in place and spreads output
-//!   columns over rayon's pool; the attention is plain loops (its keys copied per call).
+//!   columns over rayon's pool; the attention's query rows run on that pool too (plain loops, its
+//!   keys copied per call).
 
 use crate::{CoreError, Result};
 use candle_core::{DType, Device, Tensor};
@@ -33,54 +34,133 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             p[l] += ca[l] * cb[l];
         }
     }
-    let mut s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-    for i in body..n {
-        s += a[i] * b[i];
+    finish(&p, &a[..n], &b[..n], body)
+}
+
+/// `dot`'s combining tree and tail for lanes `q` accumulated over the first `body` elements.
+#[inline(always)]
+fn finish(q: &[f32; 8], x: &[f32], w: &[f32], body: usize) -> f32 {
+    let mut s = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+    for i in body..w.len() {
+        s += x[i] * w[i];
     }
     s
 }
 
-/// [`dot`] of `a` with each of four rows `b[0..4]` at once (each result the same bits as `dot`:
-/// the same lanes, order and combining tree; `a` is read once for the four).
-#[inline]
-fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
-    let n = a.len();
-    let mut p = [[0f32; 8]; 4];
-    let body = n / 8 * 8;
-    for (i, ca) in a[..body].chunks_exact(8).enumerate() {
-        for (c, pc) in p.iter_mut().enumerate() {
-            let cb = &b[c][i * 8..i * 8 + 8];
-            for l in 0..8 {
-                pc[l] += ca[l] * cb[l];
-            }
-        }
-    }
-    let mut out = [0f32; 4];
-    for (c, o) in out.iter_mut().enumerate() {
-        let q = &p[c];
-        let mut s = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
-        for i in body..n {
-            s += a[i] * b[c][i];
-        }
-        *o = s;
-    }
-    out
+/// How the CPU runs the tiles: every variant performs, per output element, exactly the IEEE
+/// operations of [`dot`] in its order (a multiply rounded, then an add rounded — never fused), so
+/// the choice changes speed, never bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TileKernel {
+    /// Any target: one (row, column) at a time.
+    Portable,
+    /// AVX2: two rows × four columns in registers, one 8-lane register per accumulator.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
 }
 
-/// Work split over the machine's cores: `f(i)` for `i in 0..n`, each result in its slot.
-fn parallel_fill(out: &mut [f32], chunk: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
-    let rows = out.len() / chunk.max(1);
-    let per = rows.div_ceil(threads.max(1)).max(1);
-    std::thread::scope(|s| {
-        for (ti, part) in out.chunks_mut(per * chunk).enumerate() {
-            s.spawn(move || {
-                for (j, row) in part.chunks_mut(chunk).enumerate() {
-                    f(ti * per + j, row);
-                }
-            });
+impl TileKernel {
+    fn detect() -> TileKernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") {
+                return TileKernel::Avx2;
+            }
         }
-    });
+        TileKernel::Portable
+    }
+
+    /// `out[r * stride + col + c] = dot(x row r, w[c])` for the four weight rows `w` and every
+    /// row of `xs` (`m` rows of `k`).
+    #[allow(clippy::too_many_arguments)]
+    fn columns4(
+        self,
+        xs: &[f32],
+        m: usize,
+        k: usize,
+        w: [&[f32]; 4],
+        out: &mut [f32],
+        stride: usize,
+        col: usize,
+    ) {
+        let mut store = |r: usize, y: [f32; 4]| {
+            out[r * stride + col..r * stride + col + 4].copy_from_slice(&y);
+        };
+        let row = |r: usize| &xs[r * k..(r + 1) * k];
+        let mut r = 0;
+        #[cfg(target_arch = "x86_64")]
+        if self == TileKernel::Avx2 {
+            while r + 2 <= m {
+                // SAFETY: `detect` saw AVX2; the slices are `k` long.
+                let y = unsafe { avx2::tile::<2>([row(r), row(r + 1)], w) };
+                store(r, y[0]);
+                store(r + 1, y[1]);
+                r += 2;
+            }
+            if r < m {
+                // SAFETY: as above.
+                let [y] = unsafe { avx2::tile::<1>([row(r)], w) };
+                store(r, y);
+                r += 1;
+            }
+        }
+        while r < m {
+            store(r, w.map(|wc| dot(row(r), wc)));
+            r += 1;
+        }
+    }
+}
+
+/// A bf16 value as f32 (exact: the bf16 bits are the f32's upper half).
+#[inline(always)]
+fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::bf16_bits_to_f32`] over a slice, compiled for AVX2 (the loop vectorises).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn bf16_to_f32(src: &[half::bf16], dst: &mut [f32]) {
+        for (o, v) in dst.iter_mut().zip(src) {
+            *o = super::bf16_bits_to_f32(v.to_bits());
+        }
+    }
+
+    /// `R` rows × four columns of `dot`: lane `l` of accumulator (r, c) sums
+    /// `x[r][i + l] · w[c][i + l]` over `i = 0, 8, …` (mul, then add), then `finish`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn tile<const R: usize>(x: [&[f32]; R], w: [&[f32]; 4]) -> [[f32; 4]; R] {
+        let k = w[0].len();
+        debug_assert!(x.iter().chain(w.iter()).all(|s| s.len() == k));
+        let body = k / 8 * 8;
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 <= body <= k, every slice is k long.
+            unsafe {
+                let wv: [__m256; 4] =
+                    std::array::from_fn(|c| _mm256_loadu_ps(w[c].as_ptr().add(i)));
+                for r in 0..R {
+                    let xv = _mm256_loadu_ps(x[r].as_ptr().add(i));
+                    for c in 0..4 {
+                        acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_mul_ps(xv, wv[c]));
+                    }
+                }
+            }
+            i += 8;
+        }
+        std::array::from_fn(|r| {
+            std::array::from_fn(|c| {
+                let mut q = [0f32; 8];
+                // SAFETY: q holds 8 floats.
+                unsafe { _mm256_storeu_ps(q.as_mut_ptr(), acc[r][c]) };
+                super::finish(&q, x[r], w[c], body)
+            })
+        })
+    }
 }
 
 /// A weight matrix's elements in place (a contiguous CPU tensor's storage, no copy), or an f32
@@ -94,15 +174,28 @@ enum WeightRows<'a> {
 impl WeightRows<'_> {
     /// Row `c` (`k` elements) as f32 into `buf`: the values the dot product reads, whatever the
     /// storage (a bf16/f16 → f32 conversion is exact).
-    fn row_into(&self, c: usize, k: usize, buf: &mut [f32]) {
+    fn row_into(&self, c: usize, k: usize, buf: &mut [f32], kernel: TileKernel) {
         use half::slice::HalfFloatSliceExt;
         match self {
             WeightRows::F32(w) => buf.copy_from_slice(&w[c * k..(c + 1) * k]),
-            WeightRows::Bf16(w) => w[c * k..(c + 1) * k].convert_to_f32_slice(buf),
+            WeightRows::Bf16(w) => {
+                let src = &w[c * k..(c + 1) * k];
+                #[cfg(target_arch = "x86_64")]
+                if kernel == TileKernel::Avx2 {
+                    // SAFETY: `detect` saw AVX2.
+                    return unsafe { avx2::bf16_to_f32(src, buf) };
+                }
+                let _ = kernel;
+                for (o, v) in buf.iter_mut().zip(src) {
+                    *o = bf16_bits_to_f32(v.to_bits());
+                }
+            }
             WeightRows::F16(w) => w[c * k..(c + 1) * k].convert_to_f32_slice(buf),
         }
     }
 }
+
+static TILE_KERNEL: std::sync::OnceLock<TileKernel> = std::sync::OnceLock::new();
 
 /// Output columns a rayon task computes (for every row of `x`).
 const COLUMNS_PER_TASK: usize = 64;
@@ -140,46 +233,76 @@ pub fn matmul_t(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Tensor> {
             WeightRows::F32(&copied)
         }
     };
-    // column-major partial results: task t holds columns t·C … for every row
-    let mut cols = vec![0f32; n * m];
+    // task t computes columns t·C … t·C + cw for every row, into its block `[m, cw]`
+    let mut blocks = vec![0f32; n * m];
+    let kernel = *TILE_KERNEL.get_or_init(TileKernel::detect);
     {
         use rayon::prelude::*;
-        cols.par_chunks_mut(COLUMNS_PER_TASK * m)
+        blocks
+            .par_chunks_mut(COLUMNS_PER_TASK * m)
             .enumerate()
             .for_each(|(t, out)| {
-                let mut wr = vec![0f32; 4 * k];
                 let first = t * COLUMNS_PER_TASK;
+                let cw = out.len() / m;
+                let mut wr = vec![0f32; 4 * k];
                 // four columns at a time (each row of x read once for the four), then the rest
-                let quads = out.len() / m / 4;
+                let quads = cw / 4;
                 for q in 0..quads {
                     for (c, buf) in wr.chunks_mut(k).enumerate() {
-                        rows.row_into(first + 4 * q + c, k, buf);
+                        rows.row_into(first + 4 * q + c, k, buf, kernel);
                     }
-                    let w4: Vec<&[f32]> = wr.chunks(k).collect();
-                    for r in 0..m {
-                        let y4 = dot4(&xs[r * k..(r + 1) * k], [w4[0], w4[1], w4[2], w4[3]]);
-                        for (c, v) in y4.into_iter().enumerate() {
-                            out[(4 * q + c) * m + r] = v;
-                        }
-                    }
+                    let w4: [&[f32]; 4] = std::array::from_fn(|c| &wr[c * k..(c + 1) * k]);
+                    kernel.columns4(&xs, m, k, w4, out, cw, 4 * q);
                 }
-                for (j, col) in out.chunks_mut(m).enumerate().skip(4 * quads) {
-                    rows.row_into(first + j, k, &mut wr[..k]);
-                    for (r, o) in col.iter_mut().enumerate() {
-                        *o = dot(&xs[r * k..(r + 1) * k], &wr[..k]);
+                for j in 4 * quads..cw {
+                    rows.row_into(first + j, k, &mut wr[..k], kernel);
+                    for r in 0..m {
+                        out[r * cw + j] = dot(&xs[r * k..(r + 1) * k], &wr[..k]);
                     }
                 }
             });
     }
     drop(storage);
     let mut y = vec![0f32; m * n];
-    for (c, col) in cols.chunks(m).enumerate() {
-        for (r, &v) in col.iter().enumerate() {
-            y[r * n + c] = v;
+    for (t, block) in blocks.chunks(COLUMNS_PER_TASK * m).enumerate() {
+        let (first, cw) = (t * COLUMNS_PER_TASK, block.len() / m);
+        for (r, part) in block.chunks(cw).enumerate() {
+            y[r * n + first..r * n + first + cw].copy_from_slice(part);
         }
     }
     let y = Tensor::from_vec(y, (m, n), &Device::Cpu)?;
     Ok(if f32_out { y } else { y.to_dtype(x.dtype())? })
+}
+
+/// Query rows whose scores one attention task holds at a time.
+const ATTENTION_ROWS: usize = 16;
+
+/// Raw scores `q · k_j` in place → probabilities: `score · scale + mask` (a hidden key, mask
+/// −∞, gets exactly 0), softmax in f32 over keys in key order.
+fn softmax_row(row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
+    let mut mx = f32::NEG_INFINITY;
+    for (j, sc) in row.iter_mut().enumerate() {
+        let add = mask.map_or(0.0, |m| m[j]);
+        *sc = if add == f32::NEG_INFINITY {
+            f32::NEG_INFINITY
+        } else {
+            *sc * scale + add
+        };
+        mx = mx.max(*sc);
+    }
+    let mut z = 0f32;
+    for sc in row.iter_mut() {
+        *sc = if *sc == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (*sc - mx).exp()
+        };
+        z += *sc;
+    }
+    let inv = if z > 0.0 { 1.0 / z } else { 0.0 };
+    for sc in row.iter_mut() {
+        *sc *= inv;
+    }
 }
 
 /// Attention as `crate::attention::attention` computes it (`q` `[b, h, n, d]`, `k`, `v` `[b,
@@ -198,45 +321,48 @@ pub fn attention(
     let (qs, ks, vs) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
     let ms = mask.map(host_f32).transpose()?;
     let per_batch_mask = mask.is_some_and(|m| m.rank() == 3);
+    let kernel = *TILE_KERNEL.get_or_init(TileKernel::detect);
     let mut out = vec![0f32; b * h * n * d];
-    parallel_fill(&mut out, d, &|row, o| {
-        let (bi, rest) = (row / (h * n), row % (h * n));
-        let (hi, i) = (rest / n, rest % n);
-        let g = hi / rep;
-        let qr = &qs[row * d..(row + 1) * d];
-        let kbase = (bi * kv + g) * s * d;
-        let mrow = ms.as_ref().map(|m| {
-            let base = if per_batch_mask { bi * n * s } else { 0 } + i * s;
-            &m[base..base + s]
-        });
-        let mut scores = vec![f32::NEG_INFINITY; s];
-        let mut mx = f32::NEG_INFINITY;
-        for (j, sc) in scores.iter_mut().enumerate() {
-            let add = mrow.map_or(0.0, |m| m[j]);
-            if add == f32::NEG_INFINITY {
-                continue;
+    use rayon::prelude::*;
+    // one task per (sequence, head); its query rows in chunks of ATTENTION_ROWS, their scores
+    // against every key computed by the projection's tiles (each score `dot`'s bits)
+    out.par_chunks_mut(n * d).enumerate().for_each(|(head, o)| {
+        let (bi, hi) = (head / h, head % h);
+        let kbase = (bi * kv + hi / rep) * s * d;
+        let keys = &ks[kbase..kbase + s * d];
+        let values = &vs[kbase..kbase + s * d];
+        let mut scores = vec![0f32; ATTENTION_ROWS.min(n) * s];
+        for i0 in (0..n).step_by(ATTENTION_ROWS) {
+            let rows = ATTENTION_ROWS.min(n - i0);
+            let qrows = &qs[(head * n + i0) * d..(head * n + i0 + rows) * d];
+            let sc = &mut scores[..rows * s];
+            for q4 in 0..s / 4 {
+                let k4: [&[f32]; 4] =
+                    std::array::from_fn(|c| &keys[(4 * q4 + c) * d..(4 * q4 + c + 1) * d]);
+                kernel.columns4(qrows, rows, d, k4, sc, s, 4 * q4);
             }
-            *sc = dot(qr, &ks[kbase + j * d..kbase + (j + 1) * d]) * scale as f32 + add;
-            mx = mx.max(*sc);
-        }
-        let mut z = 0f32;
-        for sc in scores.iter_mut() {
-            *sc = if *sc == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*sc - mx).exp()
-            };
-            z += *sc;
-        }
-        let inv = if z > 0.0 { 1.0 / z } else { 0.0 };
-        for (j, &e) in scores.iter().enumerate() {
-            if e == 0.0 {
-                continue;
+            for j in s / 4 * 4..s {
+                for r in 0..rows {
+                    sc[r * s + j] = dot(&qrows[r * d..(r + 1) * d], &keys[j * d..(j + 1) * d]);
+                }
             }
-            let p = e * inv;
-            let vr = &vs[kbase + j * d..kbase + (j + 1) * d];
-            for c in 0..d {
-                o[c] += p * vr[c];
+            for r in 0..rows {
+                let i = i0 + r;
+                let mrow = ms.as_ref().map(|m| {
+                    let base = if per_batch_mask { bi * n * s } else { 0 } + i * s;
+                    &m[base..base + s]
+                });
+                let row = &mut sc[r * s..(r + 1) * s];
+                softmax_row(row, mrow, scale as f32);
+                let orow = &mut o[i * d..(i + 1) * d];
+                for (j, &p) in row.iter().enumerate() {
+                    if p == 0.0 {
+                        continue;
+                    }
+                    for (oc, &vc) in orow.iter_mut().zip(&values[j * d..(j + 1) * d]) {
+                        *oc += p * vc;
+                    }
+                }
             }
         }
     });
@@ -247,6 +373,38 @@ pub fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_tile_kernel_gives_dot_bits() {
+        // k = 45: five 8-lane chunks and a tail; 7 rows: full tiles of 2 and 4 plus leftovers
+        let (m, k) = (7, 45);
+        let gen = |seed: u32, len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 97.0 - 5.0)
+                .collect()
+        };
+        let xs = gen(1, m * k);
+        let ws = gen(2, 4 * k);
+        let w: [&[f32]; 4] = std::array::from_fn(|c| &ws[c * k..(c + 1) * k]);
+        // the four columns land at 1..5 of rows 6 wide
+        let mut want = vec![0f32; 6 * m];
+        for c in 0..4 {
+            for r in 0..m {
+                want[r * 6 + 1 + c] = dot(&xs[r * k..(r + 1) * k], w[c]);
+            }
+        }
+        let mut kernels = vec![TileKernel::Portable];
+        let detected = TileKernel::detect();
+        if detected != TileKernel::Portable {
+            kernels.push(detected);
+        }
+        for kernel in kernels {
+            let mut out = vec![0f32; 6 * m];
+            kernel.columns4(&xs, m, k, w, &mut out, 6, 1);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want), "{kernel:?}");
+        }
+    }
 
     #[test]
     fn rows_do_not_depend_on_the_row_count_and_match_the_composites() {
