@@ -111,6 +111,30 @@ impl TileKernel {
     }
 }
 
+impl TileKernel {
+    /// `o[c] += p_j · v_j[c]` for every key `j` in order with `p_j ≠ 0` (a multiply rounded, then
+    /// an add rounded), `values` holding `probs.len()` rows of `o.len()`: the attention's
+    /// probability-weighted sum of the module invariants, the same bits on every variant.
+    fn accumulate(self, o: &mut [f32], probs: &[f32], values: &[f32]) {
+        let d = o.len();
+        #[cfg(target_arch = "x86_64")]
+        if self == TileKernel::Avx2 && d % 8 == 0 {
+            // SAFETY: `detect` saw AVX2; `values` holds probs.len() rows of d (checked below).
+            assert!(values.len() >= probs.len() * d);
+            unsafe { avx2::accumulate(o, probs, values) };
+            return;
+        }
+        for (j, &p) in probs.iter().enumerate() {
+            if p == 0.0 {
+                continue;
+            }
+            for (oc, &vc) in o.iter_mut().zip(&values[j * d..(j + 1) * d]) {
+                *oc += p * vc;
+            }
+        }
+    }
+}
+
 /// A bf16 value as f32 (exact: the bf16 bits are the f32's upper half).
 #[inline(always)]
 fn bf16_bits_to_f32(b: u16) -> f32 {
@@ -126,6 +150,36 @@ mod avx2 {
     pub(super) unsafe fn bf16_to_f32(src: &[half::bf16], dst: &mut [f32]) {
         for (o, v) in dst.iter_mut().zip(src) {
             *o = super::bf16_bits_to_f32(v.to_bits());
+        }
+    }
+
+    /// [`super::TileKernel::accumulate`] with `o.len()` a multiple of 8 and `values` holding
+    /// `probs.len()` rows of `o.len()`: 64 channels at a time held in eight registers over all
+    /// keys (mul, then add, in key order).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn accumulate(o: &mut [f32], probs: &[f32], values: &[f32]) {
+        let d = o.len();
+        let mut c0 = 0;
+        while c0 < d {
+            let lanes = ((d - c0) / 8).min(8);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (a, l) in acc.iter_mut().zip(0..lanes) {
+                *a = _mm256_loadu_ps(o.as_ptr().add(c0 + 8 * l));
+            }
+            for (j, &p) in probs.iter().enumerate() {
+                if p == 0.0 {
+                    continue;
+                }
+                let pv = _mm256_set1_ps(p);
+                let row = values.as_ptr().add(j * d + c0);
+                for (a, l) in acc.iter_mut().zip(0..lanes) {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, _mm256_loadu_ps(row.add(8 * l))));
+                }
+            }
+            for (a, l) in acc.iter().zip(0..lanes) {
+                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * l), *a);
+            }
+            c0 += 8 * lanes;
         }
     }
 
@@ -152,14 +206,23 @@ mod avx2 {
             }
             i += 8;
         }
-        std::array::from_fn(|r| {
-            std::array::from_fn(|c| {
-                let mut q = [0f32; 8];
-                // SAFETY: q holds 8 floats.
-                unsafe { _mm256_storeu_ps(q.as_mut_ptr(), acc[r][c]) };
-                super::finish(&q, x[r], w[c], body)
-            })
-        })
+        let mut y = [[0f32; 4]; R];
+        for r in 0..R {
+            // `finish`'s tree for the four accumulators at once: hadd pairs lanes (0+1, 2+3, …),
+            // a second hadd pairs those, the last add joins the halves — the same adds, same order
+            let h01 = _mm256_hadd_ps(acc[r][0], acc[r][1]);
+            let h23 = _mm256_hadd_ps(acc[r][2], acc[r][3]);
+            let h = _mm256_hadd_ps(h01, h23);
+            let tree = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            // SAFETY: y[r] holds 4 floats.
+            unsafe { _mm_storeu_ps(y[r].as_mut_ptr(), tree) };
+            for (c, yc) in y[r].iter_mut().enumerate() {
+                for i in body..k {
+                    *yc += x[r][i] * w[c][i];
+                }
+            }
+        }
+        y
     }
 }
 
@@ -354,15 +417,7 @@ pub fn attention(
                 });
                 let row = &mut sc[r * s..(r + 1) * s];
                 softmax_row(row, mrow, scale as f32);
-                let orow = &mut o[i * d..(i + 1) * d];
-                for (j, &p) in row.iter().enumerate() {
-                    if p == 0.0 {
-                        continue;
-                    }
-                    for (oc, &vc) in orow.iter_mut().zip(&values[j * d..(j + 1) * d]) {
-                        *oc += p * vc;
-                    }
-                }
+                kernel.accumulate(&mut o[i * d..(i + 1) * d], row, values);
             }
         }
     });
@@ -404,6 +459,40 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&out), bits(&want), "{kernel:?}");
         }
+    }
+
+    #[test]
+    fn every_kernel_weights_values_with_the_same_bits() {
+        // d = 72: a 64-channel pass and an 8-channel one; zero probabilities are skipped
+        let (keys, d) = (37, 72);
+        let values: Vec<f32> = (0..keys * d)
+            .map(|i| ((i * 7919) % 613) as f32 / 37.0 - 8.0)
+            .collect();
+        let probs: Vec<f32> = (0..keys)
+            .map(|j| {
+                if j % 5 == 3 {
+                    0.0
+                } else {
+                    ((j * 31) % 17) as f32 / 97.0
+                }
+            })
+            .collect();
+        let start: Vec<f32> = (0..d).map(|c| c as f32 / 3.0 - 5.0).collect();
+        let mut want = start.clone();
+        TileKernel::Portable.accumulate(&mut want, &probs, &values);
+        let mut by_hand = start.clone();
+        for (j, &p) in probs.iter().enumerate() {
+            for c in 0..d {
+                if p != 0.0 {
+                    by_hand[c] += p * values[j * d + c];
+                }
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&want), bits(&by_hand));
+        let mut got = start;
+        TileKernel::detect().accumulate(&mut got, &probs, &values);
+        assert_eq!(bits(&got), bits(&want), "{:?}", TileKernel::detect());
     }
 
     #[test]
