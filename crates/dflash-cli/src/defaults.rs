@@ -95,9 +95,10 @@ pub fn drafter_path(flag: Option<&Path>, target: &Path) -> Result<PathBuf, Usage
 }
 
 /// `--bit-exact`: fixes the streaming-GEMM policy at every call of up to 288 rows (CUDA bf16; on the
-/// CPU, `dflash_core::rowwise` for every projection and attention), so a step's rows never depend
-/// on how many rows it computes; without the flag the environment's policy (`DFLASH_STREAM_GEMM`)
-/// or the fast default holds.
+/// CPU, `dflash_core::rowwise` for every projection and attention, prefills too), so a step's rows
+/// never depend on how many rows it computes; without the flag the environment's policy
+/// (`DFLASH_STREAM_GEMM`) or the fast default holds — which on the CPU already computes every bf16
+/// decode step on the row-invariant kernels.
 pub fn apply_bit_exact(on: bool, _device: &candle_core::Device) -> anyhow::Result<()> {
     if !on {
         return Ok(());

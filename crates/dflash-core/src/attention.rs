@@ -8,8 +8,10 @@
 //! - Scores and softmax run in f32 whatever the input dtype; the mask is additive (0 / -inf).
 //! - GQA never copies keys: query heads `g*rep .. (g+1)*rep` share key head `g`.
 //! - On CUDA without gradients ([`crate::decode_ops::fused_decode`]) scale, mask and softmax are
-//!   one kernel with the same f32 arithmetic; on the CPU under the bit-exact policy the whole
-//!   attention is `crate::rowwise::attention` (row-invariant); elsewhere candle's composite.
+//!   one kernel with the same f32 arithmetic; on the CPU without gradients, for the calls
+//!   [`crate::stream_gemm::cpu_row_invariant`] takes (bf16 / f16 decode steps by default, every
+//!   call under `--bit-exact`), the whole attention is `crate::rowwise::attention` (row-invariant);
+//!   elsewhere candle's composite.
 
 use crate::{CoreError, Grad, Result};
 use candle_core::{DType, Device, Tensor, D};
@@ -109,9 +111,9 @@ pub fn attention(
     let dtype = q.dtype();
     if grad == Grad::Off
         && q.device().is_cpu()
-        && crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All
+        && crate::stream_gemm::cpu_row_invariant(b * q_len, dtype)
     {
-        // bit-exact decoding on the CPU: a row's result does not depend on the rows beside it
+        // decoding on the CPU: a row's result does not depend on the rows beside it
         return crate::rowwise::attention(q, k, v, mask, scale);
     }
     let qg = q.contiguous()?.reshape((b, kv_heads, rep * q_len, d))?;

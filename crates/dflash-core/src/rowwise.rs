@@ -1,5 +1,6 @@
-//! Row-invariant CPU kernels for bit-exact decoding on the CPU (`--bit-exact`, the stream policy
-//! [`crate::stream_gemm::StreamPolicy::All`]): a projection and an attention whose every output
+//! Row-invariant CPU kernels, the CPU's decode path (every bf16 / f16 call of up to 288 rows by
+//! default, every call under `--bit-exact`: [`crate::stream_gemm::cpu_row_invariant`]): a projection and
+//! an attention whose every output
 //! row is computed by the same fixed-order f32 arithmetic whatever the number of rows in the call,
 //! so a verified row equals the one-token AR step's row bit for bit (issue 18, "the same on the
 //! CPU"; candle's CPU matmuls block their sums by shape and do not).
@@ -118,7 +119,7 @@ impl TileKernel {
     fn accumulate(self, o: &mut [f32], probs: &[f32], values: &[f32]) {
         let d = o.len();
         #[cfg(target_arch = "x86_64")]
-        if self == TileKernel::Avx2 && d % 8 == 0 {
+        if self == TileKernel::Avx2 && d.is_multiple_of(8) {
             // SAFETY: `detect` saw AVX2; `values` holds probs.len() rows of d (checked below).
             assert!(values.len() >= probs.len() * d);
             unsafe { avx2::accumulate(o, probs, values) };

@@ -14,8 +14,12 @@
 //!   and the row count only. Under [`StreamPolicy::All`] (`--bit-exact`) every call of up to 288
 //!   rows streams, so all of a weight's rows — AR step, chain, tree — come from one kernel; under
 //!   the fast default only calls of up to [`FAST_MAX_ROWS`] rows do.
-//! - On the CPU, [`StreamPolicy::All`] sends every projection to `crate::rowwise::matmul_t` (the
-//!   same row invariance on the host, slow); other policies leave the CPU to candle.
+//! - On the CPU the row-invariant host kernels (`crate::rowwise`) are the default in bf16 and f16
+//!   ([`cpu_row_invariant`]): the fast policy sends every half-precision projection of up to
+//!   [`STREAM_MAX_ROWS`] rows there (AR steps, verifies, trees, drafter blocks: measured faster
+//!   than candle's CPU matmul on every row but DDTree-64 at context 1024, +7 %; docs/benchmarks.md
+//!   session 18); in f32 candle's FMA GEMM stays (DDTree-64 +20 % at context 1024 on the host
+//!   kernels). [`StreamPolicy::All`] sends every projection there; `0` and `head` none (the A/B).
 
 use crate::Result;
 use candle_core::{DType, Tensor};
@@ -95,6 +99,21 @@ pub fn set_policy(policy: StreamPolicy) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Whether a CPU call of `rows` rows of `dtype` (a projection's rows, an attention's query rows)
+/// takes the row-invariant host kernels of `crate::rowwise`: every call under
+/// [`StreamPolicy::All`]; under the fast default the bf16 / f16 calls of up to
+/// [`STREAM_MAX_ROWS`] rows — each decode step, so greedy speculative output equals AR's in bf16
+/// on the CPU without `--bit-exact`; longer prefills, training's target forwards and f32 stay on
+/// candle's blocked matmul — and none under `off` / `head`. A function of the row count and the
+/// run's dtype only, so every step of a run takes the same kernels.
+pub fn cpu_row_invariant(rows: usize, dtype: DType) -> bool {
+    match stream_policy() {
+        StreamPolicy::All => true,
+        StreamPolicy::Fast => rows <= STREAM_MAX_ROWS && matches!(dtype, DType::BF16 | DType::F16),
+        StreamPolicy::Off | StreamPolicy::Head => false,
+    }
 }
 
 /// Whether a call of `rows` rows on `w` streams (`logits`: the LM head's f32-out call). Depends on
@@ -270,12 +289,16 @@ fn run(x: &Tensor, w: &Tensor, epilogue: Epilogue, by_policy: bool) -> Result<Op
         shape.push(w.dim(0)?);
         return Ok(Some(y.reshape(shape)?));
     }
-    // the CPU's bit-exact path (`--bit-exact` on the CPU): row-invariant host kernels
-    if x.device().is_cpu() && stream_policy() == StreamPolicy::All && epilogue != Epilogue::Silu {
+    // the CPU: row-invariant host kernels (the default for decode steps, every call under `all`)
+    if x.device().is_cpu() && epilogue != Epilogue::Silu {
         let width = x.dim(candle_core::D::Minus1)?;
         let lead = &x.dims()[..x.rank() - 1];
         let rows: usize = lead.iter().product();
-        if rows == 0 || w.rank() != 2 || w.dtype() != x.dtype() {
+        if rows == 0
+            || w.rank() != 2
+            || w.dtype() != x.dtype()
+            || !cpu_row_invariant(rows, x.dtype())
+        {
             return Ok(None);
         }
         let y = crate::rowwise::matmul_t(&x.reshape((rows, width))?, w, epilogue == Epilogue::F32)?;
