@@ -143,89 +143,7 @@ fn bf16_bits_to_f32(b: u16) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    /// [`super::bf16_bits_to_f32`] over a slice, compiled for AVX2 (the loop vectorises).
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn bf16_to_f32(src: &[half::bf16], dst: &mut [f32]) {
-        for (o, v) in dst.iter_mut().zip(src) {
-            *o = super::bf16_bits_to_f32(v.to_bits());
-        }
-    }
-
-    /// [`super::TileKernel::accumulate`] with `o.len()` a multiple of 8 and `values` holding
-    /// `probs.len()` rows of `o.len()`: 64 channels at a time held in eight registers over all
-    /// keys (mul, then add, in key order).
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn accumulate(o: &mut [f32], probs: &[f32], values: &[f32]) {
-        let d = o.len();
-        let mut c0 = 0;
-        while c0 < d {
-            let lanes = ((d - c0) / 8).min(8);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (a, l) in acc.iter_mut().zip(0..lanes) {
-                *a = _mm256_loadu_ps(o.as_ptr().add(c0 + 8 * l));
-            }
-            for (j, &p) in probs.iter().enumerate() {
-                if p == 0.0 {
-                    continue;
-                }
-                let pv = _mm256_set1_ps(p);
-                let row = values.as_ptr().add(j * d + c0);
-                for (a, l) in acc.iter_mut().zip(0..lanes) {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, _mm256_loadu_ps(row.add(8 * l))));
-                }
-            }
-            for (a, l) in acc.iter().zip(0..lanes) {
-                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * l), *a);
-            }
-            c0 += 8 * lanes;
-        }
-    }
-
-    /// `R` rows × four columns of `dot`: lane `l` of accumulator (r, c) sums
-    /// `x[r][i + l] · w[c][i + l]` over `i = 0, 8, …` (mul, then add), then `finish`.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn tile<const R: usize>(x: [&[f32]; R], w: [&[f32]; 4]) -> [[f32; 4]; R] {
-        let k = w[0].len();
-        debug_assert!(x.iter().chain(w.iter()).all(|s| s.len() == k));
-        let body = k / 8 * 8;
-        let mut acc = [[_mm256_setzero_ps(); 4]; R];
-        let mut i = 0;
-        while i < body {
-            // SAFETY: i + 8 <= body <= k, every slice is k long.
-            unsafe {
-                let wv: [__m256; 4] =
-                    std::array::from_fn(|c| _mm256_loadu_ps(w[c].as_ptr().add(i)));
-                for r in 0..R {
-                    let xv = _mm256_loadu_ps(x[r].as_ptr().add(i));
-                    for c in 0..4 {
-                        acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_mul_ps(xv, wv[c]));
-                    }
-                }
-            }
-            i += 8;
-        }
-        let mut y = [[0f32; 4]; R];
-        for r in 0..R {
-            // `finish`'s tree for the four accumulators at once: hadd pairs lanes (0+1, 2+3, …),
-            // a second hadd pairs those, the last add joins the halves — the same adds, same order
-            let h01 = _mm256_hadd_ps(acc[r][0], acc[r][1]);
-            let h23 = _mm256_hadd_ps(acc[r][2], acc[r][3]);
-            let h = _mm256_hadd_ps(h01, h23);
-            let tree = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-            // SAFETY: y[r] holds 4 floats.
-            unsafe { _mm_storeu_ps(y[r].as_mut_ptr(), tree) };
-            for (c, yc) in y[r].iter_mut().enumerate() {
-                for i in body..k {
-                    *yc += x[r][i] * w[c][i];
-                }
-            }
-        }
-        y
-    }
-}
+mod avx2;
 
 /// A weight matrix's elements in place (a contiguous CPU tensor's storage, no copy), or an f32
 /// copy of any other.
@@ -341,8 +259,41 @@ pub fn matmul_t(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Tensor> {
 /// Query rows whose scores one attention task holds at a time.
 const ATTENTION_ROWS: usize = 16;
 
+/// `exp(x)` as the attention's softmax defines it (Cephes-style: `n = ⌊x·log2 e + ½⌋`, `r = x − n·ln 2`
+/// in two parts, a degree-5 polynomial, `· 2ⁿ`), `x` clamped to [−87, 88]; about 1 ulp. Spelled
+/// out operation by operation (no fused multiply-add, no libm) so that its AVX2 twin gives the same
+/// bits on every machine.
+#[inline]
+fn exp_f32(x: f32) -> f32 {
+    let x = x.clamp(EXP_LO, EXP_HI);
+    let n = (x * EXP_LOG2E + 0.5).floor();
+    let r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;
+    let z = r * r;
+    let mut p = EXP_POLY[0];
+    for &c in &EXP_POLY[1..] {
+        p = p * r + c;
+    }
+    let y = (p * z + r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+const EXP_LO: f32 = -87.0;
+const EXP_HI: f32 = 88.0;
+const EXP_LOG2E: f32 = std::f32::consts::LOG2_E;
+const EXP_LN2_HI: f32 = 0.693_359_4;
+const EXP_LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// Raw scores `q · k_j` in place → probabilities: `score · scale + mask` (a hidden key, mask
-/// −∞, gets exactly 0), softmax in f32 over keys in key order.
+/// −∞, gets exactly 0), `e_j = exp_f32(t_j − max)`, `Σ e_j` in eight interleaved lanes combined
+/// by `finish`'s tree then the tail in key order, each `e_j` times `1 / Σ` (the portable kernel).
 fn softmax_row(row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
     let mut mx = f32::NEG_INFINITY;
     for (j, sc) in row.iter_mut().enumerate() {
@@ -354,18 +305,40 @@ fn softmax_row(row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
         };
         mx = mx.max(*sc);
     }
-    let mut z = 0f32;
-    for sc in row.iter_mut() {
+    let body = row.len() / 8 * 8;
+    let mut lanes = [0f32; 8];
+    for (j, sc) in row.iter_mut().enumerate() {
         *sc = if *sc == f32::NEG_INFINITY {
             0.0
         } else {
-            (*sc - mx).exp()
+            exp_f32(*sc - mx)
         };
-        z += *sc;
+        if j < body {
+            lanes[j % 8] += *sc;
+        }
+    }
+    let mut z = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for &e in &row[body..] {
+        z += e;
     }
     let inv = if z > 0.0 { 1.0 / z } else { 0.0 };
     for sc in row.iter_mut() {
         *sc *= inv;
+    }
+}
+
+impl TileKernel {
+    /// [`softmax_row`] on this kernel (the same bits on every variant).
+    fn softmax(self, row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
+        #[cfg(target_arch = "x86_64")]
+        if self == TileKernel::Avx2 {
+            // SAFETY: `detect` saw AVX2; the mask, when given, is as long as the row.
+            assert!(mask.is_none_or(|m| m.len() >= row.len()));
+            unsafe { avx2::softmax(row, mask, scale) };
+            return;
+        }
+        softmax_row(row, mask, scale)
     }
 }
 
@@ -417,7 +390,7 @@ pub fn attention(
                     &m[base..base + s]
                 });
                 let row = &mut sc[r * s..(r + 1) * s];
-                softmax_row(row, mrow, scale as f32);
+                kernel.softmax(row, mrow, scale as f32);
                 kernel.accumulate(&mut o[i * d..(i + 1) * d], row, values);
             }
         }
@@ -494,6 +467,63 @@ mod tests {
         let mut got = start;
         TileKernel::detect().accumulate(&mut got, &probs, &values);
         assert_eq!(bits(&got), bits(&want), "{:?}", TileKernel::detect());
+    }
+
+    #[test]
+    fn the_softmax_exp_is_accurate_and_every_kernel_gives_the_same_softmax_bits() {
+        // exp_f32 within 2 ulp of the true exp over the softmax's range (and clamped below)
+        for i in 0..20_000 {
+            let x = -87.0 + i as f32 * (88.0 + 87.0) / 20_000.0;
+            let want = (x as f64).exp();
+            let got = exp_f32(x) as f64;
+            assert!(
+                ((got - want) / want).abs() < 2.5e-7,
+                "exp({x}) = {got}, want {want}"
+            );
+        }
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(-1000.0) > 0.0 && exp_f32(-1000.0) < 1e-37);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // rows of 37 (four 8-lane steps and a tail) and 64, with hidden keys, and a row all hidden
+        for s in [37usize, 64] {
+            let scores: Vec<f32> = (0..s)
+                .map(|j| ((j * 7919) % 613) as f32 / 7.0 - 40.0)
+                .collect();
+            let mask: Vec<f32> = (0..s)
+                .map(|j| {
+                    if j % 3 == 1 {
+                        f32::NEG_INFINITY
+                    } else {
+                        -((j % 5) as f32)
+                    }
+                })
+                .collect();
+            let hidden = vec![f32::NEG_INFINITY; s];
+            for m in [None, Some(&mask[..]), Some(&hidden[..])] {
+                let mut want = scores.clone();
+                softmax_row(&mut want, m, 0.125);
+                let mut got = scores.clone();
+                TileKernel::detect().softmax(&mut got, m, 0.125);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{:?}, {s} keys",
+                    TileKernel::detect()
+                );
+                let total: f32 = want.iter().sum();
+                let all_hidden = m.is_some_and(|m| m[0] == f32::NEG_INFINITY && m[2] == m[0]);
+                assert!(
+                    (total - if all_hidden { 0.0 } else { 1.0 }).abs() < 1e-5,
+                    "{total}"
+                );
+                if let Some(m) = m {
+                    assert!(want
+                        .iter()
+                        .zip(m)
+                        .all(|(p, a)| *a != f32::NEG_INFINITY || *p == 0.0));
+                }
+            }
+        }
     }
 
     #[test]
