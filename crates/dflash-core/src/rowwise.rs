@@ -292,8 +292,9 @@ const EXP_POLY: [f32; 6] = [
 ];
 
 /// Raw scores `q · k_j` in place → probabilities: `score · scale + mask` (a hidden key, mask
-/// −∞, gets exactly 0), `e_j = exp_f32(t_j − max)`, `Σ e_j` in eight interleaved lanes combined
-/// by `finish`'s tree then the tail in key order, each `e_j` times `1 / Σ` (the portable kernel).
+/// −∞, gets exactly 0), `e_j = exp_f32(t_j − max)`, `Σ e_j` as one running sum in key order (so
+/// hidden keys, wherever they stand, change nothing), each `e_j` times `1 / Σ` (the portable
+/// kernel).
 fn softmax_row(row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
     let mut mx = f32::NEG_INFINITY;
     for (j, sc) in row.iter_mut().enumerate() {
@@ -305,22 +306,16 @@ fn softmax_row(row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
         };
         mx = mx.max(*sc);
     }
-    let body = row.len() / 8 * 8;
-    let mut lanes = [0f32; 8];
-    for (j, sc) in row.iter_mut().enumerate() {
+    // one running sum in key order: a hidden key adds an exact zero wherever it stands (after a
+    // verify row's visible keys, or between a tree node's ancestors), so z is the one-token step's
+    let mut z = 0f32;
+    for sc in row.iter_mut() {
         *sc = if *sc == f32::NEG_INFINITY {
             0.0
         } else {
             exp_f32(*sc - mx)
         };
-        if j < body {
-            lanes[j % 8] += *sc;
-        }
-    }
-    let mut z = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for &e in &row[body..] {
-        z += e;
+        z += *sc;
     }
     let inv = if z > 0.0 { 1.0 / z } else { 0.0 };
     for sc in row.iter_mut() {
@@ -522,6 +517,58 @@ mod tests {
                         .zip(m)
                         .all(|(p, a)| *a != f32::NEG_INFINITY || *p == 0.0));
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn hidden_keys_after_a_row_do_not_change_its_probabilities() {
+        // a verify's row sees its visible keys then hidden ones (the later rows' keys); the
+        // one-token step sees the visible keys alone: the same bits, on every kernel
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut kernels = vec![TileKernel::Portable];
+        if TileKernel::detect() != TileKernel::Portable {
+            kernels.push(TileKernel::detect());
+        }
+        for visible in [5usize, 37, 64, 71] {
+            let scores: Vec<f32> = (0..visible + 40)
+                .map(|j| ((j * 7919) % 613) as f32 / 7.0 - 40.0)
+                .collect();
+            let mut alone = scores[..visible].to_vec();
+            softmax_row(&mut alone, None, 0.125);
+            for kernel in &kernels {
+                for total in [visible + 1, visible + 3, visible + 8, visible + 40] {
+                    let mask: Vec<f32> = (0..total)
+                        .map(|j| if j < visible { 0.0 } else { f32::NEG_INFINITY })
+                        .collect();
+                    let mut row = scores[..total].to_vec();
+                    kernel.softmax(&mut row, Some(&mask), 0.125);
+                    assert_eq!(
+                        bits(&row[..visible]),
+                        bits(&alone),
+                        "{kernel:?} {visible} of {total}"
+                    );
+                    assert!(row[visible..].iter().all(|&p| p == 0.0));
+                }
+                // a tree node: hidden keys between its ancestors
+                let mut spread = Vec::new();
+                let mut mask = Vec::new();
+                for (j, &sc) in scores[..visible].iter().enumerate() {
+                    for _ in 0..j % 3 {
+                        spread.push(1.0e3);
+                        mask.push(f32::NEG_INFINITY);
+                    }
+                    spread.push(sc);
+                    mask.push(0.0);
+                }
+                kernel.softmax(&mut spread, Some(&mask), 0.125);
+                let kept: Vec<f32> = spread
+                    .iter()
+                    .zip(&mask)
+                    .filter(|(_, m)| **m == 0.0)
+                    .map(|(p, _)| *p)
+                    .collect();
+                assert_eq!(bits(&kept), bits(&alone), "{kernel:?} {visible} spread");
             }
         }
     }

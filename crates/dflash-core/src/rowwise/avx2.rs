@@ -143,26 +143,25 @@ pub(super) unsafe fn softmax(row: &mut [f32], mask: Option<&[f32]>, scale: f32) 
         mx = mx.max(*sc);
     }
     let vmx = _mm256_set1_ps(mx);
-    let mut zl = _mm256_setzero_ps();
     j = 0;
     while j < body {
         let t = _mm256_loadu_ps(row.as_ptr().add(j));
         let e = exp8(_mm256_sub_ps(t, vmx));
         let e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_EQ_OQ>(t, ninf));
         _mm256_storeu_ps(row.as_mut_ptr().add(j), e);
-        zl = _mm256_add_ps(zl, e);
         j += 8;
     }
-    _mm256_storeu_ps(lanes.as_mut_ptr(), zl);
-    let mut z = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     for sc in row[body..].iter_mut() {
         *sc = if *sc == f32::NEG_INFINITY {
             0.0
         } else {
             super::exp_f32(*sc - mx)
         };
-        z += *sc;
+    }
+    // the running sum in key order (see `softmax_row`): scalar, latency-bound, exact
+    let mut z = 0f32;
+    for &e in row.iter() {
+        z += e;
     }
     let inv = _mm256_set1_ps(if z > 0.0 { 1.0 / z } else { 0.0 });
     j = 0;
