@@ -141,6 +141,13 @@ pub fn tiny_qwen3(
 /// be equal bit for bit (the bit-exact policy must be in force). Panics naming the first row that
 /// differs.
 pub fn check_verify_rows_equal_ar_steps(dev: &Device, tree_sizes: &[usize]) {
+    check_verify_rows_equal_ar_steps_in(dev, tree_sizes, DType::BF16)
+}
+
+/// [`check_verify_rows_equal_ar_steps`] with the model in `dtype` (f32 keeps every rounding of the
+/// attention visible in the logits; bf16 rounds most of them away between layers).
+#[allow(dead_code)]
+pub fn check_verify_rows_equal_ar_steps_in(dev: &Device, tree_sizes: &[usize], dtype: DType) {
     use dflash_core::AttentionMask;
     use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
     use dflash_models::{LogitRows, TargetModel};
@@ -150,12 +157,12 @@ pub fn check_verify_rows_equal_ar_steps(dev: &Device, tree_sizes: &[usize]) {
     let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 11)
         .unwrap()
         .into_iter()
-        .map(|(k, t)| (k, t.to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap()))
+        .map(|(k, t)| (k, t.to_dtype(dtype).unwrap().to_device(&dev).unwrap()))
         .collect();
     let model = Decoder::new(
         &cfg,
         arch,
-        candle_nn::VarBuilder::from_tensors(w, DType::BF16, &dev),
+        candle_nn::VarBuilder::from_tensors(w, dtype, &dev),
     )
     .unwrap();
     let mut cache = model.new_cache(600).unwrap();
