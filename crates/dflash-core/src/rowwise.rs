@@ -35,15 +35,9 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             p[l] += ca[l] * cb[l];
         }
     }
-    finish(&p, &a[..n], &b[..n], body)
-}
-
-/// `dot`'s combining tree and tail for lanes `q` accumulated over the first `body` elements.
-#[inline(always)]
-fn finish(q: &[f32; 8], x: &[f32], w: &[f32], body: usize) -> f32 {
-    let mut s = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
-    for i in body..w.len() {
-        s += x[i] * w[i];
+    let mut s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    for i in body..n {
+        s += a[i] * b[i];
     }
     s
 }
@@ -298,28 +292,49 @@ const EXP_POLY: [f32; 6] = [
 fn softmax_row(row: &mut [f32], mask: Option<&[f32]>, scale: f32) {
     let mut mx = f32::NEG_INFINITY;
     for (j, sc) in row.iter_mut().enumerate() {
-        let add = mask.map_or(0.0, |m| m[j]);
-        *sc = if add == f32::NEG_INFINITY {
-            f32::NEG_INFINITY
-        } else {
-            *sc * scale + add
-        };
+        *sc = masked_score(*sc, mask.map_or(0.0, |m| m[j]), scale);
         mx = mx.max(*sc);
     }
     // one running sum in key order: a hidden key adds an exact zero wherever it stands (after a
     // verify row's visible keys, or between a tree node's ancestors), so z is the one-token step's
     let mut z = 0f32;
     for sc in row.iter_mut() {
-        *sc = if *sc == f32::NEG_INFINITY {
-            0.0
-        } else {
-            exp_f32(*sc - mx)
-        };
+        *sc = unnormalised(*sc, mx);
         z += *sc;
     }
-    let inv = if z > 0.0 { 1.0 / z } else { 0.0 };
+    let inv = inverse_sum(z);
     for sc in row.iter_mut() {
         *sc *= inv;
+    }
+}
+
+/// One key's `score · scale + mask`, exactly −∞ for a hidden key (mask −∞).
+#[inline(always)]
+fn masked_score(score: f32, add: f32, scale: f32) -> f32 {
+    if add == f32::NEG_INFINITY {
+        f32::NEG_INFINITY
+    } else {
+        score * scale + add
+    }
+}
+
+/// One key's `exp(t − max)`, exactly 0 for a hidden key.
+#[inline(always)]
+fn unnormalised(t: f32, mx: f32) -> f32 {
+    if t == f32::NEG_INFINITY {
+        0.0
+    } else {
+        exp_f32(t - mx)
+    }
+}
+
+/// `1 / Σ`, 0 for a row with every key hidden.
+#[inline(always)]
+fn inverse_sum(z: f32) -> f32 {
+    if z > 0.0 {
+        1.0 / z
+    } else {
+        0.0
     }
 }
 

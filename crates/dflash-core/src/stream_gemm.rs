@@ -17,9 +17,9 @@
 //! - On the CPU the row-invariant host kernels (`crate::rowwise`) are the default in bf16 and f16
 //!   ([`cpu_row_invariant`]): the fast policy sends every half-precision projection of up to
 //!   [`STREAM_MAX_ROWS`] rows there (AR steps, verifies, trees, drafter blocks: measured faster
-//!   than candle's CPU matmul on every row but DDTree-64 at context 1024, +7 %; docs/benchmarks.md
-//!   session 18); in f32 candle's FMA GEMM stays (DDTree-64 +20 % at context 1024 on the host
-//!   kernels). [`StreamPolicy::All`] sends every projection there; `0` and `head` none (the A/B).
+//!   than candle's CPU matmul on every row, docs/benchmarks.md session 18); in f32 candle's FMA GEMM
+//!   stays (the DDTree-64 loop at context 1024 was 9–15 % slower on the host kernels).
+//!   [`StreamPolicy::All`] sends every projection there; `0` and `head` none (the A/B).
 
 use crate::Result;
 use candle_core::{DType, Tensor};

@@ -43,7 +43,8 @@ pub(super) unsafe fn accumulate(o: &mut [f32], probs: &[f32], values: &[f32]) {
 }
 
 /// `R` rows × four columns of `dot`: lane `l` of accumulator (r, c) sums
-/// `x[r][i + l] · w[c][i + l]` over `i = 0, 8, …` (mul, then add), then `finish`.
+/// `x[r][i + l] · w[c][i + l]` over `i = 0, 8, …` (mul, then add), then `dot`'s combining
+/// tree and tail.
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn tile<const R: usize>(x: [&[f32]; R], w: [&[f32]; 4]) -> [[f32; 4]; R] {
     let k = w[0].len();
@@ -66,7 +67,7 @@ pub(super) unsafe fn tile<const R: usize>(x: [&[f32]; R], w: [&[f32]; 4]) -> [[f
     }
     let mut y = [[0f32; 4]; R];
     for r in 0..R {
-        // `finish`'s tree for the four accumulators at once: hadd pairs lanes (0+1, 2+3, …),
+        // `dot`'s combining tree for the four accumulators at once: hadd pairs lanes (0+1, 2+3, …),
         // a second hadd pairs those, the last add joins the halves — the same adds, same order
         let h01 = _mm256_hadd_ps(acc[r][0], acc[r][1]);
         let h23 = _mm256_hadd_ps(acc[r][2], acc[r][3]);
@@ -134,12 +135,7 @@ pub(super) unsafe fn softmax(row: &mut [f32], mask: Option<&[f32]>, scale: f32) 
     _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
     let mut mx = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     for (sc, jj) in row[body..].iter_mut().zip(body..) {
-        let add = mask.map_or(0.0, |m| m[jj]);
-        *sc = if add == f32::NEG_INFINITY {
-            f32::NEG_INFINITY
-        } else {
-            *sc * scale + add
-        };
+        *sc = super::masked_score(*sc, mask.map_or(0.0, |m| m[jj]), scale);
         mx = mx.max(*sc);
     }
     let vmx = _mm256_set1_ps(mx);
@@ -152,25 +148,21 @@ pub(super) unsafe fn softmax(row: &mut [f32], mask: Option<&[f32]>, scale: f32) 
         j += 8;
     }
     for sc in row[body..].iter_mut() {
-        *sc = if *sc == f32::NEG_INFINITY {
-            0.0
-        } else {
-            super::exp_f32(*sc - mx)
-        };
+        *sc = super::unnormalised(*sc, mx);
     }
     // the running sum in key order (see `softmax_row`): scalar, latency-bound, exact
     let mut z = 0f32;
     for &e in row.iter() {
         z += e;
     }
-    let inv = _mm256_set1_ps(if z > 0.0 { 1.0 / z } else { 0.0 });
+    let inv = super::inverse_sum(z);
+    let vinv = _mm256_set1_ps(inv);
     j = 0;
     while j < body {
         let p = row.as_mut_ptr().add(j);
-        _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), inv));
+        _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), vinv));
         j += 8;
     }
-    let inv = if z > 0.0 { 1.0 / z } else { 0.0 };
     for sc in row[body..].iter_mut() {
         *sc *= inv;
     }
