@@ -21,6 +21,7 @@ use dflash_decoding::sampling::greedy_rows;
 use dflash_decoding::tree::build_tree;
 use dflash_models::drafter::BlockConvention;
 use dflash_models::{DFlashDrafter, TargetModel};
+use rand::{Rng, SeedableRng};
 
 /// Drafted tokens a verifier following the true continuation accepts at each anchor.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -295,7 +296,7 @@ pub fn replay_steps(
 
 /// 95 % percentile-bootstrap interval of the pooled τ = Σ acceptance / Σ steps, resampling the
 /// prompts (`(Σ acceptance, steps)` each) with replacement `rounds` times; deterministic (a fixed
-/// SplitMix64 stream), so the same results give the same interval. `eval` reports it beside τ and
+/// seeded ChaCha8 stream), so the same results give the same interval. `eval` reports it beside τ and
 /// `diagnose` compares replayed τ of convention variants against it.
 pub fn bootstrap_ci95(per_prompt: &[(usize, usize)], rounds: usize) -> [f64; 2] {
     bootstrap_interval(per_prompt.len(), rounds, &|picks| {
@@ -307,7 +308,7 @@ pub fn bootstrap_ci95(per_prompt: &[(usize, usize)], rounds: usize) -> [f64; 2] 
 }
 
 /// 95 % percentile-bootstrap interval of any statistic of `n` prompts: `stat` takes the indices
-/// of one resample (with replacement, `n` of them); `rounds` resamples from the fixed SplitMix64
+/// of one resample (with replacement, `n` of them); `rounds` resamples from the fixed seeded
 /// stream of [`bootstrap_ci95`] (deterministic). With `n <= 1` the interval is the statistic.
 pub fn bootstrap_interval(
     n: usize,
@@ -318,16 +319,10 @@ pub fn bootstrap_interval(
         let t = stat(&mut (0..n));
         return [t, t];
     }
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    // a fixed seed: the same results give the same interval, run after run
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x9E37_79B9_7F4A_7C15);
     let mut taus: Vec<f64> = (0..rounds.max(1))
-        .map(|_| stat(&mut (0..n).map(|_| (next() % n as u64) as usize)))
+        .map(|_| stat(&mut (0..n).map(|_| rng.random_range(0..n))))
         .collect();
     taus.sort_by(f64::total_cmp);
     let at = |q: f64| taus[((q * (taus.len() - 1) as f64).round() as usize).min(taus.len() - 1)];
