@@ -1,11 +1,12 @@
 //! `dflash generate`: one prompt, one answer, streamed (or one JSON object with `--json`).
 
+use crate::auto_memory;
 use crate::exit::UsageError;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use dflash_decoding::{
-    generate_ar, generate_ar_with_margins, generate_auto, generate_speculative, DFlashRunner,
-    GenerateConfig, SamplingConfig, SpecMode,
+    generate_ar, generate_ar_with_margins, generate_auto_remembered, generate_speculative,
+    AutoRecord, DFlashRunner, GenerateConfig, SamplingConfig, SpecMode,
 };
 use dflash_models::{load_drafter, load_target};
 use dflash_text::{ChatMessage, RenderOptions, StreamDecoder};
@@ -16,8 +17,10 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Copy, ValueEnum, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// DDTree while it is faster than AR on this device (measured as it runs), else AR; AR when
-    /// no drafter is given or ships for the target. The default.
+    /// DDTree while it is faster than AR on this device (measured as it runs), else AR; AR from
+    /// the start when an earlier run here found DDTree at under half AR's rate (remembered in
+    /// ~/.cache/dflash/auto-mode.json; DFLASH_AUTO_MEMORY=off or another file); AR when no
+    /// drafter is given or ships for the target. The default.
     Auto,
     /// The target alone: the reference output.
     Ar,
@@ -199,6 +202,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
         }
     };
+    let mut drafter_dir = None;
     let drafter = match args.mode {
         Mode::Ar => None,
         Mode::Dflash | Mode::Ddtree | Mode::Auto => {
@@ -214,6 +218,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                     if let Some(b) = args.block_size {
                         d.set_block_size(b)?;
                     }
+                    drafter_dir = Some(dir.clone());
                     Some(d)
                 }
             }
@@ -231,19 +236,47 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 },
             };
             let mut runner = DFlashRunner::new(d);
-            let run = if mode == Mode::Auto {
-                generate_auto
+            if mode == Mode::Auto {
+                let key = auto_memory::RunKey {
+                    device: args.device.clone(),
+                    dtype: format!("{dtype:?}").to_lowercase(),
+                    bit_exact: args.bit_exact,
+                    target: target_path.clone(),
+                    drafter: drafter_dir.clone().unwrap_or_default(),
+                    mode: format!("ddtree:{}", args.tree_budget),
+                    block_size: d.block_size(),
+                    sampled: args.temperature > 0.0,
+                };
+                let memory = auto_memory::memory_path();
+                let record = memory.as_deref().and_then(|p| auto_memory::recall(p, &key));
+                let generation = generate_auto_remembered(
+                    target.model.as_ref(),
+                    &mut runner,
+                    &prompt,
+                    &cfg,
+                    spec_mode,
+                    record.as_ref(),
+                    &mut on_token,
+                )?;
+                let measured = generation.spec.as_ref().and_then(|s| s.auto.as_ref());
+                if let (Some(path), Some(r)) = (&memory, measured.and_then(AutoRecord::from_choice))
+                {
+                    // a cache: a run whose answer is out must not fail for want of a writable home
+                    if let Err(e) = auto_memory::remember(path, &key, r) {
+                        eprintln!("[dflash] warning: auto-mode memory not saved: {e:#}");
+                    }
+                }
+                generation
             } else {
-                generate_speculative
-            };
-            run(
-                target.model.as_ref(),
-                &mut runner,
-                &prompt,
-                &cfg,
-                spec_mode,
-                &mut on_token,
-            )?
+                generate_speculative(
+                    target.model.as_ref(),
+                    &mut runner,
+                    &prompt,
+                    &cfg,
+                    spec_mode,
+                    &mut on_token,
+                )?
+            }
         }
         (None, _) if args.ids => {
             generate_ar_with_margins(target.model.as_ref(), &prompt, &cfg, &mut on_token)?
@@ -251,6 +284,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         (None, _) => generate_ar(target.model.as_ref(), &prompt, &cfg, &mut on_token)?,
     };
     let spec = generation.spec.clone();
+    // steps that drafted and verified (auto mode may have decoded the rest, or all, with AR)
+    let spec_steps = spec.as_ref().map_or(0, |s| s.acceptance.len());
     let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
     let text_out = text.tokenizer.decode(&generation.tokens, true)?;
     let n = generation.tokens.len();
@@ -272,10 +307,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         dtype: format!("{dtype:?}").to_lowercase(),
         output_ids: args.ids.then(|| generation.tokens.clone()),
         logit_margins: (args.ids && args.mode == Mode::Ar).then(|| generation.margins.clone()),
-        tree_budget: (drafter.is_some() && matches!(args.mode, Mode::Ddtree | Mode::Auto))
+        tree_budget: (drafter.is_some()
+            && matches!(args.mode, Mode::Ddtree | Mode::Auto)
+            && spec_steps > 0)
             .then_some(args.tree_budget),
         auto: spec.as_ref().and_then(|s| s.auto.clone()),
-        acceptance_length_mean: spec.as_ref().map(|s| s.mean_acceptance()),
+        acceptance_length_mean: spec
+            .as_ref()
+            .filter(|_| spec_steps > 0)
+            .map(|s| s.mean_acceptance()),
         acceptance_histogram: spec.as_ref().map(|s| s.histogram(block)),
         draft_seconds: spec.as_ref().map(|s| s.draft_seconds),
         verify_seconds: spec.as_ref().map(|s| s.verify_seconds),
@@ -296,11 +336,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             .unwrap_or_default();
         let tau = report
             .acceptance_length_mean
-            .map(|t| format!(", tau {t:.2} over {} steps", report.steps))
+            .map(|t| format!(", tau {t:.2} over {spec_steps} speculative steps"))
             .unwrap_or_default();
         let mode = match (&report.auto, report.mode) {
             (_, Mode::Auto) if drafter.is_none() => "auto -> ar (no drafter)".to_string(),
             (Some(a), _) => match a.switched_to_ar_at_step {
+                Some(0) => format!(
+                    "auto -> ar (an earlier run here: speculative {:.1} tok/s < AR step {:.1} tok/s; remembered in {}, delete it to measure again)",
+                    a.spec_tokens_per_second,
+                    a.ar_tokens_per_second,
+                    auto_memory::memory_path().unwrap_or_default().display()
+                ),
                 Some(k) => format!(
                     "auto -> ddtree, then ar after step {k} (speculative {:.1} tok/s < AR step {:.1} tok/s)",
                     a.spec_tokens_per_second, a.ar_tokens_per_second

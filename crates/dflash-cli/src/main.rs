@@ -4,6 +4,7 @@
 //! failures exit 1 (so does a `diagnose` check that FAILs, after its table, with no "error:" line);
 //! machine-readable output goes to stdout as JSON, human summaries to stderr.
 
+mod auto_memory;
 mod bench;
 mod bench_decode;
 mod bench_prompts;

@@ -177,6 +177,68 @@ fn auto_is_the_default_lossless_and_reports_its_choice() {
     assert!(err.contains("auto -> ar (no drafter)"), "{err}");
 }
 
+/// Auto mode remembers what it measured: a record of speculation at under half AR's rate makes the
+/// next run decode with AR from the first token (same text, reported as such); a record of fast
+/// speculation leaves the choice to live measurement.
+#[test]
+fn auto_mode_remembers_its_measurement() {
+    let Some(target) = smollm2() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let memory = tmp.path().join("auto-mode.json");
+    let gen = |mode: &str| -> serde_json::Value {
+        let (code, out, err) = run(dflash()
+            .current_dir(root())
+            .env_remove("DFLASH_DRAFT")
+            .env("DFLASH_AUTO_MEMORY", &memory)
+            .args([
+                "generate",
+                "--json",
+                "--max-new-tokens",
+                "40",
+                "--mode",
+                mode,
+            ])
+            .arg("--target")
+            .arg(&target)
+            .args(["--prompt", "Name three prime numbers and add them up."]));
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let ar = gen("ar");
+    assert!(!memory.exists(), "only auto mode records");
+    let first = gen("auto");
+    assert!(first["auto"].get("remembered").is_none());
+    // the one record, rewritten to a chosen verdict
+    let set_rates = |spec: f64, ar_rate: f64| {
+        let mut file: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&memory).expect("auto run recorded")).unwrap();
+        let entries = file["entries"].as_object_mut().unwrap();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        let e = entries.values_mut().next().unwrap();
+        e["spec_tokens_per_second"] = spec.into();
+        e["ar_tokens_per_second"] = ar_rate.into();
+        e["spec_steps"] = 8.into();
+        std::fs::write(&memory, serde_json::to_vec(&file).unwrap()).unwrap();
+    };
+    set_rates(10.0, 100.0);
+    let remembered = gen("auto");
+    assert_eq!(remembered["text"], ar["text"], "AR from the start is AR");
+    assert_eq!(remembered["auto"]["switched_to_ar_at_step"], 0);
+    assert_eq!(
+        remembered["auto"]["remembered"]["spec_tokens_per_second"],
+        10.0
+    );
+    assert!(
+        remembered.get("acceptance_length_mean").is_none(),
+        "no speculative step"
+    );
+    set_rates(1000.0, 100.0);
+    let live = gen("auto");
+    assert!(live["auto"].get("remembered").is_none(), "{live}");
+    assert_ne!(live["auto"]["switched_to_ar_at_step"], 0);
+    assert_eq!(live["text"], ar["text"]);
+}
+
 /// `--bit-exact` on the CPU in bf16: DFlash and DDTree give exactly the AR tokens (the CPU's
 /// row-invariant kernels; without the flag the CPU's bf16 verify rows round differently from AR
 /// steps).

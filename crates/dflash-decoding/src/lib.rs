@@ -16,6 +16,6 @@ pub use batch::{generate_ar_batch, BatchConfig, BatchOutput};
 pub use error::{DecodeError, Result};
 pub use sampling::{Sampler, SamplingConfig};
 pub use spec::{
-    generate_auto, generate_speculative, AutoChoice, BlockDrafter, DFlashRunner, SpecMode,
-    SpecStats,
+    generate_auto, generate_auto_remembered, generate_speculative, AutoChoice, AutoRecord,
+    BlockDrafter, DFlashRunner, SpecMode, SpecStats,
 };

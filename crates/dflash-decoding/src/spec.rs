@@ -15,6 +15,10 @@
 //!   steps for the rest of the answer once the speculative steps so far emit fewer tokens per
 //!   second than that ([`auto_prefers_ar`]); either way every token is the target's own, so the
 //!   switch is lossless.
+//! - Auto mode given an [`AutoRecord`] of earlier runs (same device, target, drafter, dtype and
+//!   mode; kept by the caller) that ran speculation at under half AR's rate
+//!   ([`AutoRecord::prefers_ar`]) decodes with AR steps from the first token: no drafter call, no
+//!   AR timing. Any other record changes nothing (live measurement decides).
 
 use crate::ar::{token_budget, Emitter, GenerateConfig, Generation};
 use crate::sampling::{greedy_rows, Sampler};
@@ -129,8 +133,53 @@ pub struct AutoChoice {
     /// prefill), when the choice was last checked.
     pub spec_tokens_per_second: f64,
     pub ar_tokens_per_second: f64,
-    /// The step after which decoding went on with AR steps, if it did.
+    /// Speculative steps behind `spec_tokens_per_second` (the first, which pays the drafter's
+    /// prefill, not counted).
+    pub spec_steps: usize,
+    /// The step after which decoding went on with AR steps, if it did (0: from the start,
+    /// decided by `remembered`).
     pub switched_to_ar_at_step: Option<usize>,
+    /// The earlier runs' record that decided, when one did (then the rates above are its).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remembered: Option<AutoRecord>,
+}
+
+/// What auto mode measured in an earlier run on the same device, target, drafter, dtype and
+/// mode: the rates it compared. Callers keep these between runs (the CLI in a cache file) and hand
+/// the latest to [`generate_auto_remembered`].
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct AutoRecord {
+    pub spec_tokens_per_second: f64,
+    pub ar_tokens_per_second: f64,
+    /// Speculative steps behind `spec_tokens_per_second` (the first, drafter-prefill step not
+    /// counted).
+    pub spec_steps: usize,
+}
+
+impl AutoRecord {
+    /// The record of a finished auto run, if it measured enough to judge: at least
+    /// [`AUTO_CLEAR_STEPS`] speculative steps, or a switch to AR (which may come after one step
+    /// when no accepted length could pay for it). `None` for runs decided by a record (nothing
+    /// new measured).
+    pub fn from_choice(choice: &AutoChoice) -> Option<Self> {
+        let judged = choice.spec_steps >= AUTO_CLEAR_STEPS
+            || (choice.spec_steps >= 1 && choice.switched_to_ar_at_step.is_some());
+        (choice.remembered.is_none()
+            && judged
+            && choice.spec_tokens_per_second > 0.0
+            && choice.ar_tokens_per_second > 0.0)
+            .then_some(Self {
+                spec_tokens_per_second: choice.spec_tokens_per_second,
+                ar_tokens_per_second: choice.ar_tokens_per_second,
+                spec_steps: choice.spec_steps,
+            })
+    }
+
+    /// Speculation ran at under half AR's rate: the clear case in which live auto mode switches
+    /// within [`AUTO_CLEAR_STEPS`] steps too, so starting with AR loses nothing it would have won.
+    pub fn prefers_ar(&self) -> bool {
+        self.spec_steps >= 1 && self.spec_tokens_per_second < 0.5 * self.ar_tokens_per_second
+    }
 }
 
 /// Speculative steps auto mode watches before it may switch to AR for being merely slower. On the
@@ -234,7 +283,7 @@ pub fn generate_speculative(
     mode: SpecMode,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
-    generate(target, drafter, prompt, cfg, mode, false, on_token)
+    generate(target, drafter, prompt, cfg, mode, AutoStart::Off, on_token)
 }
 
 /// Speculative decoding in `mode` while it is faster than AR on this device, measured as it
@@ -247,7 +296,44 @@ pub fn generate_auto(
     mode: SpecMode,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
-    generate(target, drafter, prompt, cfg, mode, true, on_token)
+    generate(
+        target,
+        drafter,
+        prompt,
+        cfg,
+        mode,
+        AutoStart::Live,
+        on_token,
+    )
+}
+
+/// [`generate_auto`] that first consults `record`, the latest [`AutoRecord`] of earlier runs
+/// with this device, target, drafter, dtype and mode: when it [prefers AR](AutoRecord::prefers_ar)
+/// every token comes from AR steps (no drafter call, no timing); otherwise as [`generate_auto`].
+pub fn generate_auto_remembered(
+    target: &dyn TargetModel,
+    drafter: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    mode: SpecMode,
+    record: Option<&AutoRecord>,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    let start = match record {
+        Some(r) if r.prefers_ar() => AutoStart::Remembered(r.clone()),
+        _ => AutoStart::Live,
+    };
+    generate(target, drafter, prompt, cfg, mode, start, on_token)
+}
+
+/// How a run chooses between speculation and AR steps.
+enum AutoStart {
+    /// Speculation throughout (an explicit mode).
+    Off,
+    /// Auto mode measuring as it goes.
+    Live,
+    /// Auto mode starting with AR on an earlier run's record.
+    Remembered(AutoRecord),
 }
 
 fn generate(
@@ -256,7 +342,7 @@ fn generate(
     prompt: &[u32],
     cfg: &GenerateConfig,
     mode: SpecMode,
-    auto: bool,
+    auto: AutoStart,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
     let context = target.info().max_position_embeddings;
@@ -297,15 +383,32 @@ fn generate(
     };
     history.push(first);
     let mut steps: usize = 0;
-    if auto && stop.is_none() {
-        let ar = time_ar_step(target, &mut cache, first, prompt.len())?;
-        stats.auto = Some(AutoChoice {
-            ar_step_seconds: ar,
-            ar_tokens_per_second: 1.0 / ar.max(1e-12),
-            ..Default::default()
-        });
+    let mut use_ar = false;
+    match auto {
+        // nothing to choose when the first token already ended the answer
+        AutoStart::Off | AutoStart::Live if stop.is_some() => {}
+        AutoStart::Off => {}
+        AutoStart::Live => {
+            let ar = time_ar_step(target, &mut cache, first, prompt.len())?;
+            stats.auto = Some(AutoChoice {
+                ar_step_seconds: ar,
+                ar_tokens_per_second: 1.0 / ar.max(1e-12),
+                ..Default::default()
+            });
+        }
+        AutoStart::Remembered(record) => {
+            use_ar = true;
+            stats.auto = Some(AutoChoice {
+                ar_step_seconds: 1.0 / record.ar_tokens_per_second.max(1e-12),
+                ar_tokens_per_second: record.ar_tokens_per_second,
+                spec_tokens_per_second: record.spec_tokens_per_second,
+                spec_steps: 0,
+                switched_to_ar_at_step: Some(0),
+                remembered: Some(record),
+            });
+        }
     }
-    let (mut spec_tokens, mut spec_seconds, mut use_ar) = (0usize, 0f64, false);
+    let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
     while stop.is_none() {
         let start = history.len() - 1;
         let bonus = history[start];
@@ -403,9 +506,10 @@ fn generate(
             spec_tokens += stats.acceptance.last().copied().unwrap_or(0);
             spec_seconds += step_start.elapsed().as_secs_f64();
         }
-        if let Some(choice) = stats.auto.as_mut() {
+        if let Some(choice) = stats.auto.as_mut().filter(|c| c.remembered.is_none()) {
             choice.spec_tokens_per_second = spec_tokens as f64 / spec_seconds.max(1e-12);
             let counted = steps.saturating_sub(1);
+            choice.spec_steps = counted;
             let ar = choice.ar_step_seconds;
             if stop.is_none() && auto_prefers_ar(counted, spec_tokens, spec_seconds, ar, bs) {
                 choice.switched_to_ar_at_step = Some(steps);
@@ -429,7 +533,47 @@ fn generate(
 
 #[cfg(test)]
 mod tests {
-    use super::auto_prefers_ar;
+    use super::{auto_prefers_ar, AutoChoice, AutoRecord};
+
+    #[test]
+    fn a_record_is_kept_only_when_it_judged_and_prefers_ar_only_when_clearly_slower() {
+        let live = |spec_steps, switched| AutoChoice {
+            ar_step_seconds: 0.025,
+            spec_tokens_per_second: 14.0,
+            ar_tokens_per_second: 40.0,
+            spec_steps,
+            switched_to_ar_at_step: switched,
+            remembered: None,
+        };
+        assert_eq!(
+            AutoRecord::from_choice(&live(2, None)),
+            None,
+            "too few steps"
+        );
+        let r = AutoRecord::from_choice(&live(4, Some(5))).unwrap();
+        assert!(r.prefers_ar(), "14 tok/s < half of 40");
+        assert!(
+            AutoRecord::from_choice(&live(1, Some(2))).is_some(),
+            "switched at once"
+        );
+        let close = AutoRecord {
+            spec_tokens_per_second: 25.0,
+            ..r.clone()
+        };
+        assert!(
+            !close.prefers_ar(),
+            "slower but not clearly: live auto decides"
+        );
+        let remembered = AutoChoice {
+            remembered: Some(r),
+            ..live(0, Some(0))
+        };
+        assert_eq!(
+            AutoRecord::from_choice(&remembered),
+            None,
+            "nothing new measured"
+        );
+    }
 
     #[test]
     fn auto_switches_fast_when_speculation_is_far_slower_and_late_when_it_is_close() {

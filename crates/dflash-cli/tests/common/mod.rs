@@ -7,8 +7,12 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// A command for the `dflash` binary under test.
+/// The binary, with auto mode's memory off (a test never reads or writes the user's cache; tests
+/// of the memory set `DFLASH_AUTO_MEMORY` to a file of their own).
 pub fn dflash() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_dflash"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash"));
+    cmd.env("DFLASH_AUTO_MEMORY", "off");
+    cmd
 }
 
 /// Runs `cmd` to completion: (exit code, stdout, stderr). A panic is never an acceptable way for
