@@ -24,7 +24,7 @@ ROUNDS=${ROUNDS:-30}
 # tileprefetch: the attention's next K/V tile loaded while one is scored (DFLASH_ATTN_PREFETCH=1);
 # attnnext: both (session 15's attention variants, built and not yet measured); addnorm: residual
 # add + RMSNorm as the prologue of the projection after it (DFLASH_FUSED_ADD_NORM=1, likewise);
-# topksplit: the tree build's device top-k with each row over several blocks (DFLASH_TOPK_SPLIT=1, likewise);
+# topkone: the tree build's device top-k with each row in one block (DFLASH_TOPK_SPLIT=0; the split top-k is the default since session 19);
 # gdnoff: hybrids with the Gated DeltaNet layer on candle's composite (DFLASH_GDN_KERNELS=0; A/B of session 16's kernels);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -42,8 +42,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   DFLASH_PDL=early DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   DFLASH_PDL=early DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== decode ops and bit-exact verify on cuda under session 15's opt-in kernels (fused add+norm, attention variants)" | tee -a "$LOG"
-  DFLASH_TOPK_SPLIT=1 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
-  DFLASH_TOPK_SPLIT=1 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== row invariance on cuda (then under DFLASH_STREAM_GEMM=all: verify rows against AR steps)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
@@ -74,14 +74,15 @@ for spec in $SHAPES; do
       tileprefetch) fused=1 graphs=1 prefetch=1;;
       attnnext) fused=1 graphs=1 merge=unrolled prefetch=1;;
       addnorm) fused=1 graphs=1 addnorm=1;;
-      topksplit) fused=1 graphs=1 topk=1;;
+      topkone) fused=1 graphs=1 topk=0;;
       gdnoff) fused=1 graphs=1 gdn=0;;
       pdlearly) fused=1 graphs=1 pdl=early;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
     DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
-      && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json && grep -h "^step graphs" "$LOG" | tail -1 || echo "FAILED ($?)" | tee -a "$LOG"
+      && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
+      && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"
   done
   if [ "${PEER:-1}" = 1 ]; then
     echo "== transformers $shape $dtype context $ctx" | tee -a "$LOG"

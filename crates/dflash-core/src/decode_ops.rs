@@ -100,11 +100,12 @@ pub fn top_k_log_probs(logits: &Tensor, k: usize) -> Result<Vec<Vec<(f32, u32)>>
     top_k_log_probs_with(logits, k, top_k_split())
 }
 
-/// Whether the device top-k spreads each row over several blocks (`DFLASH_TOPK_SPLIT=1`, read
-/// once; opt-in, built in session 15 and not yet measured on a GPU).
+/// Whether the device top-k spreads each long row over several blocks: the default (Qwen3-8B's
+/// 15-row, 64-node tree build 0.27 → 0.16 ms on an H100, docs/benchmarks.md session 19);
+/// `DFLASH_TOPK_SPLIT=0` keeps each row in one block (read once).
 pub fn top_k_split() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_TOPK_SPLIT").as_deref() == Ok("1"))
+    *ON.get_or_init(|| std::env::var("DFLASH_TOPK_SPLIT").as_deref() != Ok("0"))
 }
 
 /// [`top_k_log_probs`] with the device kernel chosen by `split` (one block a row, or several
@@ -133,7 +134,7 @@ pub fn top_k_log_probs_with(
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-/// The split plan of the device's split top-k (`DFLASH_TOPK_SPLIT=1`) for `rows` rows of `vocab` and `k`: (splits, slice length), or
+/// The split plan of the device's split top-k (the default; `DFLASH_TOPK_SPLIT=0` turns it off) for `rows` rows of `vocab` and `k`: (splits, slice length), or
 /// `None` when a row is better left to one block (short rows, too many candidates to merge).
 pub(crate) fn topk_split_plan(rows: usize, vocab: usize, k: usize) -> Option<(usize, usize)> {
     const MAX_CANDIDATES: usize = 4096; // TOPK_SPLIT_MAX_CAND of decode_kernels.cu

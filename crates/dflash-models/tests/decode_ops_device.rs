@@ -113,10 +113,12 @@ fn top_k_log_probs_matches_the_host_on_the_device() {
         (3, 300, 300),
         (2, 50, 1),
     ];
-    check_top_k_against_host(&cases, 7, |t, k| top_k_log_probs(t, k).unwrap());
+    check_top_k_against_host(&cases, 7, |t, k| {
+        dflash_core::decode_ops::top_k_log_probs_with(t, k, false).unwrap()
+    });
 }
 
-/// The split device top-k (`DFLASH_TOPK_SPLIT=1`: each row over several blocks, then a merge)
+/// The split device top-k (the default: each row over several blocks, then a merge)
 /// picks the same ids as the host, ties included, with log-probs to f32 rounding — on rows where
 /// the plan splits (long vocabularies, one row to 40) and where it falls back to one block.
 #[test]
