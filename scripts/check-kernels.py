@@ -52,9 +52,6 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
         ok &= compile_source(src, base, ["--gpu-architecture=compute_80"])
     else:
         ok &= compile_source(src, base)
-    if "DFLASH_ATTN_QVEC" in src:  # the attention's opt-in layouts (DFLASH_ATTN_QVEC=1, _VPW=4)
-        ok &= compile_source(src, f"{base} (q 16 bytes, 4x4 warps)",
-                             ["-DDFLASH_ATTN_QVEC", "-DDFLASH_ATTN_VPW4", "-DDFLASH_TILE_PREFETCH"])
     if "PDL_ENTRY" in src:  # and as DFLASH_PDL=1 / early compile them (compute 9.0)
         pdl = ["--gpu-architecture=compute_90", "-DDFLASH_PDL"]
         ok &= compile_source(src, f"{base} (PDL)", pdl)

@@ -44,23 +44,8 @@ fn staging_for(rows: usize) -> &'static str {
         ""
     }
 }
-/// Warps a block of the attention kernel (`WARPS` in step_kernels.cu: 8, or 4 under
-/// `DFLASH_ATTN_VPW=4`); the block holds `VECTORS_PER_BLOCK` query vectors either way.
-fn attention_warps() -> usize {
-    if attention_vpw4() {
-        4
-    } else {
-        8
-    }
-}
+const WARPS: usize = 8;
 const VECTORS_PER_BLOCK: usize = 16;
-
-/// `DFLASH_ATTN_VPW=4`: the attention's blocks as 4 warps of 4 query vectors (opt-in, session 19,
-/// not yet measured); read once.
-fn attention_vpw4() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_ATTN_VPW").as_deref() == Ok("4"))
-}
 
 fn ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
@@ -74,14 +59,6 @@ fn ptx() -> candle_core::Result<&'static str> {
         }
         if std::env::var("DFLASH_ATTN_PREFETCH").as_deref() == Ok("1") {
             opts.options.push("-DDFLASH_TILE_PREFETCH".into());
-        }
-        // session 19's (built, not yet measured): the scores' q read 16 bytes at a time
-        // (`DFLASH_ATTN_QVEC=1`), blocks of 4 warps × 4 vectors (`DFLASH_ATTN_VPW=4`)
-        if std::env::var("DFLASH_ATTN_QVEC").as_deref() == Ok("1") {
-            opts.options.push("-DDFLASH_ATTN_QVEC".into());
-        }
-        if attention_vpw4() {
-            opts.options.push("-DDFLASH_ATTN_VPW4".into());
         }
         candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(
             crate::pdl::with_prelude(SOURCE),
@@ -313,7 +290,7 @@ pub(crate) fn tree_attention(
     );
     let cfg = LaunchConfig {
         grid_dim: ((kv * groups) as u32, splits as u32, 1),
-        block_dim: ((attention_warps() * 32) as u32, 1, 1),
+        block_dim: ((WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let sfx = suffix(dtype)?;

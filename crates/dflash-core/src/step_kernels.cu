@@ -27,15 +27,8 @@ typedef unsigned short bf16_t;
 // PDL_ENTRY(): pdl.cuh, prepended at compile time (crate::pdl::with_prelude)
 #define NEG_INF __int_as_float(0xff800000)
 #define TK 32
-// VPB query vectors a block: 8 warps of 2 (default) or, with DFLASH_ATTN_VPW4, 4 warps of 4 (each
-// staged key then feeds 4 vectors' scores). A vector's arithmetic is the same in either layout.
-#if defined(DFLASH_ATTN_VPW4)
-#define WARPS 4
-#define VPW 4
-#else
 #define WARPS 8
 #define VPW 2
-#endif
 #define VPB (WARPS * VPW)
 #define MAX_D 128
 #define MAX_ROWS 288  // = step::MAX_STEP_ROWS: a DDTree of budget 256 plus its root
@@ -207,7 +200,7 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
                                   float scale, float* part, unsigned int* counters, T* out) {
   __shared__ float ks[TK][MAX_D + 1];
   __shared__ float vs[TK][MAX_D];
-  __shared__ __align__(16) float qs[VPB][MAX_D];
+  __shared__ float qs[VPB][MAX_D];
   __shared__ unsigned int anc[VPB][ANC_BITS];
   const int rep = H / KV;
   const int g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
@@ -312,26 +305,10 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
           staged = staged && row[u] == key - past;
         }
         if (staged) {
-#if defined(DFLASH_ATTN_QVEC)
-          // q read four channels at a time (one 16-byte shared load, a broadcast) instead of one:
-          // the same products added in the same channel order, so the same bits
-          for (int c = 0; c < d; c += 4) {
-            const float k0 = ks[lane][c], k1 = ks[lane][c + 1], k2 = ks[lane][c + 2],
-                        k3 = ks[lane][c + 3];
-            for (int u = 0; u < VPW; ++u) {
-              const float4 qq = *(const float4*)&qs[warp * VPW + u][c];
-              dot[u] += qq.x * k0;
-              dot[u] += qq.y * k1;
-              dot[u] += qq.z * k2;
-              dot[u] += qq.w * k3;
-            }
-          }
-#else
           for (int c = 0; c < d; ++c) {
             const float kk = ks[lane][c];
             for (int u = 0; u < VPW; ++u) dot[u] += qs[warp * VPW + u][c] * kk;
           }
-#endif
         } else {
           for (int u = 0; u < VPW; ++u) {
             if (!vis[u]) continue;
