@@ -84,7 +84,7 @@ pub struct GenerateArgs {
     /// Bit-exact: every projection (and on the CPU attention too) on row-invariant kernels, so a
     /// verified row computes exactly what the one-token AR step computes and speculative output
     /// equals AR's token for token in bf16 too (SmolLM2 on the H200: 80 of 80 generations, DDTree
-    /// ~20 % slower; on the CPU bf16 decode steps are row-invariant by default, this adds f32 and prefills).
+    /// ~20 % slower; on the CPU decode steps are row-invariant by default, this adds prefills).
     #[arg(long)]
     bit_exact: bool,
     /// Print one JSON object instead of streaming text.

@@ -9,7 +9,7 @@
 //! - GQA never copies keys: query heads `g*rep .. (g+1)*rep` share key head `g`.
 //! - On CUDA without gradients ([`crate::decode_ops::fused_decode`]) scale, mask and softmax are
 //!   one kernel with the same f32 arithmetic; on the CPU without gradients, for the calls
-//!   [`crate::stream_gemm::cpu_row_invariant`] takes (bf16 / f16 decode steps by default, every
+//!   [`crate::stream_gemm::cpu_row_invariant`] takes (decode steps by default, every
 //!   call under `--bit-exact`), the whole attention is `crate::rowwise::attention` (row-invariant);
 //!   elsewhere candle's composite.
 
@@ -111,6 +111,7 @@ pub fn attention(
     let dtype = q.dtype();
     if grad == Grad::Off
         && q.device().is_cpu()
+        && !q.track_op()
         && crate::stream_gemm::cpu_row_invariant(b * q_len, dtype)
     {
         // decoding on the CPU: a row's result does not depend on the rows beside it

@@ -1,4 +1,4 @@
-//! Row-invariant CPU kernels, the CPU's decode path (every bf16 / f16 call of up to 288 rows by
+//! Row-invariant CPU kernels, the CPU's decode path (every call of up to 288 rows by
 //! default, every call under `--bit-exact`: [`crate::stream_gemm::cpu_row_invariant`]): a projection and
 //! an attention whose every output
 //! row is computed by the same fixed-order f32 arithmetic whatever the number of rows in the call,

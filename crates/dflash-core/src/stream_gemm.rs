@@ -8,18 +8,19 @@
 //!   shape alone, partials added in warp order), so a verified row is bit-identical to the same
 //!   row computed alone by the AR step (tested on the GPU).
 //! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
+//! - No backward: an input autograd tracks (`Tensor::track_op`) always gets `None`.
 //! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
 //!   misaligned weight, a device older than compute 8.0, a weight the [`StreamPolicy`] leaves to
 //!   cuBLAS): the caller runs candle's matmul (cuBLAS) instead. The policy looks at the weight
 //!   and the row count only. Under [`StreamPolicy::All`] (`--bit-exact`) every call of up to 288
 //!   rows streams, so all of a weight's rows — AR step, chain, tree — come from one kernel; under
 //!   the fast default only calls of up to [`FAST_MAX_ROWS`] rows do.
-//! - On the CPU the row-invariant host kernels (`crate::rowwise`) are the default in bf16 and f16
-//!   ([`cpu_row_invariant`]): the fast policy sends every half-precision projection of up to
-//!   [`STREAM_MAX_ROWS`] rows there (AR steps, verifies, trees, drafter blocks: measured faster
-//!   than candle's CPU matmul on every row, docs/benchmarks.md session 18); in f32 candle's FMA GEMM
-//!   stays (the DDTree-64 loop at context 1024 was 9–15 % slower on the host kernels).
-//!   [`StreamPolicy::All`] sends every projection there; `0` and `head` none (the A/B).
+//! - On the CPU the row-invariant host kernels (`crate::rowwise`) are the default in every dtype
+//!   ([`cpu_row_invariant`]): the fast policy sends every projection of up to [`STREAM_MAX_ROWS`]
+//!   rows there (AR steps, verifies, trees, drafter blocks: in bf16 faster than candle's CPU
+//!   matmul on every row, docs/benchmarks.md session 18; in f32 faster on every row but the
+//!   DDTree-64 loop at context 1024, +4 %, session 19). [`StreamPolicy::All`] adds the longer calls
+//!   (prefills); `0` and `head` send none (the A/B).
 
 use crate::Result;
 use candle_core::{DType, Tensor};
@@ -103,15 +104,17 @@ pub fn set_policy(policy: StreamPolicy) -> Result<()> {
 
 /// Whether a CPU call of `rows` rows of `dtype` (a projection's rows, an attention's query rows)
 /// takes the row-invariant host kernels of `crate::rowwise`: every call under
-/// [`StreamPolicy::All`]; under the fast default the bf16 / f16 calls of up to
-/// [`STREAM_MAX_ROWS`] rows — each decode step, so greedy speculative output equals AR's in bf16
-/// on the CPU without `--bit-exact`; longer prefills, training's target forwards and f32 stay on
-/// candle's blocked matmul — and none under `off` / `head`. A function of the row count and the
+/// [`StreamPolicy::All`]; under the fast default the calls of up to [`STREAM_MAX_ROWS`] rows —
+/// each decode step, so greedy speculative output equals AR's on the CPU without `--bit-exact`,
+/// in f32 and bf16 alike; longer prefills and training's batched target forwards stay on candle's
+/// blocked matmul — and none under `off` / `head`. A function of the row count and the
 /// run's dtype only, so every step of a run takes the same kernels.
 pub fn cpu_row_invariant(rows: usize, dtype: DType) -> bool {
     match stream_policy() {
         StreamPolicy::All => true,
-        StreamPolicy::Fast => rows <= STREAM_MAX_ROWS && matches!(dtype, DType::BF16 | DType::F16),
+        StreamPolicy::Fast => {
+            rows <= STREAM_MAX_ROWS && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
+        }
         StreamPolicy::Off | StreamPolicy::Head => false,
     }
 }
@@ -271,6 +274,11 @@ fn out_epilogue(f32_out: bool) -> Epilogue {
 }
 
 fn run(x: &Tensor, w: &Tensor, epilogue: Epilogue, by_policy: bool) -> Result<Option<Tensor>> {
+    // neither kernel has a backward: a product that autograd must see through (a drafter's
+    // training forward through the target's LM head) stays on candle's matmul
+    if x.track_op() || w.track_op() {
+        return Ok(None);
+    }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && x.dtype() == DType::BF16 && w.dtype() == DType::BF16 {
         let width = x.dim(candle_core::D::Minus1)?;

@@ -2,9 +2,10 @@
 //!
 //! Invariants: with gradients off, bf16 rows (up to 288) on CUDA go through the weight-streaming
 //! tensor-core GEMM (`dflash_core::stream_gemm`) when its policy takes the weight, and then a
-//! row's result does not depend on how many rows share the call; everything else (training, the
-//! CPU, f32, wider calls, large weights) is candle's matmul. Both compute `x · wᵀ` with f32
-//! accumulation.
+//! row's result does not depend on how many rows share the call; on the CPU the calls of up to 288
+//! rows go to the row-invariant host kernels (`dflash_core::rowwise`, same policy function);
+//! everything else (training, wider calls, large weights) is candle's matmul. All compute `x · wᵀ`
+//! with f32 accumulation.
 
 use crate::Result;
 use candle_core::{Module, Tensor};
