@@ -9,7 +9,7 @@
 mod common;
 use candle_core::{DType, Device, Tensor, D};
 use dflash_core::decode_ops::{
-    argmax, argmax_rows, matmul_t_f32, silu_mul, softmax_scaled, top_k_host, top_k_log_probs,
+    argmax, argmax_rows, matmul_t_f32, silu_mul, softmax_scaled, top_k_host, top_k_log_probs_with,
     visibility_mask,
 };
 
@@ -113,9 +113,7 @@ fn top_k_log_probs_matches_the_host_on_the_device() {
         (3, 300, 300),
         (2, 50, 1),
     ];
-    check_top_k_against_host(&cases, 7, |t, k| {
-        dflash_core::decode_ops::top_k_log_probs_with(t, k, false).unwrap()
-    });
+    check_top_k_against_host(&cases, 7, |t, k| top_k_log_probs_with(t, k, false).unwrap());
 }
 
 /// The split device top-k (the default: each row over several blocks, then a merge)
@@ -130,9 +128,7 @@ fn split_top_k_log_probs_match_the_host_on_the_device() {
         (40, 32768, 16),
         (3, 300, 300),
     ];
-    check_top_k_against_host(&cases, 11, |t, k| {
-        dflash_core::decode_ops::top_k_log_probs_with(t, k, true).unwrap()
-    });
+    check_top_k_against_host(&cases, 11, |t, k| top_k_log_probs_with(t, k, true).unwrap());
 }
 
 #[test]
