@@ -296,15 +296,7 @@ pub fn generate_auto(
     mode: SpecMode,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
-    generate(
-        target,
-        drafter,
-        prompt,
-        cfg,
-        mode,
-        AutoStart::Live,
-        on_token,
-    )
+    generate_auto_remembered(target, drafter, prompt, cfg, mode, None, on_token)
 }
 
 /// [`generate_auto`] that first consults `record`, the latest [`AutoRecord`] of earlier runs
@@ -385,10 +377,8 @@ fn generate(
     let mut steps: usize = 0;
     let mut use_ar = false;
     match auto {
-        // nothing to choose when the first token already ended the answer
-        AutoStart::Off | AutoStart::Live if stop.is_some() => {}
-        AutoStart::Off => {}
-        AutoStart::Live => {
+        // (nothing to time when the first token already ended the answer)
+        AutoStart::Live if stop.is_none() => {
             let ar = time_ar_step(target, &mut cache, first, prompt.len())?;
             stats.auto = Some(AutoChoice {
                 ar_step_seconds: ar,
@@ -407,6 +397,7 @@ fn generate(
                 remembered: Some(record),
             });
         }
+        AutoStart::Off | AutoStart::Live => {}
     }
     let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
     while stop.is_none() {
