@@ -5,7 +5,10 @@ libraries of scripts/setup-cuda-build.sh (no GPU). Usage: scripts/check-kernels.
 import ctypes
 import glob
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 nvrtc = sys.argv[1] if len(sys.argv) > 1 else "/opt/cuda13/lib64/libnvrtc.so.13"
@@ -27,19 +30,52 @@ def compile_source(src, name, opts=()):
     lib.nvrtcGetProgramLog(prog, log)
     ptx = ctypes.c_size_t()
     lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx))
+    text = ctypes.create_string_buffer(ptx.value)
+    if result == 0:
+        lib.nvrtcGetPTX(prog, text)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     status = "ok" if result == 0 else f"FAILED ({result})"
     print(f"{name}: {status}, {ptx.value} bytes of PTX")
     if log.value.strip():
         print(log.value.decode())
+    if result == 0 and PTXAS:  # assemble for the H100/H200: inline PTX errors, spills
+        return assemble(text.value, name)
     return result == 0
+
+
+PTXAS = shutil.which("ptxas") or ("/opt/cuda13/bin/ptxas" if os.path.exists("/opt/cuda13/bin/ptxas") else None)
+
+
+def assemble(ptx, name):
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        open(src, "wb").write(ptx)
+        r = subprocess.run([PTXAS, "-arch=sm_90", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"{name}: ptxas FAILED\n{r.stderr}")
+        return False
+    spills = [l for l in r.stderr.splitlines() if "spill" in l and not " 0 bytes spill stores, 0 bytes spill loads" in l]
+    if os.environ.get("PTXAS_VERBOSE"):
+        print(r.stderr)
+    for l in spills:
+        print(f"  {name}: {l.strip()}")
+    return True
 
 
 ok = True
 prelude = open(os.path.join(root, "crates/dflash-core/src/pdl.cuh")).read()
+# files compiled as part of another module (step_cuda.rs: SOURCE), appended to it here too
+APPENDED = {"step_kernels.cu": ["tree_attn_mma.cu"]}
+appended = {f for files in APPENDED.values() for f in files}
 for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu"))):
     src = open(path).read()
     base = os.path.basename(path)
+    if base in appended:
+        continue
+    for extra in APPENDED.get(base, []):
+        src += open(os.path.join(os.path.dirname(path), extra)).read()
+    arch = ["--gpu-architecture=compute_80"] if "mma.sync" in src else []
     if "PDL_ENTRY" in src:  # decode modules: the PDL prelude in front (crate::pdl::with_prelude)
         src = prelude + src
     if "#define DK" in src:  # compiled once per key head dim at run time
@@ -51,7 +87,7 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
     elif "mma.sync" in src:  # tensor-core kernels: compiled for compute_80 at run time
         ok &= compile_source(src, base, ["--gpu-architecture=compute_80"])
     else:
-        ok &= compile_source(src, base)
+        ok &= compile_source(src, base, arch)
     if "PDL_ENTRY" in src:  # and as DFLASH_PDL=1 / early compile them (compute 9.0)
         pdl = ["--gpu-architecture=compute_90", "-DDFLASH_PDL"]
         ok &= compile_source(src, f"{base} (PDL)", pdl)

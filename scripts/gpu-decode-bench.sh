@@ -20,12 +20,14 @@ ROUNDS=${ROUNDS:-30}
 # rebuilt: graphs rebuilt without their allocation/free nodes (DFLASH_GRAPH_REBUILD=1); pdl: rebuilt
 # graphs with programmatic dependent launch, dependents launched at each kernel's exit
 # (DFLASH_PDL=1); pdlearly: the same, launched right after each kernel's wait (DFLASH_PDL=early);
-# unrolledmerge: the attention's split merge with its loads unrolled (DFLASH_ATTN_MERGE=unrolled);
+# (unrolledmerge, DFLASH_ATTN_MERGE=unrolled: removed in session 20 — the split merge is one warp a vector, its loads unrolled, always);
 # tileprefetch: the attention's next K/V tile loaded while one is scored (DFLASH_ATTN_PREFETCH=1);
 # attnnext: both (session 15's attention variants, built and not yet measured); addnorm: residual
 # add + RMSNorm as the prologue of the projection after it (DFLASH_FUSED_ADD_NORM=1, likewise);
 # topkone: the tree build's device top-k with each row in one block (DFLASH_TOPK_SPLIT=0; the split top-k is the default since session 19);
 # gdnoff: hybrids with the Gated DeltaNet layer on candle's composite (DFLASH_GDN_KERNELS=0; A/B of session 16's kernels);
+# scalarattn: bf16 attention on the CUDA-core kernel instead of the tensor-core one (DFLASH_TREE_ATTN=scalar, session 20);
+# rowkeys / poskeys: a tree's keys by step row (DFLASH_TREE_KEYS=row: ancestor masks in place; bf16's default since session 20 unless --bit-exact) / by position (=position: bit-identical to AR steps, bent rows read their keys one by one);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -42,10 +44,11 @@ if [ "${TESTS:-1}" = 1 ]; then
   DFLASH_PDL=early DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   DFLASH_PDL=early DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== decode ops and bit-exact verify on cuda under session 15's opt-in kernels (fused add+norm, attention variants)" | tee -a "$LOG"
-  DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
-  DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_MERGE=unrolled DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== row invariance on cuda (then under DFLASH_STREAM_GEMM=all: verify rows against AR steps)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_TREE_KEYS=position DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   for dt in f32 bf16; do
     echo "== reference fixtures on cuda $dt (fused decode path)" | tee -a "$LOG"
@@ -63,23 +66,25 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       nofew) fused=1 graphs=1 few=0;;
       scalar) fused=1 graphs=1 staging=scalar;;
       rebuilt) fused=1 graphs=1 rebuild=1;;
       pdl) fused=1 graphs=1 pdl=1;;
-      unrolledmerge) fused=1 graphs=1 merge=unrolled;;
       tileprefetch) fused=1 graphs=1 prefetch=1;;
-      attnnext) fused=1 graphs=1 merge=unrolled prefetch=1;;
+      attnnext) fused=1 graphs=1 prefetch=1;;
       addnorm) fused=1 graphs=1 addnorm=1;;
       topkone) fused=1 graphs=1 topk=0;;
       gdnoff) fused=1 graphs=1 gdn=0;;
+      scalarattn) fused=1 graphs=1 attn=scalar;;
+      rowkeys) fused=1 graphs=1 keys=row;;
+      poskeys) fused=1 graphs=1 keys=position;;
       pdlearly) fused=1 graphs=1 pdl=early;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

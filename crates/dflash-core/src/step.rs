@@ -28,12 +28,26 @@ pub const ANCESTOR_WORDS: usize = MAX_STEP_ROWS / 32 + 1 + MAX_STEP_ROWS;
 /// The largest head dimension the step's attention kernel stages in shared memory.
 pub const MAX_STEP_HEAD_DIM: usize = 128;
 
-/// Whether [`tree_attention`] takes a tree's keys by position (the default; bit-identical to
-/// the one-row step at each row's position) or by cache row (`DFLASH_TREE_KEYS=row`, read once:
-/// session 11's order, kept for A/B measurements).
-pub fn keys_by_position() -> bool {
-    static BY_POSITION: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *BY_POSITION.get_or_init(|| std::env::var("DFLASH_TREE_KEYS").as_deref() != Ok("row"))
+/// Whether [`tree_attention`] takes a tree's keys by position (bit-identical to the one-row step
+/// at each row's position: a row whose path is not the step rows 0..depth reads its ancestors'
+/// keys one by one) or by cache row (ancestor masks in place, the same softmax over the same keys
+/// in another order). `DFLASH_TREE_KEYS=position|row` (read once) forces one. Otherwise by
+/// position on the f32 CUDA-core kernel, and on the bf16 tensor-core kernel only when every
+/// projection is row-invariant too (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): without
+/// it a bf16 tree verify is not bit-identical to AR steps anyway (its GEMMs are not), and the
+/// per-row reads cost up to a third of a small model's DDTree-64 verify (SmolLM2 bf16, H100,
+/// session 20: 2.09 against 1.51 ms; Qwen3-8B at context 2048: 13.0 against 12.2 ms).
+pub fn keys_by_position(tensor_cores: bool) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("DFLASH_TREE_KEYS").as_deref() {
+        Ok("row") => Some(false),
+        Ok("position") => Some(true),
+        _ => None,
+    });
+    forced.unwrap_or_else(|| {
+        !tensor_cores
+            || crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All
+    })
 }
 
 /// Whether the device step can run a model with these heads in `dtype` on `device`.

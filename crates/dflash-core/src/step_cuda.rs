@@ -14,7 +14,12 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Storage, Tensor};
 use std::sync::OnceLock;
 
-const SOURCE: &str = include_str!("step_kernels.cu");
+/// The step module: the kernels of `step_kernels.cu`, then the bf16 tensor-core attention of
+/// `tree_attn_mma.cu` (which uses the former's helpers). Compiled for compute 8.0 or later.
+const SOURCE: &str = concat!(
+    include_str!("step_kernels.cu"),
+    include_str!("tree_attn_mma.cu")
+);
 const MODULE: &str = "dflash_step_kernels";
 /// Keys per split of the attention. A row's softmax is merged over splits in order, so its
 /// result depends on the split boundaries: one chunk size for every step of up to 129 rows (an
@@ -46,17 +51,28 @@ fn staging_for(rows: usize) -> &'static str {
 }
 const WARPS: usize = 8;
 const VECTORS_PER_BLOCK: usize = 16;
+/// Warps and query vectors per block of the tensor-core attention (`tree_attn_mma.cu`).
+const MMA_WARPS: usize = 4;
+const MMA_VECTORS_PER_BLOCK: usize = 16 * MMA_WARPS;
+
+/// Whether a bf16 step's attention runs on tensor cores (`tree_attn_mma_bf16`, the default) or on
+/// the f32 CUDA-core kernel (`DFLASH_TREE_ATTN=scalar`, a documented override for A/B runs). Every
+/// bf16 step of a process takes the same kernel, so verified rows and AR steps stay
+/// bit-identical. f32 always takes the CUDA-core kernel (tensor cores would round its operands).
+fn tensor_core_attention(dtype: DType, d: usize) -> bool {
+    static SCALAR: OnceLock<bool> = OnceLock::new();
+    let scalar =
+        *SCALAR.get_or_init(|| std::env::var("DFLASH_TREE_ATTN").as_deref() == Ok("scalar"));
+    dtype == DType::BF16 && d.is_multiple_of(16) && !scalar
+}
 
 fn ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        let mut opts = crate::pdl::nvrtc_options(None);
-        // opt-in attention variants built in session 15 and not yet measured (documented
-        // overrides): the split merge's loads unrolled (`DFLASH_ATTN_MERGE=unrolled`), the next
-        // K/V tile loaded while the current one is scored (`DFLASH_ATTN_PREFETCH=1`)
-        if std::env::var("DFLASH_ATTN_MERGE").as_deref() == Ok("unrolled") {
-            opts.options.push("-DDFLASH_UNROLLED_MERGE".into());
-        }
+        let mut opts = crate::pdl::nvrtc_options(Some("compute_80"));
+        // opt-in attention variant built in session 15 and measured no faster (a documented
+        // override): the next K/V tile loaded while the current one is scored
+        // (`DFLASH_ATTN_PREFETCH=1`)
         if std::env::var("DFLASH_ATTN_PREFETCH").as_deref() == Ok("1") {
             opts.options.push("-DDFLASH_TILE_PREFETCH".into());
         }
@@ -262,8 +278,8 @@ pub(crate) fn tree_attention(
     let (qp, dev) = address(q, "tree_attention q")?;
     let (kbp, _) = address(kbuf, "tree_attention cache")?;
     let (vbp, _) = address(vbuf, "tree_attention cache")?;
-    if kbp % 16 != 0 || vbp % 16 != 0 {
-        // the kernel moves the cache in 16-byte units
+    if kbp % 16 != 0 || vbp % 16 != 0 || qp % 4 != 0 {
+        // the kernels move the cache in 16-byte units (and the tensor-core one q in 4-byte)
         return Err(CoreError::InvalidInput(
             "tree_attention: cache buffers not 16-byte aligned".into(),
         ));
@@ -271,11 +287,17 @@ pub(crate) fn tree_attention(
     let (mp, _) = address(meta, "tree_attention meta")?;
     let (ap, _) = address(ancestors, "tree_attention ancestors")?;
     let stride = ancestors.dim(1)? as i32;
-    let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
-        && crate::step::keys_by_position()) as i32;
     let chunk = chunk_for(n);
     let splits = cap.div_ceil(chunk);
-    let groups = (n * h / kv).div_ceil(VECTORS_PER_BLOCK);
+    let mma = tensor_core_attention(dtype, d);
+    let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
+        && crate::step::keys_by_position(mma)) as i32;
+    let (per_block, warps) = if mma {
+        (MMA_VECTORS_PER_BLOCK, MMA_WARPS)
+    } else {
+        (VECTORS_PER_BLOCK, WARPS)
+    };
+    let groups = (n * h / kv).div_ceil(per_block);
     // SAFETY: every (vector, split) record is written by exactly one block.
     let part = unsafe { Tensor::empty((h * n, splits, d + 2), DType::F32, q.device())? };
     let (pp, _) = address(&part, "tree_attention partials")?;
@@ -290,10 +312,15 @@ pub(crate) fn tree_attention(
     );
     let cfg = LaunchConfig {
         grid_dim: ((kv * groups) as u32, splits as u32, 1),
-        block_dim: ((WARPS * 32) as u32, 1, 1),
+        block_dim: ((warps * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let sfx = suffix(dtype)?;
+    let kernel = if mma {
+        "tree_attn_mma_bf16".to_string()
+    } else {
+        format!("tree_attn_partial_{}{sfx}", staging_for(n))
+    };
     // SAFETY: every output element is written, by the fused merge or by the combine kernel.
     let out = unsafe { Tensor::empty((1, n, h * d), dtype, q.device())? };
     let (op, _) = address(&out, "tree_attention output")?;
@@ -307,33 +334,14 @@ pub(crate) fn tree_attention(
     };
     let cp = counters.unwrap_or(0);
     launch!(
-        dev,
-        &format!("tree_attn_partial_{}{sfx}", staging_for(n)),
-        cfg,
-        &qp,
-        &kbp,
-        &vbp,
-        &mp,
-        &ap,
-        &stride,
-        &logical,
-        &ni,
-        &hi,
-        &kvi,
-        &capi,
-        &di,
-        &chi,
-        &gi,
-        &scale,
-        &pp,
-        &cp,
-        &op
+        dev, &kernel, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &logical, &ni, &hi, &kvi, &capi,
+        &di, &chi, &gi, &scale, &pp, &cp, &op
     );
     if counters.is_none() {
         let si = splits as i32;
         let cfg = LaunchConfig {
-            grid_dim: ((h * n) as u32, 1, 1),
-            block_dim: (d as u32, 1, 1),
+            grid_dim: ((h * n).div_ceil(4) as u32, 1, 1),
+            block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         launch!(

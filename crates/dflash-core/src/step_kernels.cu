@@ -130,45 +130,47 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// grid (KV · groups, splits), block WARPS · 32 threads; part [H·n, splits, d + 2] f32.
-// Channel c of vector vec = h·n + r from its split records, merged in split order (the only
-// place the splits meet: one arithmetic for the fused and the two-kernel paths).
+// part [H·n, splits, d + 2] f32: per (vector, split) the running max, the sum of exponentials and
+// the unnormalised output. merge_vector: vector vec = h·n + r from its split records, merged by one
+// warp (lane c + 32·i holds channel c + 32·i) in split order — the only place the splits meet, one
+// arithmetic for the fused merges and the combine kernel: M = max of the maxima; per split with a
+// visible key w = expf(m_s − M), sum = fma(w, l_s, sum), a = fma(w, o_s, a), in split order;
+// out = a / sum. The records' loads are issued 8 splits ahead of the sums (the loop is unrolled);
+// a split's max, weight and sum are read once per warp and shared by shuffles.
 template <typename T>
-__device__ __forceinline__ void combine_channel(const float* part, int vec, int c, int n, int H,
-                                                int d, int splits, T* out) {
+__device__ void merge_vector(const float* part, int vec, int n, int H, int d, int splits, T* out) {
+  const int lane = threadIdx.x & 31, dpl = d >> 5;
   const int h = vec / n, r = vec % n;
-  const float* p = part + (long long)vec * splits * (d + 2);
-#if !defined(DFLASH_UNROLLED_MERGE)  // the default; DFLASH_ATTN_MERGE=unrolled (opt-in, unmeasured)
+  const long long rs = d + 2;
+  const float* p = part + (long long)vec * splits * rs;
   float mx = NEG_INF;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(p + (long long)s * (d + 2)));
-  float sum = 0.0f, a = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float* ps = p + (long long)s * (d + 2);
-    const float ms = __ldcg(ps);
-    if (ms == NEG_INF) continue;
-    const float w = expf(ms - mx);
-    sum += w * __ldcg(ps + 1);
-    a += w * __ldcg(ps + 2 + c);
+  for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(p + s * rs));
+  mx = warp_max(mx);
+  float sum = 0.0f, a[MAX_D / 32];
+#pragma unroll
+  for (int t = 0; t < MAX_D / 32; ++t) a[t] = 0.0f;
+  for (int s0 = 0; s0 < splits; s0 += 32) {
+    const int s = s0 + lane;
+    const float ms = s < splits ? __ldcg(p + s * rs) : NEG_INF;
+    const float ls = s < splits ? __ldcg(p + s * rs + 1) : 0.0f;
+    const float w = ms == NEG_INF ? 0.0f : expf(ms - mx);
+    const int cnt = min(32, splits - s0);
+#pragma unroll 8
+    for (int j = 0; j < cnt; ++j) {
+      const float mj = __shfl_sync(0xffffffffu, ms, j);
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      const float lj = __shfl_sync(0xffffffffu, ls, j);
+      if (mj == NEG_INF) continue;  // the split saw no visible key (warp-uniform)
+      sum = fmaf(wj, lj, sum);
+      const float* ps = p + (long long)(s0 + j) * rs + 2 + lane;
+#pragma unroll
+      for (int t = 0; t < MAX_D / 32; ++t)
+        if (t < dpl) a[t] = fmaf(wj, __ldcg(ps + 32 * t), a[t]);
+    }
   }
-#else
-  // unrolled with every load unconditional, so that a thread's loads are in flight together (the
-  // loop above is a chain of dependent L2 round trips: 10 of them at 10 splits). Same arithmetic
-  // in the same split order: an empty split's record is exactly (−inf, 0, 0…), which the weight 0
-  // below adds as +0 to sums that start at +0. Built in session 15, not yet measured.
-  float mx = NEG_INF;
-#pragma unroll 16
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(p + (long long)s * (d + 2)));
-  float sum = 0.0f, a = 0.0f;
-#pragma unroll 16
-  for (int s = 0; s < splits; ++s) {
-    const float* ps = p + (long long)s * (d + 2);
-    const float ms = __ldcg(ps), ls = __ldcg(ps + 1), as = __ldcg(ps + 2 + c);
-    const float w = (ms == NEG_INF) ? 0.0f : expf(ms - mx);
-    sum += w * ls;
-    a += w * as;
-  }
-#endif
-  stv(out, ((long long)r * H + h) * d + c, sum > 0.0f ? a / sum : 0.0f);
+#pragma unroll
+  for (int t = 0; t < MAX_D / 32; ++t)
+    if (t < dpl) stv(out, ((long long)r * H + h) * d + lane + 32 * t, sum > 0.0f ? a[t] / sum : 0.0f);
 }
 
 // The 16-byte units of keys and values of cache rows t0 .. t0 + nt of kv head g that thread tid
@@ -381,10 +383,8 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int e = tid; e < VPB * d; e += blockDim.x) {
-    const int i = e / d, c = e - (e / d) * d;
-    if (v0 + i < nvec) combine_channel(part, (int)(qbase + v0 + i), c, n, H, d, splits, out);
-  }
+  for (int i = warp; i < VPB; i += WARPS)
+    if (v0 + i < nvec) merge_vector(part, (int)(qbase + v0 + i), n, H, d, splits, out);
   if (tid == 0) counters[blockIdx.x] = 0u;
 }
 
@@ -405,10 +405,11 @@ TREE_ATTN_PARTIAL(tree_attn_partial_bf16, bf16_t, true)
 TREE_ATTN_PARTIAL(tree_attn_partial_wide_f32, float, false)
 TREE_ATTN_PARTIAL(tree_attn_partial_wide_bf16, bf16_t, false)
 
-// grid (H · n), block d threads (d ≤ MAX_D): out [n, H, d].
+// grid (⌈H·n / 4⌉), block 4 warps, a warp per vector: out [n, H, d].
 template <typename T>
 __device__ void tree_attn_combine(const float* part, int n, int H, int d, int splits, T* out) {
-  if ((int)threadIdx.x < d) combine_channel(part, blockIdx.x, threadIdx.x, n, H, d, splits, out);
+  const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (vec < H * n) merge_vector(part, vec, n, H, d, splits, out);
 }
 
 extern "C" __global__ void tree_attn_combine_f32(const float* part, int n, int H, int d,

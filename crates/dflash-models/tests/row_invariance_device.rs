@@ -46,6 +46,23 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
             (0..17).map(|i: i64| i - 1).collect(),
         ),
         (
+            // Qwen3-8B's heads, a 65-node tree of deep bent paths (depths to ~50) whose step
+            // positions straddle 64-key tiles and splits (past 2040): rows with bent paths read their keys
+            // row by row on the tensor-core kernel
+            DType::BF16,
+            128,
+            32,
+            8,
+            2040,
+            (0..65)
+                .map(|i: i64| match i {
+                    0 => -1,
+                    i if i % 4 == 0 => i / 2,
+                    i => i - 1,
+                })
+                .collect(),
+        ),
+        (
             DType::F32,
             64,
             4,
@@ -83,13 +100,25 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
             scale,
         )
         .unwrap();
-        for r in [0, 1, n / 2, n - 1] {
+        // every row of the bf16 trees (bent and straight paths alike), four of the others; a
+        // bent row (path not the step rows 0..depth) only where keys are taken by position (bf16
+        // by default only under DFLASH_STREAM_GEMM=all; DFLASH_TREE_KEYS=position forces it)
+        let by_position = dflash_core::step::keys_by_position(dtype == DType::BF16);
+        let rows: Vec<usize> = if dtype == DType::BF16 {
+            (0..n).collect()
+        } else {
+            vec![0, 1, n / 2, n - 1]
+        };
+        for r in rows {
             let mut path = vec![r];
             while parents[*path.last().unwrap()] >= 0 {
                 path.push(parents[*path.last().unwrap()] as usize);
             }
             path.reverse();
             let depth = path.len() - 1;
+            if !by_position && depth != r {
+                continue;
+            }
             // the AR step's cache: the committed rows, then the ancestors at their positions
             let idx = Tensor::from_vec(
                 path.iter().map(|&p| p as u32).collect::<Vec<_>>(),

@@ -1,0 +1,338 @@
+// The bf16 tree attention on tensor cores (mma.sync m16n8k16, f32 accumulation): the same
+// contract and output records as tree_attn_partial (step_kernels.cu, which this file is appended
+// to at compile time), for bf16 caches.
+//
+// - Layout: a block takes one kv head g, one split s (keys s·chunk ..) and MK_VPB query vectors,
+//   16 per warp (the mma's A rows). Vectors are ordered tree row first, head second (vector w is
+//   tree row w / rep, head g·rep + w % rep), so the rep heads of one tree row share a warp and
+//   its key path. Keys move through shared memory in tiles of MK_TK rows (zero past the split).
+// - Arithmetic per vector: scores S = (q·k)·scale from bf16 q and k with f32 accumulation, in 16-
+//   channel mma steps in channel order; masked scores −inf; an online softmax per tile (max, then
+//   p = exp(s − m) rounded to bf16, the sum of the rounded p); output += p·v as mmas over 16-key
+//   chunks in key order, f32 accumulators. What a vector's numbers depend on: its q, the keys it
+//   sees at their positions, the chunk size — never on the other vectors sharing its mma (a
+//   tensor-core dot product is a function of its own row and column) nor on the step's row count.
+// - Keys by position (`logical`): a tree row sees its ancestors at positions past + depth. A row
+//   whose path is not the step rows 0..depth (any row r ≠ depth) reads those keys and values
+//   row by row from the cache (per tree row, one mma for the whole warp whose other rows are
+//   discarded) in the tiles that hold step positions; everything else is shared. A causal block
+//   and an AR token never take that path. With keys by step row (`logical` 0) the ancestor bits
+//   mask the step rows in place.
+
+#define MK_TK 64                // keys per shared tile
+#define MK_WARPS 4              // warps per block
+#define MK_VPB (MK_WARPS * 16)  // query vectors per block
+#define MK_STR (MAX_D + 8)      // shared row stride in bf16: 68 words, conflict-free fragments
+#define MK_FULL 0xffffffffu
+
+__device__ __forceinline__ void mk_mma(float* c, const unsigned int* a, unsigned int b0,
+                                       unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// round to nearest even (finite values), as stv
+__device__ __forceinline__ unsigned int mk_bf16(float v) {
+  unsigned int u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+__device__ __forceinline__ unsigned int mk_ld32(const bf16_t* p) {
+  return __ldcg((const unsigned int*)p);
+}
+// the per-row key and value reads go through L1 (the step's rows are read by every bent row of
+// every warp of a kv head; the cache rows were written by an earlier kernel, so L1 holds nothing
+// stale)
+__device__ __forceinline__ unsigned int mk_ldg32(const bf16_t* p) {
+  return __ldg((const unsigned int*)p);
+}
+
+// The cache row holding key `j` for tree row `r` whose ancestor record is `ar` (depth, then the
+// path), or −1 (a key past the row's depth or past the split: a zero operand).
+__device__ __forceinline__ int mk_row_of(const unsigned int* ar, int j, int past, int lim) {
+  if (j >= lim) return -1;
+  if (j < past) return j;
+  const int i = j - past;
+  return i <= (int)__ldg(ar + ANC_BITS) ? past + (int)__ldg(ar + ANC_BITS + 1 + i) : -1;
+}
+
+__device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
+                              const unsigned int* meta, const unsigned int* ancestors, int stride,
+                              int logical, int n, int H, int KV, int cap, int d, int chunk,
+                              int groups, float scale, float* part, unsigned int* counters,
+                              bf16_t* out) {
+  __shared__ __align__(16) bf16_t ks[MK_TK * MK_STR];
+  __shared__ __align__(16) bf16_t vs[MK_TK * MK_STR];
+  const int rep = H / KV;
+  const int g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
+  const int splits = gridDim.y;
+  const int nvec = rep * n;
+  const int past = (int)meta[0];
+  const int total = past + n;
+  const int k0 = s * chunk, k1 = min(total, k0 + chunk);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int wbase = grp * MK_VPB + warp * 16;
+  const bool wactive = wbase < nvec;
+  const int ksteps = d >> 4, dtiles = d >> 3;
+  const bool has_depth = stride > ANC_BITS;
+  // this lane's two vectors: A rows gq (half 0) and gq + 8 (half 1)
+  bool ok[2];
+  int rr[2], head[2], dep[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int w = wbase + gq + 8 * e;
+    ok[e] = w < nvec;
+    rr[e] = ok[e] ? w / rep : 0;
+    head[e] = g * rep + (ok[e] ? w % rep : 0);
+    dep[e] = (ok[e] && has_depth) ? (int)ancestors[(long long)rr[e] * stride + ANC_BITS] : 0;
+  }
+  unsigned int qa[MAX_D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < MAX_D / 16; ++kk) {
+    const int c = 16 * kk + 2 * tq;
+    const bool in = kk < ksteps;
+    const bf16_t* q0 = q + ((long long)head[0] * n + rr[0]) * d + c;
+    const bf16_t* q1 = q + ((long long)head[1] * n + rr[1]) * d + c;
+    qa[kk][0] = (in && ok[0]) ? mk_ld32(q0) : 0u;
+    qa[kk][1] = (in && ok[1]) ? mk_ld32(q1) : 0u;
+    qa[kk][2] = (in && ok[0]) ? mk_ld32(q0 + 8) : 0u;
+    qa[kk][3] = (in && ok[1]) ? mk_ld32(q1 + 8) : 0u;
+  }
+  // a row reads its step keys row by row when its path is not the step rows 0..depth (a path
+  // of increasing rows ending at row r = depth is exactly 0..depth)
+  const bool bent = logical && ((ok[0] && rr[0] != dep[0]) || (ok[1] && rr[1] != dep[1]));
+  const bool gather = __any_sync(MK_FULL, bent);
+  int maxdep = max(ok[0] ? dep[0] : 0, ok[1] ? dep[1] : 0);
+  for (int o = 16; o > 0; o >>= 1) maxdep = max(maxdep, __shfl_xor_sync(MK_FULL, maxdep, o));
+  const int rfirst = min(wbase, nvec - 1) / rep, rlast = min(wbase + 15, nvec - 1) / rep;
+
+  float acc[MAX_D / 8][4];
+#pragma unroll
+  for (int t = 0; t < MAX_D / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+  float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+
+  for (int t0 = k0; t0 < k1; t0 += MK_TK) {
+    const int nt = min(MK_TK, k1 - t0);
+    __syncthreads();
+    {  // stage the tile: 16-byte units, zero past the split
+      const int upr = d >> 3, units = MK_TK * upr;
+      for (int u0 = tid; u0 < units; u0 += 4 * MK_WARPS * 32) {
+        uint4 kx[4], vx[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int u = u0 + i * MK_WARPS * 32, j = u / upr, c = (u - j * upr) * 8;
+          kx[i] = vx[i] = make_uint4(0u, 0u, 0u, 0u);
+          if (u < units && j < nt) {
+            const long long off = ((long long)g * cap + t0 + j) * d + c;
+            kx[i] = __ldcg((const uint4*)(kb + off));
+            vx[i] = __ldcg((const uint4*)(vb + off));
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int u = u0 + i * MK_WARPS * 32, j = u / upr, c = (u - j * upr) * 8;
+          if (u < units) {
+            *(uint4*)(ks + j * MK_STR + c) = kx[i];
+            *(uint4*)(vs + j * MK_STR + c) = vx[i];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (!wactive) continue;
+    // tile-relative step keys a bent row reads row by row
+    const int glo = past - t0, ghi = past + maxdep - t0;
+    const bool gtile = gather && ghi >= 0 && glo < nt;
+    float sc[MK_TK / 8][4];
+#pragma unroll
+    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+      sc[j8][0] = sc[j8][1] = sc[j8][2] = sc[j8][3] = 0.0f;
+      if (j8 * 8 >= nt) continue;
+      if (gtile && j8 * 8 + 7 >= glo && j8 * 8 <= ghi) {
+        // per tree row of the warp: its own key for column gq, one mma, its rows kept
+        for (int r = rfirst; r <= rlast; ++r) {
+          const unsigned int* ar = ancestors + (long long)r * stride;
+          const int row = mk_row_of(ar, t0 + j8 * 8 + gq, past, t0 + nt);
+          const bf16_t* kr = kb + ((long long)g * cap + max(row, 0)) * d + 2 * tq;
+          float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int kk = 0; kk < MAX_D / 16; ++kk) {
+            if (kk >= ksteps) continue;
+            const unsigned int b0 = row >= 0 ? mk_ldg32(kr + 16 * kk) : 0u;
+            const unsigned int b1 = row >= 0 ? mk_ldg32(kr + 16 * kk + 8) : 0u;
+            mk_mma(tmp, qa[kk], b0, b1);
+          }
+          if (ok[0] && rr[0] == r) {
+            sc[j8][0] = tmp[0];
+            sc[j8][1] = tmp[1];
+          }
+          if (ok[1] && rr[1] == r) {
+            sc[j8][2] = tmp[2];
+            sc[j8][3] = tmp[3];
+          }
+        }
+      } else {
+        const bf16_t* kr = ks + (j8 * 8 + gq) * MK_STR + 2 * tq;
+#pragma unroll
+        for (int kk = 0; kk < MAX_D / 16; ++kk) {
+          if (kk >= ksteps) continue;
+          const unsigned int b0 = *(const unsigned int*)(kr + 16 * kk);
+          const unsigned int b1 = *(const unsigned int*)(kr + 16 * kk + 8);
+          mk_mma(sc[j8], qa[kk], b0, b1);
+        }
+      }
+    }
+    // masks, the tile's max per vector
+    float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1), j = t0 + jr;
+        bool vis = ok[hf] && jr < nt;
+        if (vis && j >= past) {
+          const int i = j - past;
+          vis = logical ? i <= dep[hf]
+                        : ((ancestors[(long long)rr[hf] * stride + (i >> 5)] >> (i & 31)) & 1u) != 0u;
+        }
+        const float x = vis ? sc[j8][e] * scale : NEG_INF;
+        sc[j8][e] = x;
+        tmax[hf] = fmaxf(tmax[hf], x);
+      }
+    }
+    float alpha[2], mnew[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 1));
+      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 2));
+      if (tmax[hf] == NEG_INF) {  // nothing visible in this tile: the row is unchanged
+        alpha[hf] = 1.0f;
+        mnew[hf] = mrow[hf];
+      } else {
+        mnew[hf] = fmaxf(mrow[hf], tmax[hf]);
+        alpha[hf] = mrow[hf] == NEG_INF ? 0.0f : __expf(mrow[hf] - mnew[hf]);
+      }
+    }
+    // p rounded to bf16, packed as the A operand of the p·v mmas; the sum of the rounded p
+    unsigned int pk[MK_TK / 8][2];
+    float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+      unsigned int bits[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1;
+        bits[e] = sc[j8][e] == NEG_INF ? 0u : mk_bf16(__expf(sc[j8][e] - mnew[hf]));
+        psum[hf] += __uint_as_float(bits[e] << 16);
+      }
+      pk[j8][0] = bits[0] | (bits[1] << 16);
+      pk[j8][1] = bits[2] | (bits[3] << 16);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 1);
+      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 2);
+      lrow[hf] = lrow[hf] * alpha[hf] + psum[hf];
+      mrow[hf] = mnew[hf];
+    }
+#pragma unroll
+    for (int t = 0; t < MAX_D / 8; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[0];
+      acc[t][2] *= alpha[1];
+      acc[t][3] *= alpha[1];
+    }
+    // output += p·v, 16 keys a chunk in key order
+#pragma unroll
+    for (int kc = 0; kc < MK_TK / 16; ++kc) {
+      if (kc * 16 >= nt) continue;
+      const unsigned int pa[4] = {pk[2 * kc][0], pk[2 * kc][1], pk[2 * kc + 1][0],
+                                  pk[2 * kc + 1][1]};
+      if (gtile && kc * 16 + 15 >= glo && kc * 16 <= ghi) {
+        for (int r = rfirst; r <= rlast; ++r) {
+          const unsigned int* ar = ancestors + (long long)r * stride;
+          const int jb = t0 + kc * 16 + 2 * tq;
+          const int rw[4] = {mk_row_of(ar, jb, past, t0 + nt), mk_row_of(ar, jb + 1, past, t0 + nt),
+                             mk_row_of(ar, jb + 8, past, t0 + nt),
+                             mk_row_of(ar, jb + 9, past, t0 + nt)};
+          const bool mine0 = ok[0] && rr[0] == r, mine1 = ok[1] && rr[1] == r;
+#pragma unroll
+          for (int t = 0; t < MAX_D / 8; ++t) {
+            if (t >= dtiles) continue;
+            unsigned int h[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              h[i] = rw[i] >= 0 ? (unsigned int)__ldg(vb + ((long long)g * cap + rw[i]) * d +
+                                                      8 * t + gq)
+                                : 0u;
+            float tmp[4] = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
+            mk_mma(tmp, pa, h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+            if (mine0) {
+              acc[t][0] = tmp[0];
+              acc[t][1] = tmp[1];
+            }
+            if (mine1) {
+              acc[t][2] = tmp[2];
+              acc[t][3] = tmp[3];
+            }
+          }
+        }
+      } else {
+        const bf16_t* vr = vs + (kc * 16 + 2 * tq) * MK_STR + gq;
+#pragma unroll
+        for (int t = 0; t < MAX_D / 8; ++t) {
+          if (t >= dtiles) continue;
+          const unsigned int b0 =
+              (unsigned int)vr[8 * t] | ((unsigned int)vr[MK_STR + 8 * t] << 16);
+          const unsigned int b1 =
+              (unsigned int)vr[8 * MK_STR + 8 * t] | ((unsigned int)vr[9 * MK_STR + 8 * t] << 16);
+          mk_mma(acc[t], pa, b0, b1);
+        }
+      }
+    }
+  }
+  if (wactive) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      if (!ok[hf]) continue;
+      const long long vec = (long long)head[hf] * n + rr[hf];
+      float* rec = part + (vec * splits + s) * (long long)(d + 2);
+      if (tq == 0) {
+        rec[0] = mrow[hf];
+        rec[1] = lrow[hf];
+      }
+#pragma unroll
+      for (int t = 0; t < MAX_D / 8; ++t) {
+        if (t >= dtiles) continue;
+        rec[2 + 8 * t + 2 * tq] = acc[t][2 * hf];
+        rec[3 + 8 * t + 2 * tq] = acc[t][2 * hf + 1];
+      }
+    }
+  }
+  if (counters == nullptr) return;
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned int)(splits - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int w = grp * MK_VPB + warp; w < min(nvec, (grp + 1) * MK_VPB); w += MK_WARPS)
+    merge_vector(part, (g * rep + w % rep) * n + w / rep, n, H, d, splits, out);
+  if (tid == 0) counters[blockIdx.x] = 0u;
+}
+
+extern "C" __global__ void tree_attn_mma_bf16(const bf16_t* q, const bf16_t* kb,
+                                              const bf16_t* vb, const unsigned int* meta,
+                                              const unsigned int* anc, int stride, int logical,
+                                              int n, int H, int KV, int cap, int d, int chunk,
+                                              int groups, float scale, float* part,
+                                              unsigned int* counters, bf16_t* out) {
+  PDL_ENTRY();
+  tree_attn_mma(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
+                part, counters, out);
+}
