@@ -14,8 +14,9 @@
 //   tensor-core dot product is a function of its own row and column) nor on the step's row count.
 // - Keys by position (`logical`): a tree row sees its ancestors at positions past + depth. A row
 //   whose path is not the step rows 0..depth (any row r ≠ depth) reads those keys and values
-//   row by row from the cache (per tree row, one mma for the whole warp whose other rows are
-//   discarded) in the tiles that hold step positions; everything else is shared. A causal block
+//   row by row (per tree row, one mma for the whole warp whose other rows are discarded) in the
+//   tiles that hold step positions — from the staged tile where the ancestor's row is in it (a
+//   step aligned to a tile: all of them), else from the cache; everything else is shared. A causal block
 //   and an AR token never take that path. With keys by step row (`logical` 0) the ancestor bits
 //   mask the step rows in place.
 
@@ -157,13 +158,22 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
         for (int r = rfirst; r <= rlast; ++r) {
           const unsigned int* ar = ancestors + (long long)r * stride;
           const int row = mk_row_of(ar, t0 + j8 * 8 + gq, past, t0 + nt);
-          const bf16_t* kr = kb + ((long long)g * cap + max(row, 0)) * d + 2 * tq;
+          // the row from the staged tile when it is there (a step row of this tile), else L1/L2
+          const bool staged = row >= t0 && row < t0 + nt;
+          const bf16_t* kr = staged ? ks + (row - t0) * MK_STR + 2 * tq
+                                    : kb + ((long long)g * cap + max(row, 0)) * d + 2 * tq;
           float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int kk = 0; kk < MAX_D / 16; ++kk) {
             if (kk >= ksteps) continue;
-            const unsigned int b0 = row >= 0 ? mk_ldg32(kr + 16 * kk) : 0u;
-            const unsigned int b1 = row >= 0 ? mk_ldg32(kr + 16 * kk + 8) : 0u;
+            unsigned int b0 = 0u, b1 = 0u;
+            if (staged) {
+              b0 = *(const unsigned int*)(kr + 16 * kk);
+              b1 = *(const unsigned int*)(kr + 16 * kk + 8);
+            } else if (row >= 0) {
+              b0 = mk_ldg32(kr + 16 * kk);
+              b1 = mk_ldg32(kr + 16 * kk + 8);
+            }
             mk_mma(tmp, qa[kk], b0, b1);
           }
           if (ok[0] && rr[0] == r) {
@@ -255,20 +265,22 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
       if (gtile && kc * 16 + 15 >= glo && kc * 16 <= ghi) {
         for (int r = rfirst; r <= rlast; ++r) {
           const unsigned int* ar = ancestors + (long long)r * stride;
-          const int jb = t0 + kc * 16 + 2 * tq;
-          const int rw[4] = {mk_row_of(ar, jb, past, t0 + nt), mk_row_of(ar, jb + 1, past, t0 + nt),
-                             mk_row_of(ar, jb + 8, past, t0 + nt),
-                             mk_row_of(ar, jb + 9, past, t0 + nt)};
+          const int jb = t0 + kc * 16 + 2 * tq, lim = t0 + nt;
+          const int rw[4] = {mk_row_of(ar, jb, past, lim), mk_row_of(ar, jb + 1, past, lim),
+                             mk_row_of(ar, jb + 8, past, lim), mk_row_of(ar, jb + 9, past, lim)};
           const bool mine0 = ok[0] && rr[0] == r, mine1 = ok[1] && rr[1] == r;
 #pragma unroll
           for (int t = 0; t < MAX_D / 8; ++t) {
             if (t >= dtiles) continue;
             unsigned int h[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-              h[i] = rw[i] >= 0 ? (unsigned int)__ldg(vb + ((long long)g * cap + rw[i]) * d +
-                                                      8 * t + gq)
-                                : 0u;
+            for (int i = 0; i < 4; ++i) {
+              const int c = 8 * t + gq;
+              h[i] = (rw[i] >= t0 && rw[i] < t0 + nt)
+                         ? (unsigned int)vs[(rw[i] - t0) * MK_STR + c]
+                         : rw[i] >= 0 ? (unsigned int)__ldg(vb + ((long long)g * cap + rw[i]) * d + c)
+                                      : 0u;
+            }
             float tmp[4] = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
             mk_mma(tmp, pa, h[0] | (h[1] << 16), h[2] | (h[3] << 16));
             if (mine0) {
