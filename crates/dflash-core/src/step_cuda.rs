@@ -71,11 +71,8 @@ fn tensor_core_attention(dtype: DType, d: usize) -> bool {
         Ok("mma") => Some(true),
         _ => None,
     });
-    let bit_exact =
-        crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
-    dtype == DType::BF16
-        && d.is_multiple_of(16)
-        && forced.unwrap_or(!bit_exact || d >= 128)
+    let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
+    dtype == DType::BF16 && d.is_multiple_of(16) && forced.unwrap_or(!bit_exact || d >= 128)
 }
 
 fn ptx() -> candle_core::Result<&'static str> {
