@@ -10,9 +10,11 @@
 //!   buffers and never touches other rows; the host's cache length is advanced by the caller.
 //! - [`tree_attention`] gives query row `r` every committed key and the step rows that are `r`
 //!   or its ancestors (a causal block is the chain), softmax in f32; a row's result depends on
-//!   its own keys only, not on how many rows the step has; with paths, keys are reduced in
-//!   position order (the ancestor at depth t counts as key `past + t`), so a tree row's result is
-//!   bit-identical to a one-row step at its position over the same keys.
+//!   its own keys only, not on how many rows the step has; with keys by position
+//!   ([`keys_by_position`]), keys are reduced in position order (the ancestor at depth t counts as
+//!   key `past + t`), so a tree row's result is bit-identical to a one-row step at its position over
+//!   the same keys. One kernel serves every step of a dtype in a process
+//!   ([`tensor_core_attention`]: bf16 on tensor cores, f32 on CUDA cores).
 //! - CUDA only (f32, bf16; head_dim a multiple of 32 up to 128); [`device_step_supported`] says
 //!   when, and callers take the host path otherwise.
 
@@ -48,6 +50,26 @@ pub fn keys_by_position(tensor_cores: bool) -> bool {
         !tensor_cores
             || crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All
     })
+}
+
+/// Whether a bf16 step's attention runs on tensor cores (`tree_attn_mma_bf16`) or on the f32
+/// CUDA-core kernel. Every bf16 step of a process takes the same kernel, so verified rows and AR
+/// steps stay bit-identical. f32 always takes the CUDA-core kernel (tensor cores would round its
+/// operands). bf16 takes tensor cores, except under `--bit-exact` (`DFLASH_STREAM_GEMM=all`) with
+/// heads narrower than 128: there every tree row reads its ancestors' keys one by one (keys by
+/// position), which costs more than the tensor cores save on small heads (H100, session 20,
+/// SmolLM2's 64-wide heads: DDTree-64 verify 1.89 ms against 1.60 on CUDA cores; Qwen3-8B's
+/// 128-wide heads at context 2048: 12.1 against 17.6). `DFLASH_TREE_ATTN=scalar|mma` (a
+/// documented override) forces one.
+pub fn tensor_core_attention(dtype: DType, d: usize) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("DFLASH_TREE_ATTN").as_deref() {
+        Ok("scalar") => Some(false),
+        Ok("mma") => Some(true),
+        _ => None,
+    });
+    let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
+    dtype == DType::BF16 && d.is_multiple_of(16) && forced.unwrap_or(!bit_exact || d >= 128)
 }
 
 /// Whether the device step can run a model with these heads in `dtype` on `device`.

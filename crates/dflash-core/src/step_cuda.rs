@@ -55,26 +55,6 @@ const VECTORS_PER_BLOCK: usize = 16;
 const MMA_WARPS: usize = 4;
 const MMA_VECTORS_PER_BLOCK: usize = 16 * MMA_WARPS;
 
-/// Whether a bf16 step's attention runs on tensor cores (`tree_attn_mma_bf16`) or on the f32
-/// CUDA-core kernel. Every bf16 step of a process takes the same kernel, so verified rows and AR
-/// steps stay bit-identical. f32 always takes the CUDA-core kernel (tensor cores would round its
-/// operands). bf16 takes tensor cores, except under `--bit-exact` (`DFLASH_STREAM_GEMM=all`) with
-/// heads narrower than 128: there every tree row reads its ancestors' keys one by one (keys by
-/// position), which costs more than the tensor cores save on small heads (H100, session 20,
-/// SmolLM2's 64-wide heads: DDTree-64 verify 1.89 ms against 1.60 on CUDA cores; Qwen3-8B's
-/// 128-wide heads at context 2048: 12.1 against 17.6). `DFLASH_TREE_ATTN=scalar|mma` (a
-/// documented override) forces one.
-fn tensor_core_attention(dtype: DType, d: usize) -> bool {
-    static FORCED: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("DFLASH_TREE_ATTN").as_deref() {
-        Ok("scalar") => Some(false),
-        Ok("mma") => Some(true),
-        _ => None,
-    });
-    let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
-    dtype == DType::BF16 && d.is_multiple_of(16) && forced.unwrap_or(!bit_exact || d >= 128)
-}
-
 fn ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
@@ -290,7 +270,7 @@ pub(crate) fn tree_attention(
     if kbp % 16 != 0 || vbp % 16 != 0 || qp % 4 != 0 {
         // the kernels move the cache in 16-byte units (and the tensor-core one q in 4-byte)
         return Err(CoreError::InvalidInput(
-            "tree_attention: cache buffers not 16-byte aligned".into(),
+            "tree_attention: cache buffers not 16-byte aligned or q not 4-byte aligned".into(),
         ));
     }
     let (mp, _) = address(meta, "tree_attention meta")?;
@@ -298,7 +278,7 @@ pub(crate) fn tree_attention(
     let stride = ancestors.dim(1)? as i32;
     let chunk = chunk_for(n);
     let splits = cap.div_ceil(chunk);
-    let mma = tensor_core_attention(dtype, d);
+    let mma = crate::step::tensor_core_attention(dtype, d);
     let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
         && crate::step::keys_by_position(mma)) as i32;
     let (per_block, warps) = if mma {

@@ -103,7 +103,8 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
         // every row of the bf16 trees (bent and straight paths alike), four of the others; a
         // bent row (path not the step rows 0..depth) only where keys are taken by position (bf16
         // by default only under DFLASH_STREAM_GEMM=all; DFLASH_TREE_KEYS=position forces it)
-        let by_position = dflash_core::step::keys_by_position(dtype == DType::BF16);
+        use dflash_core::step::{keys_by_position, tensor_core_attention};
+        let by_position = keys_by_position(tensor_core_attention(dtype, d));
         let rows: Vec<usize> = if dtype == DType::BF16 {
             (0..n).collect()
         } else {
