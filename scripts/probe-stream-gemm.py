@@ -8,7 +8,7 @@ step; COLD=0: the same weight each time, partly from L2), beside
 the bandwidth floor (weight bytes / device-to-device copy bandwidth measured here), then the
 kernel's pipeline depth (SG_STAGES) against warps per block. Prints a table and writes
 JSON to $OUT/stream-gemm-probe.json. WIDE=1 instead probes the lab's wide and tiled kernels
-(scripts/lab/stream_gemm_{wide,tiled}.cu: bit-identity with the shipped kernel, time at 17–257 rows;
+(scripts/lab/stream_gemm_wide.cu, crates/dflash-core/src/stream_gemm_tiled.cu: bit-identity with the shipped kernel, time at 17–257 rows;
 WIDE_SHAPES and WIDE_M narrow it).
 Usage: python3 scripts/probe-stream-gemm.py"""
 import json
@@ -19,7 +19,8 @@ import cupy as cp
 import torch
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-src = open(os.path.join(root, "crates/dflash-core/src/stream_gemm.cu")).read()
+# the kernels' PDL_ENTRY() (pdl.cuh, prepended by the Rust build) is nothing here: no PDL
+src = "#define PDL_ENTRY()\n" + open(os.path.join(root, "crates/dflash-core/src/stream_gemm.cu")).read()
 STAGES = [int(x) for x in os.environ.get("STAGES", "1 2 4 8").split()]
 mods = {st: cp.RawModule(code=src, options=("--std=c++17", f"-DSG_STAGES={st}")) for st in STAGES}
 mod = mods[4 if 4 in mods else STAGES[0]]
@@ -115,8 +116,8 @@ def wide_main():
     """WIDE=1: the candidate wide kernel (scripts/lab/stream_gemm_wide.cu) against the shipped
     kernel's grouped launch (what --bit-exact runs for more than 16 rows): every output bit for
     bit, then time per call (cold weights) beside cuBLAS."""
-    wsrc = src + "".join(open(os.path.join(root, f"scripts/lab/{f}")).read()
-                         for f in ("stream_gemm_wide.cu", "stream_gemm_tiled.cu"))
+    wsrc = src + "".join(open(os.path.join(root, f)).read()
+                         for f in ("scripts/lab/stream_gemm_wide.cu", "crates/dflash-core/src/stream_gemm_tiled.cu"))
     wmod = cp.RawModule(code=wsrc, options=("--std=c++17",))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")

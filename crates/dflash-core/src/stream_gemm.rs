@@ -8,6 +8,9 @@
 //!   shape alone, partials added in warp order), so a verified row is bit-identical to the same
 //!   row computed alone by the AR step (tested on the GPU).
 //! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
+//! - Calls of more than 16 rows run one narrow block per 16-row group (each re-reads the weight),
+//!   or, with [`tiled_wide_calls`] (opt-in, not yet run on a GPU), the tiled kernel, whose
+//!   per-element arithmetic is the narrow kernel's.
 //! - No backward: an input autograd tracks (`Tensor::track_op`) always gets `None`.
 //! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
 //!   misaligned weight, a device older than compute 8.0, a weight the [`StreamPolicy`] leaves to
@@ -150,6 +153,16 @@ pub fn k_warps(n: usize, k: usize) -> usize {
         kw *= 2;
     }
     kw
+}
+
+/// Whether calls of more than 16 rows take the tiled kernel (`stream_gemm_tiled.cu`: each weight
+/// chunk read once per 64 rows instead of once per 16, the narrow kernel's per-element arithmetic)
+/// instead of one narrow block per 16-row group: `DFLASH_STREAM_TILED=1` (read once; opt-in, built
+/// and NOT YET RUN on a GPU — its bit-identity with the narrow kernel is what the GPU test
+/// `stream_matmul_matches_and_does_not_depend_on_the_row_count` checks under it).
+pub fn tiled_wide_calls() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_STREAM_TILED").as_deref() == Ok("1"))
 }
 
 /// What the kernel feeds the tensor cores and writes.
@@ -329,7 +342,11 @@ mod cuda {
     use candle_core::{DType, Tensor};
     use std::sync::OnceLock;
 
-    const SOURCE: &str = include_str!("stream_gemm.cu");
+    /// The narrow kernels, then the tiled one (which uses their helpers).
+    const SOURCE: &str = concat!(
+        include_str!("stream_gemm.cu"),
+        include_str!("stream_gemm_tiled.cu")
+    );
     const MODULE: &str = "dflash_stream_gemm";
 
     /// The module's PTX (compute 8.0: `mma.sync` on bf16), or why there is none.
@@ -378,13 +395,43 @@ mod cuda {
         // SAFETY: the kernel writes every one of the m·n outputs.
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
+        let warps = super::k_warps(n, k);
+        if m > 16 && super::tiled_wide_calls() {
+            // one block per 64 × 64 output tile, 8 warps, two shared-memory stages of the weight,
+            // x (and up) tiles: 2 · 3 · 64 rows · 128 bytes
+            let name = match epilogue {
+                Epilogue::Bf16 => "stream_gemm_tiled_bf16",
+                Epilogue::F32 => "stream_gemm_tiled_f32out",
+                Epilogue::Silu => "stream_gemm_tiled_silu_bf16",
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 2 * 3 * 64 * 128,
+            };
+            let f = dev.get_or_load_custom_func(name, MODULE, ptx)?;
+            crate::pdl::mark(&f);
+            let (mi, ni, ki, kwi) = (m as i32, n as i32, k as i32, warps as i32);
+            let mut b = f.builder();
+            b.arg(&xp)
+                .arg(&wp)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&kwi)
+                .arg(&yp);
+            // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
+            // tensors of the sizes the kernel reads and writes; the dynamic shared memory is the
+            // kernel's two stages (48 KiB, no opt-in attribute needed).
+            unsafe { b.launch(cfg) }.w()?;
+            return Ok(Some(y));
+        }
         let tiles = if m <= 8 { 8 } else { 16 };
         let name = match epilogue {
             Epilogue::Bf16 => format!("stream_gemm_m{tiles}_bf16"),
             Epilogue::F32 => format!("stream_gemm_m{tiles}_f32out"),
             Epilogue::Silu => format!("stream_gemm_silu_m{tiles}_bf16"),
         };
-        let warps = super::k_warps(n, k);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),

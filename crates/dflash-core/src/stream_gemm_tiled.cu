@@ -1,17 +1,21 @@
 // A tiled row-invariant GEMM for wide steps (issue 18: bit-exact tree verifies at the speed of the
-// default path), not shipped and NOT YET RUN: written at the end of session 14 for the next
-// session's first probe (scripts/probe-stream-gemm.py, WIDE=1, compiles stream_gemm.cu followed by
-// the lab files and checks every output bit for bit against the shipped narrow kernel).
+// default path), appended to stream_gemm.cu at compile time (stream_gemm.rs: SOURCE). Opt-in
+// (`DFLASH_STREAM_TILED=1`: calls of more than 16 rows on the streaming GEMM take it): written at the
+// end of session 14 and moved here in session 20, compiled and assembled for sm_90 with no spills,
+// NOT YET RUN on a GPU — `scripts/probe-stream-gemm.py` (WIDE=1) checks every output bit for bit
+// against the narrow kernel and times it; the GPU test
+// `stream_matmul_matches_and_does_not_depend_on_the_row_count` under `DFLASH_STREAM_TILED=1` checks
+// the same through the Rust launch.
 //
-// Per output element the arithmetic of crates/dflash-core/src/stream_gemm.cu's narrow kernel: kw
-// interleaved partial sums over 64-wide K chunks (partial s takes chunks s, s + kw, … in increasing
-// order), each chunk through two 32-wide halves of two m16n8k16 mmas whose fragments hold the same
-// elements in the same registers as the narrow kernel's (lane (g, t4) holds weight rows g and g + 8
-// and x row g of a tile, elements 8·t4 … 8·t4 + 7 of the half), partials added in order 0 … kw − 1,
-// rounded once. What changes is where the operands come from: a block owns a 64 × 64 output tile
-// (64 weight rows, 64 x rows), stages each chunk's weight and x tiles in shared memory with
-// cp.async (double-buffered), and its 8 warps read their fragments from there, so each weight chunk
-// leaves DRAM once per 64 rows of x instead of once per 16, and each x chunk once per 64 weight rows.
+// Per output element the arithmetic of the narrow kernel (stream_gemm.cu): kw interleaved partial
+// sums over 64-wide K chunks (partial s takes chunks s, s + kw, … in increasing order), each chunk
+// through two 32-wide halves of two m16n8k16 mmas whose fragments hold the same elements in the same
+// registers as the narrow kernel's (lane (g, t4) holds weight rows g and g + 8 and x row g of a
+// tile, elements 8·t4 … 8·t4 + 7 of the half), partials added in order 0 … kw − 1, rounded once.
+// What changes is where the operands come from: a block owns a 64 × 64 output tile (64 weight rows,
+// 64 x rows), stages each chunk's weight and x tiles in shared memory with cp.async
+// (double-buffered), and its 8 warps read their fragments from there, so each weight chunk leaves
+// DRAM once per 64 rows of x instead of once per 16, and each x chunk once per 64 weight rows.
 //
 // Shared-memory rows are 128 bytes (64 bf16), eight 16-byte units; unit u of row r is stored at
 // u ^ ((r & 1) << 2), so the 8 lanes of a quarter-warp (rows g, g + 1 at units t4) hit 8 distinct
@@ -117,13 +121,16 @@ __device__ void stream_gemm_tiled(const bf16_t* x, const bf16_t* w, int M, int N
 // (the bf16 and f32 kernels use only the weight and x parts; the up tile is for _silu)
 extern "C" __global__ void stream_gemm_tiled_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
                                                   int K, int kw, bf16_t* y) {
+  PDL_ENTRY();
   stream_gemm_tiled<false>(x, w, M, N, K, kw, y);
 }
 extern "C" __global__ void stream_gemm_tiled_f32out(const bf16_t* x, const bf16_t* w, int M, int N,
                                                     int K, int kw, float* y) {
+  PDL_ENTRY();
   stream_gemm_tiled<false>(x, w, M, N, K, kw, y);
 }
 extern "C" __global__ void stream_gemm_tiled_silu_bf16(const bf16_t* x, const bf16_t* w, int M,
                                                        int N, int K, int kw, bf16_t* y) {
+  PDL_ENTRY();
   stream_gemm_tiled<true>(x, w, M, N, K, kw, y);
 }
