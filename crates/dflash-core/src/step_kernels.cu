@@ -173,6 +173,20 @@ __device__ void merge_vector(const float* part, int vec, int n, int H, int d, in
     if (t < dpl) stv(out, ((long long)r * H + h) * d + lane + 32 * t, sum > 0.0f ? a[t] / sum : 0.0f);
 }
 
+// With the fused merge: whether this block is the last of its column (blockIdx.x: a kv head and
+// vector group) to finish, counted in `counters` — its records written and fenced before it counts,
+// and the others' visible to it after. Every thread of the block calls it.
+__device__ __forceinline__ bool last_of_column(unsigned int* counters, int splits) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned int)(splits - 1);
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
 // The 16-byte units of keys and values of cache rows t0 .. t0 + nt of kv head g that thread tid
 // stages (unit tid + i · WARPS · 32 of the tile).
 template <typename T, int UPT>
@@ -375,14 +389,7 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
     }
     for (int t = 0; t < dpl; ++t) rec[2 + lane + 32 * t] = acc[u][t];
   }
-  if (counters == nullptr) return;
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned int)(splits - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (counters == nullptr || !last_of_column(counters, splits)) return;
   for (int i = warp; i < VPB; i += WARPS)
     if (v0 + i < nvec) merge_vector(part, (int)(qbase + v0 + i), n, H, d, splits, out);
   if (tid == 0) counters[blockIdx.x] = 0u;

@@ -325,14 +325,7 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
       }
     }
   }
-  if (counters == nullptr) return;
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned int)(splits - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (counters == nullptr || !last_of_column(counters, splits)) return;
   for (int w = grp * MK_VPB + warp; w < min(nvec, (grp + 1) * MK_VPB); w += MK_WARPS)
     merge_vector(part, (g * rep + w % rep) * n + w / rep, n, H, d, splits, out);
   if (tid == 0) counters[blockIdx.x] = 0u;
