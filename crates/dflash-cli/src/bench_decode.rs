@@ -588,6 +588,26 @@ fn ms(s: f64) -> f64 {
     s * 1e3
 }
 
+/// Which kernels the run's decode steps took (from the same functions the engine asks, so a
+/// record says what it measured): the projections' streaming-GEMM policy, the attention kernel and
+/// how tree keys are ordered on it.
+fn decode_paths(r: &ReportIn) -> Value {
+    use dflash_core::step::{keys_by_position, tensor_core_attention};
+    let cuda = r.devname.starts_with("cuda");
+    let mma = cuda && tensor_core_attention(r.dtype, r.cfg.head_dim());
+    let attention = match (cuda, mma) {
+        (false, _) => "host (row-invariant CPU kernels)",
+        (true, true) => "tensor cores",
+        (true, false) => "CUDA cores",
+    };
+    json!({
+        "stream_policy": format!("{:?}", dflash_core::stream_gemm::stream_policy()),
+        "stream_tiled": dflash_core::stream_gemm::tiled_wide_calls(),
+        "attention": attention,
+        "tree_keys": if keys_by_position(mma) { "position" } else { "row" },
+    })
+}
+
 /// The JSON report: headline medians in ms at the top level, every op's min / median / p90 under
 /// `stats`, ratios to the AR step and to the floor.
 fn report(r: &ReportIn) -> Value {
@@ -651,6 +671,7 @@ fn report(r: &ReportIn) -> Value {
         "ratio_to_ar_step": to_ar,
         "ratio_to_floor": to_floor,
         "setup_seconds": r.build_s,
+        "decode_paths": decode_paths(r),
         "step_graphs": dflash_core::step_graph::last_graph_report(),
         "dflash_version": env!("CARGO_PKG_VERSION"),
         "git": git_commit(),

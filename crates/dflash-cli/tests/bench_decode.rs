@@ -42,6 +42,15 @@ fn check(r: &Value, shape: &str, context: u64, widths: &[usize]) {
         positive(&r[k], k);
     }
     assert!(r["copy_method"].is_string());
+    // which kernels ran: the CPU's row-invariant host kernels, f32 trees keyed by position
+    let paths = &r["decode_paths"];
+    assert_eq!(
+        paths["attention"], "host (row-invariant CPU kernels)",
+        "{paths}"
+    );
+    assert_eq!(paths["tree_keys"], "position", "{paths}");
+    assert_eq!(paths["stream_tiled"], false, "{paths}");
+    assert!(paths["stream_policy"].is_string(), "{paths}");
     let verify = r["verify_ms"].as_object().expect("verify_ms object");
     let mut keys = vec!["chain16".to_string()];
     keys.extend(widths.iter().map(|w| format!("tree{w}")));
