@@ -16,9 +16,11 @@
 //   whose path is not the step rows 0..depth (any row r ≠ depth) reads those keys and values
 //   row by row (per tree row, one mma for the whole warp whose other rows are discarded) in the
 //   tiles that hold step positions — from the staged tile where the ancestor's row is in it (a
-//   step aligned to a tile: all of them), else from the cache; everything else is shared. A causal block
-//   and an AR token never take that path. With keys by step row (`logical` 0) the ancestor bits
-//   mask the step rows in place.
+//   step aligned to a tile: all of them), else from the cache; everything else is shared. A
+//   causal block and an AR token never take that path. With keys by step row (`logical` 0) the
+//   ancestor bits mask the step rows in place.
+// - The one-row step merges its splits in the kernel (the last block of a kv head, counted in
+//   `counters`: merge_vector, the combine kernel's arithmetic).
 
 #define MK_TK 64                // keys per shared tile
 #define MK_WARPS 4              // warps per block
