@@ -40,11 +40,13 @@ __device__ __forceinline__ float ldv(const bf16_t* p, long long i) {
   return __uint_as_float(((unsigned int)p[i]) << 16);
 }
 __device__ __forceinline__ void stv(float* p, long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void stv(bf16_t* p, long long i, float v) {
+// v's bf16 bits, rounded to nearest even (finite values)
+__device__ __forceinline__ unsigned int bf16_bits(float v) {
   unsigned int u = __float_as_uint(v);
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (finite values)
-  p[i] = (bf16_t)(u >> 16);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
 }
+__device__ __forceinline__ void stv(bf16_t* p, long long i, float v) { p[i] = (bf16_t)bf16_bits(v); }
 
 template <typename T>
 __device__ void kv_append(const T* k, const T* v, T* kb, T* vb, const unsigned int* meta, int KV,

@@ -37,12 +37,6 @@ __device__ __forceinline__ void mk_mma(float* c, const unsigned int* a, unsigned
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// round to nearest even (finite values), as stv
-__device__ __forceinline__ unsigned int mk_bf16(float v) {
-  unsigned int u = __float_as_uint(v);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return u >> 16;
-}
 __device__ __forceinline__ unsigned int mk_ld32(const bf16_t* p) {
   return __ldcg((const unsigned int*)p);
 }
@@ -238,7 +232,7 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hf = e >> 1;
-        bits[e] = sc[j8][e] == NEG_INF ? 0u : mk_bf16(__expf(sc[j8][e] - mnew[hf]));
+        bits[e] = sc[j8][e] == NEG_INF ? 0u : bf16_bits(__expf(sc[j8][e] - mnew[hf]));
         psum[hf] += __uint_as_float(bits[e] << 16);
       }
       pk[j8][0] = bits[0] | (bits[1] << 16);
