@@ -27,6 +27,7 @@
 #define MK_VPB (MK_WARPS * 16)  // query vectors per block
 #define MK_STR (MAX_D + 8)      // shared row stride in bf16: 68 words, conflict-free fragments
 #define MK_FULL 0xffffffffu
+#define MK_PMAX 64  // path entries a warp keeps in shared memory per tree row (deeper: from L2)
 
 __device__ __forceinline__ void mk_mma(float* c, const unsigned int* a, unsigned int b0,
                                        unsigned int b1) {
@@ -47,13 +48,24 @@ __device__ __forceinline__ unsigned int mk_ldg32(const bf16_t* p) {
   return __ldg((const unsigned int*)p);
 }
 
-// The cache row holding key `j` for tree row `r` whose ancestor record is `ar` (depth, then the
-// path), or −1 (a key past the row's depth or past the split: a zero operand).
-__device__ __forceinline__ int mk_row_of(const unsigned int* ar, int j, int past, int lim) {
+// The cache row holding key `j` for a tree row of depth `dr` whose path is `tab` (shared memory,
+// when the warp keeps its rows' paths there) or the ancestor record `ar` (its path from L2), or −1
+// (a key past the row's depth or past the split: a zero operand).
+__device__ __forceinline__ int mk_row_of(const unsigned short* tab, const unsigned int* ar, int dr,
+                                         int j, int past, int lim) {
   if (j >= lim) return -1;
   if (j < past) return j;
   const int i = j - past;
-  return i <= (int)__ldg(ar + ANC_BITS) ? past + (int)__ldg(ar + ANC_BITS + 1 + i) : -1;
+  if (i > dr) return -1;
+  return past + (tab != nullptr ? (int)tab[i] : (int)__ldg(ar + ANC_BITS + 1 + i));
+}
+
+// Tree row r's depth: a lane's own rows' depths are in registers; any other row's from L1/L2.
+__device__ __forceinline__ int mk_depth_of(int r, const int* rr, const int* dep,
+                                           const unsigned int* ar) {
+  if (r == rr[0]) return dep[0];
+  if (r == rr[1]) return dep[1];
+  return (int)__ldg(ar + ANC_BITS);
 }
 
 __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
@@ -63,6 +75,10 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
                               bf16_t* out) {
   __shared__ __align__(16) bf16_t ks[MK_TK * MK_STR];
   __shared__ __align__(16) bf16_t vs[MK_TK * MK_STR];
+#if defined(DFLASH_PATH_TABLE)
+  __shared__ unsigned short ptab[MK_WARPS][16][MK_PMAX];  // the warp's tree rows' paths
+  __shared__ unsigned short pdep[MK_WARPS][16];           // and their depths
+#endif
   const int rep = H / KV;
   const int g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
   const int splits = gridDim.y;
@@ -106,6 +122,27 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
   int maxdep = max(ok[0] ? dep[0] : 0, ok[1] ? dep[1] : 0);
   for (int o = 16; o > 0; o >>= 1) maxdep = max(maxdep, __shfl_xor_sync(MK_FULL, maxdep, o));
   const int rfirst = min(wbase, nvec - 1) / rep, rlast = min(wbase + 15, nvec - 1) / rep;
+  // the warp's tree rows' paths into shared memory once (their loads all in flight together), so
+  // that the row-by-row reads below wait on no L2 round trip for a path entry
+#if defined(DFLASH_PATH_TABLE)
+  const bool tabled = gather && wactive && maxdep < MK_PMAX;
+#else
+  const bool tabled = false;
+  unsigned short(*ptab)[16][MK_PMAX] = nullptr;
+  unsigned short(*pdep)[16] = nullptr;
+#endif
+  if (tabled) {
+    const int per = maxdep + 1, nrows = rlast - rfirst + 1, cells = nrows * per;
+    for (int e = lane; e < cells; e += 32) {
+      const int lr = e / per, i = e - lr * per;
+      ptab[warp][lr][i] = (unsigned short)__ldg(ancestors + (long long)(rfirst + lr) * stride +
+                                                ANC_BITS + 1 + i);
+    }
+    if (lane < nrows)
+      pdep[warp][lane] = (unsigned short)__ldg(ancestors + (long long)(rfirst + lane) * stride +
+                                               ANC_BITS);
+    __syncwarp();
+  }
 
   float acc[MAX_D / 8][4];
 #pragma unroll
@@ -153,7 +190,9 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
         // per tree row of the warp: its own key for column gq, one mma, its rows kept
         for (int r = rfirst; r <= rlast; ++r) {
           const unsigned int* ar = ancestors + (long long)r * stride;
-          const int row = mk_row_of(ar, t0 + j8 * 8 + gq, past, t0 + nt);
+          const int dr = tabled ? (int)pdep[warp][r - rfirst] : mk_depth_of(r, rr, dep, ar);
+          const unsigned short* tab = tabled ? ptab[warp][r - rfirst] : nullptr;
+          const int row = mk_row_of(tab, ar, dr, t0 + j8 * 8 + gq, past, t0 + nt);
           // the row from the staged tile when it is there (a step row of this tile), else L1/L2
           const bool staged = row >= t0 && row < t0 + nt;
           const bf16_t* kr = staged ? ks + (row - t0) * MK_STR + 2 * tq
@@ -261,9 +300,13 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
       if (gtile && kc * 16 + 15 >= glo && kc * 16 <= ghi) {
         for (int r = rfirst; r <= rlast; ++r) {
           const unsigned int* ar = ancestors + (long long)r * stride;
+          const int dr = tabled ? (int)pdep[warp][r - rfirst] : mk_depth_of(r, rr, dep, ar);
+          const unsigned short* tab = tabled ? ptab[warp][r - rfirst] : nullptr;
           const int jb = t0 + kc * 16 + 2 * tq, lim = t0 + nt;
-          const int rw[4] = {mk_row_of(ar, jb, past, lim), mk_row_of(ar, jb + 1, past, lim),
-                             mk_row_of(ar, jb + 8, past, lim), mk_row_of(ar, jb + 9, past, lim)};
+          const int rw[4] = {mk_row_of(tab, ar, dr, jb, past, lim),
+                             mk_row_of(tab, ar, dr, jb + 1, past, lim),
+                             mk_row_of(tab, ar, dr, jb + 8, past, lim),
+                             mk_row_of(tab, ar, dr, jb + 9, past, lim)};
           const bool mine0 = ok[0] && rr[0] == r, mine1 = ok[1] && rr[1] == r;
 #pragma unroll
           for (int t = 0; t < MAX_D / 8; ++t) {
