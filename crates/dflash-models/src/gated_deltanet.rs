@@ -17,8 +17,9 @@
 //! - Checked against transformers through the whole model (fixtures/tiny-qwen3.5, the reference
 //!   tests) and the rule alone (dflash-core's fixture).
 
+use crate::projection::project;
 use crate::{ModelError, Result};
-use candle_core::{DType, Module, Tensor, D};
+use candle_core::{DType, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use dflash_core::gated_delta::{self, DeltaInputs};
 use dflash_core::gated_delta_layer;
@@ -82,11 +83,58 @@ impl DeltaNetShape {
     }
 }
 
+/// The layer's four input projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`):
+/// separate, as the checkpoint lays them out, or — where the layer kernels run (CUDA) — their
+/// rows stacked into one weight, one GEMM a forward instead of four (same sums per output).
+enum InProjections {
+    Separate {
+        qkv: Linear,
+        z: Linear,
+        b: Linear,
+        a: Linear,
+    },
+    Stacked {
+        w: Linear,
+        /// output widths of qkv, z, b, a (the column blocks of the stacked output)
+        widths: [usize; 4],
+    },
+}
+
+/// The input projections of `x` `[n, H]`: qkv `[n, C]`, z `[n, Hv·dv]`, b and a `[n, Hv]`, each
+/// contiguous, in the compute dtype.
+struct Projected {
+    qkv: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+}
+
+impl InProjections {
+    fn forward(&self, x: &Tensor) -> Result<Projected> {
+        match self {
+            Self::Separate { qkv, z, b, a } => Ok(Projected {
+                qkv: project(qkv, x)?,
+                z: project(z, x)?,
+                b: project(b, x)?,
+                a: project(a, x)?,
+            }),
+            Self::Stacked { w, widths } => {
+                let all = project(w, x)?;
+                let mut start = 0;
+                let mut cols = Vec::with_capacity(4);
+                for &width in widths {
+                    cols.push(all.narrow(1, start, width)?.contiguous()?);
+                    start += width;
+                }
+                let [qkv, z, b, a]: [Tensor; 4] = cols.try_into().expect("four blocks");
+                Ok(Projected { qkv, z, b, a })
+            }
+        }
+    }
+}
+
 pub struct GatedDeltaNet {
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    in_proj: InProjections,
     /// `[C, K]` f32 (the checkpoint's `[C, 1, K]`).
     conv1d: Tensor,
     /// `[Hv]` f32.
@@ -117,11 +165,30 @@ impl GatedDeltaNet {
             .get((c, 1, shape.conv_kernel), "conv1d.weight")?
             .reshape((c, shape.conv_kernel))?
             .to_dtype(DType::F32)?;
+        let (qkv, z, b, a) = (
+            linear(&vb, h, c, "in_proj_qkv")?,
+            linear(&vb, h, vdim, "in_proj_z")?,
+            linear(&vb, h, hv, "in_proj_b")?,
+            linear(&vb, h, hv, "in_proj_a")?,
+        );
+        // `DFLASH_GDN_IN_PROJ=separate` (a documented override for A/B runs) keeps four GEMMs
+        let stacked = gated_delta_layer::layer_kernels_available(
+            vb.device(),
+            shape.key_dim,
+            vb.dtype(),
+            shape.conv_kernel,
+        ) && std::env::var("DFLASH_GDN_IN_PROJ").as_deref() != Ok("separate");
+        let in_proj = if stacked {
+            let w = Tensor::cat(&[qkv.weight(), z.weight(), b.weight(), a.weight()], 0)?;
+            InProjections::Stacked {
+                w: Linear::new(w, None),
+                widths: [c, vdim, hv, hv],
+            }
+        } else {
+            InProjections::Separate { qkv, z, b, a }
+        };
         Ok(Self {
-            in_proj_qkv: linear(&vb, h, c, "in_proj_qkv")?,
-            in_proj_z: linear(&vb, h, vdim, "in_proj_z")?,
-            in_proj_b: linear(&vb, h, hv, "in_proj_b")?,
-            in_proj_a: linear(&vb, h, hv, "in_proj_a")?,
+            in_proj,
             conv1d,
             dt_bias: vb.get(hv, "dt_bias")?.to_dtype(DType::F32)?,
             neg_a: vb.get(hv, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?,
@@ -208,9 +275,9 @@ impl GatedDeltaNet {
         if gated_delta_layer::layer_kernels_available(x.device(), dk, x.dtype(), k) {
             return self.forward_tree_kernels(x, state, parents, is_chain);
         }
-        let qkv = self.in_proj_qkv.forward(x)?; // [n, C]
-                                                // causal depthwise convolution over [state ; qkv] along each token's ancestors, then SiLU
-        let qkv = qkv.to_dtype(DType::F32)?;
+        let proj = self.in_proj.forward(x)?;
+        // causal depthwise convolution over [state ; qkv] along each token's ancestors, then SiLU
+        let qkv = proj.qkv.to_dtype(DType::F32)?; // [n, C]
         let padded = Tensor::cat(&[&state.conv, &qkv], 0)?; // [K − 1 + n, C] f32
         let conv = if is_chain {
             let mut conv = padded
@@ -270,12 +337,8 @@ impl GatedDeltaNet {
         };
         let q = (gated_delta::l2norm(&expand(q)?)? * (dk as f64).powf(-0.5))?;
         let kk = gated_delta::l2norm(&expand(kk)?)?;
-        let beta = candle_nn::ops::sigmoid(&self.in_proj_b.forward(x)?.to_dtype(DType::F32)?)?;
-        let a = self
-            .in_proj_a
-            .forward(x)?
-            .to_dtype(DType::F32)?
-            .broadcast_add(&self.dt_bias)?;
+        let beta = candle_nn::ops::sigmoid(&proj.b.to_dtype(DType::F32)?)?;
+        let a = proj.a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?;
         // softplus(a) = log(1 + e^a), stable for large a
         let softplus = (a.relu()? + (a.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
         let g = softplus.broadcast_mul(&self.neg_a)?;
@@ -316,16 +379,12 @@ impl GatedDeltaNet {
         let ms = o.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = o.broadcast_mul(&(ms + self.eps)?.sqrt()?.recip()?)?;
         let normed = normed.broadcast_mul(&self.norm.to_dtype(DType::F32)?)?;
-        let z = self
-            .in_proj_z
-            .forward(x)?
-            .to_dtype(DType::F32)?
-            .reshape((n, hv, dv))?;
+        let z = proj.z.to_dtype(DType::F32)?.reshape((n, hv, dv))?;
         let y = (normed * candle_nn::ops::silu(&z)?)?
             .reshape((n, hv * dv))?
             .to_dtype(x.dtype())?;
         Ok(DeltaForward {
-            out: self.out_proj.forward(&y)?,
+            out: project(&self.out_proj, &y)?,
             record,
             end,
         })
@@ -355,11 +414,12 @@ impl GatedDeltaNet {
             dt_bias: &self.dt_bias,
             neg_a: &self.neg_a,
         };
+        let proj = self.in_proj.forward(x)?;
         let r = gated_delta_layer::conv_and_rule_inputs(
-            &self.in_proj_qkv.forward(x)?,
+            &proj.qkv,
             &state.conv,
-            &self.in_proj_b.forward(x)?,
-            &self.in_proj_a.forward(x)?,
+            &proj.b,
+            &proj.a,
             parents,
             weights,
             heads,
@@ -381,10 +441,9 @@ impl GatedDeltaNet {
         } else {
             None
         };
-        let y =
-            gated_delta_layer::gated_norm(&o, &self.in_proj_z.forward(x)?, &self.norm, self.eps)?;
+        let y = gated_delta_layer::gated_norm(&o, &proj.z, &self.norm, self.eps)?;
         Ok(DeltaForward {
-            out: self.out_proj.forward(&y)?,
+            out: project(&self.out_proj, &y)?,
             record: RecurrentRecord {
                 start: state.clone(),
                 conv_in: r.qkv,

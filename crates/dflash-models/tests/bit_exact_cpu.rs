@@ -4,6 +4,8 @@
 //! for bit. A process of its own: the policy is fixed per process.
 
 mod common;
+#[path = "support/hybrid_rows.rs"]
+mod hybrid_rows;
 
 #[test]
 fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps_on_the_cpu() {
@@ -17,4 +19,7 @@ fn bit_exact_bf16_verify_rows_equal_sequential_ar_steps_on_the_cpu() {
         &[40, 64, 257],
         candle_core::DType::F32,
     );
+    // the hybrids (Gated DeltaNet + gated attention) likewise
+    hybrid_rows::check_hybrid_verify_rows_equal_ar_steps(candle_core::DType::BF16);
+    hybrid_rows::check_hybrid_verify_rows_equal_ar_steps(candle_core::DType::F32);
 }

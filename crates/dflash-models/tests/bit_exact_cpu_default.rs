@@ -5,6 +5,8 @@
 //! process.
 
 mod common;
+#[path = "support/hybrid_rows.rs"]
+mod hybrid_rows;
 
 #[test]
 fn default_verify_rows_equal_sequential_ar_steps_on_the_cpu_in_bf16_and_f32() {
@@ -21,4 +23,6 @@ fn default_verify_rows_equal_sequential_ar_steps_on_the_cpu_in_bf16_and_f32() {
         &[40, 64, 257],
         candle_core::DType::F32,
     );
+    hybrid_rows::check_hybrid_verify_rows_equal_ar_steps(candle_core::DType::BF16);
+    hybrid_rows::check_hybrid_verify_rows_equal_ar_steps(candle_core::DType::F32);
 }
