@@ -755,9 +755,10 @@ extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* c
 
 // add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w
 // (f32 math, rounded once), for rows of width W: out = [s ; normed], each [rows, W]. One block per
-// row.
-template <typename T>
-__device__ void add_rms_norm(const T* x, const T* d, const T* w, int rows, int W, float eps,
+// row. add_rms_norm_bf16_wf32: the same with an f32 weight (the hybrids' zero-centred norms keep
+// 1 + w in f32, as transformers computes them).
+template <typename T, typename Wt>
+__device__ void add_rms_norm(const T* x, const T* d, const Wt* w, int rows, int W, float eps,
                              T* out) {
   __shared__ float red[32];
   const int r = blockIdx.x;
@@ -782,6 +783,12 @@ extern "C" __global__ void add_rms_norm_f32(const float* x, const float* d, cons
 
 extern "C" __global__ void add_rms_norm_bf16(const bf16_t* x, const bf16_t* d, const bf16_t* w,
                                              int rows, int W, float eps, bf16_t* out) {
+  PDL_ENTRY();
+  add_rms_norm(x, d, w, rows, W, eps, out);
+}
+
+extern "C" __global__ void add_rms_norm_bf16_wf32(const bf16_t* x, const bf16_t* d, const float* w,
+                                                  int rows, int W, float eps, bf16_t* out) {
   PDL_ENTRY();
   add_rms_norm(x, d, w, rows, W, eps, out);
 }

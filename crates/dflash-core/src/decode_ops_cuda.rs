@@ -753,8 +753,10 @@ impl candle_core::CustomOp3 for AddRmsNorm {
         fn go<
             T: candle_core::cuda_backend::CudaDType
                 + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+            Wt: candle_core::cuda_backend::CudaDType
+                + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
         >(
-            eps: f32,
+            (kernel, eps): (&str, f32),
             xs: &CudaStorage,
             xl: &Layout,
             ds: &CudaStorage,
@@ -772,15 +774,11 @@ impl candle_core::CustomOp3 for AddRmsNorm {
             let (x, d, w) = (
                 slice_of::<T>(xs, xl, "add_rms_norm")?,
                 slice_of::<T>(ds, dl, "add_rms_norm")?,
-                slice_of::<T>(ws, wl, "add_rms_norm")?,
+                slice_of::<Wt>(ws, wl, "add_rms_norm")?,
             );
             // SAFETY: each row's block writes its sum and its normed row.
             let out = unsafe { dev.alloc::<T>(2 * rows * width)? };
-            let f = dev.get_or_load_custom_func(
-                &format!("add_rms_norm_{}", sfx(xs.dtype())?),
-                MODULE,
-                ptx()?,
-            )?;
+            let f = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
             crate::pdl::mark(&f);
             let mut b = f.builder();
             let (r, wd) = (rows as i32, width as i32);
@@ -802,9 +800,20 @@ impl candle_core::CustomOp3 for AddRmsNorm {
             shape.extend_from_slice(xl.shape().dims());
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(shape)))
         }
-        match xs.dtype() {
-            DType::BF16 => go::<half::bf16>(self.eps, xs, xl, ds, dl, ws, wl),
-            _ => go::<f32>(self.eps, xs, xl, ds, dl, ws, wl),
+        use half::bf16;
+        match (xs.dtype(), ws.dtype()) {
+            (DType::BF16, DType::BF16) => {
+                go::<bf16, bf16>(("add_rms_norm_bf16", self.eps), xs, xl, ds, dl, ws, wl)
+            }
+            (DType::BF16, DType::F32) => {
+                go::<bf16, f32>(("add_rms_norm_bf16_wf32", self.eps), xs, xl, ds, dl, ws, wl)
+            }
+            (DType::F32, DType::F32) => {
+                go::<f32, f32>(("add_rms_norm_f32", self.eps), xs, xl, ds, dl, ws, wl)
+            }
+            (x, w) => Err(candle_core::Error::Msg(format!(
+                "add-rms-norm: {x:?} rows with a {w:?} weight"
+            ))),
         }
     }
 }

@@ -202,6 +202,49 @@ fn softmax_scaled_and_silu_mul_match_the_composites() {
     }
 }
 
+/// The residual add and the RMSNorm after it (one kernel on CUDA) against candle's add and an
+/// f32 norm of the rounded sum: bf16 and f32 rows with a weight of their dtype, and bf16 rows with
+/// an f32 weight (the hybrids' zero-centred norms, `1 + w` kept in f32).
+#[test]
+fn add_rms_norm_matches_the_composite_with_either_weight_dtype() {
+    let dev = device();
+    let eps = 1e-6;
+    for (dtype, wdtype) in [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::BF16, DType::F32),
+    ] {
+        let shape = (1, 5, 320);
+        let rnd = |s: f32| Tensor::randn(0f32, s, shape, &dev).unwrap();
+        let x = rnd(1.0).to_dtype(dtype).unwrap();
+        let d = rnd(0.5).to_dtype(dtype).unwrap();
+        let w = (Tensor::randn(0f32, 0.3, 320, &dev).unwrap() + 1.0)
+            .unwrap()
+            .to_dtype(wdtype)
+            .unwrap();
+        let Some((sum, normed)) = dflash_core::decode_ops::add_rms_norm(&x, &d, &w, eps).unwrap()
+        else {
+            assert!(dev.is_cpu(), "no fused add+norm on {dev:?}");
+            continue;
+        };
+        let want_sum = (&x + &d).unwrap();
+        assert_eq!(max_abs(&sum, &want_sum), 0.0, "{dtype:?} sum");
+        let s32 = want_sum.to_dtype(DType::F32).unwrap();
+        let ms = s32.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let want = s32
+            .broadcast_div(&(ms + eps).unwrap().sqrt().unwrap())
+            .unwrap()
+            .broadcast_mul(&w.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        // f32: the sum of squares' order; bf16: at most one rounding step of the output
+        let tol = if dtype == DType::F32 { 1e-5 } else { 3e-2 };
+        let err = max_abs(&normed, &want);
+        assert!(err < tol, "{dtype:?} rows, {wdtype:?} weight: {err}");
+    }
+}
+
 #[test]
 fn matmul_t_f32_matches_an_f32_gemm_of_the_upcast_operands() {
     let dev = device();

@@ -42,6 +42,27 @@ impl ZeroCentredNorm {
             .to_dtype(x.dtype())?)
     }
 
+    /// Inference only: `(x + d, norm(x + d))` as one kernel on CUDA with the fused decode
+    /// (`decode_ops::add_rms_norm`: the sum rounded to the dtype as candle's add, the norm in f32
+    /// with the f32 weight, rounded once — what [`ZeroCentredNorm::forward`] computes after the
+    /// add); `None` where the caller adds and norms itself.
+    pub fn add_forward(&self, x: &Tensor, d: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        if !dflash_core::decode_ops::fused_decode(x.device()) {
+            return Ok(None);
+        }
+        Ok(self.0.add_forward(x, d)?)
+    }
+
+    /// `x += d`, then the norm of `x`: one kernel where [`ZeroCentredNorm::add_forward`] has it.
+    pub fn add_then_forward(&self, x: &mut Tensor, d: &Tensor) -> Result<Tensor> {
+        if let Some((sum, normed)) = self.add_forward(x, d)? {
+            *x = sum;
+            return Ok(normed);
+        }
+        *x = (&*x + d)?;
+        self.forward(x, Grad::Off)
+    }
+
     /// The effective weight `1 + w` (f32).
     pub fn weight(&self) -> &Tensor {
         self.0.weight()

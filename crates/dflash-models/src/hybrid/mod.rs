@@ -220,8 +220,14 @@ impl TargetModel for HybridDecoder {
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let mut x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
         let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
+        // each residual add and the norm after it: one kernel on CUDA (`next` carries the next
+        // layer's normed input)
+        let mut next: Option<Tensor> = None;
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            let h = layer.input_layernorm.forward(&x, Grad::Off)?;
+            let h = match next.take() {
+                Some(h) => h,
+                None => layer.input_layernorm.forward(&x, Grad::Off)?,
+            };
             let a = match (&layer.mixer, lc) {
                 (Mixer::Linear(d), LayerCache::Recurrent(rc)) => d
                     .forward_cached(&h.squeeze(0)?, rc, parents)?
@@ -235,9 +241,14 @@ impl TargetModel for HybridDecoder {
                     )))
                 }
             };
-            x = (x + a)?;
-            let h = layer.post_attention_layernorm.forward(&x, Grad::Off)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            let h = layer
+                .post_attention_layernorm
+                .add_then_forward(&mut x, &a)?;
+            let m = layer.mlp.forward(&h)?;
+            match self.layers.get(i + 1) {
+                Some(nl) => next = Some(nl.input_layernorm.add_then_forward(&mut x, &m)?),
+                None => x = (&x + m)?,
+            }
             for (slot, &t) in taps.iter_mut().zip(req.taps) {
                 if t == i {
                     *slot = Some(x.squeeze(0)?);
