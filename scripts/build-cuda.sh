@@ -13,7 +13,7 @@ python3 scripts/check-kernels.py  # the NVRTC kernels compile (as at run time on
 cargo build --release --features cuda -p dflash-cli
 # the GPU-side test binaries, from one cargo call (one feature set: no second kernel build)
 cargo test --release --features cuda -p dflash-models --test reference_fixtures --test decode_ops_device \
-  --test row_invariance_device \
+  --test row_invariance_device --test hybrid_device_step \
   --no-run --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:
     try: m=json.loads(l)
@@ -23,7 +23,8 @@ for l in sys.stdin:
 mkdir -p dist/cuda
 cp "$CARGO_TARGET_DIR/release/dflash" dist/cuda/dflash
 while read -r name exe; do cp "$exe" "dist/cuda/$name"; done < "$CARGO_TARGET_DIR/gpu-tests.txt"
-strip dist/cuda/dflash dist/cuda/reference_fixtures dist/cuda/decode_ops_device dist/cuda/row_invariance_device
+strip dist/cuda/dflash dist/cuda/reference_fixtures dist/cuda/decode_ops_device dist/cuda/row_invariance_device \
+  dist/cuda/hybrid_device_step
 xz -T2 -6 -f dist/cuda/dflash dist/cuda/reference_fixtures dist/cuda/decode_ops_device \
-  dist/cuda/row_invariance_device
+  dist/cuda/row_invariance_device dist/cuda/hybrid_device_step
 ls -la dist/cuda

@@ -32,6 +32,7 @@ ROUNDS=${ROUNDS:-30}
 # pathtable: poskeys with each warp's tree paths in shared memory (DFLASH_ATTN_PATH_TABLE=1, session 21);
 # tiledpt: tiled with the tensor-core attention and the path table at every head width (the bit-exact candidate);
 # gdnsep: hybrids with the Gated DeltaNet input projections as four GEMMs (DFLASH_GDN_IN_PROJ=separate; stacked into one since session 21);
+# hybridstep: hybrids on their device step, replayed as CUDA graphs (DFLASH_HYBRID_STEP=1; session 21, opt-in, not yet run);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -60,6 +61,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== row invariance under the tiled streaming GEMM (DFLASH_STREAM_TILED=1, with and without DFLASH_STREAM_GEMM=all)" | tee -a "$LOG"
   DFLASH_STREAM_TILED=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 stream 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_TILED=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  echo "== the hybrids' device step against the CPU host path (DFLASH_HYBRID_STEP's path; session 21, first run)" | tee -a "$LOG"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "^test |result|panicked|differ" | tee -a "$LOG"
+  DFLASH_CUDA_GRAPHS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   for dt in f32 bf16; do
     echo "== reference fixtures on cuda $dt (fused decode path)" | tee -a "$LOG"
     DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
@@ -76,7 +80,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -94,11 +98,12 @@ for spec in $SHAPES; do
       poskeys) fused=1 graphs=1 keys=position;;
       pdlearly) fused=1 graphs=1 pdl=early;;
       gdnsep) fused=1 graphs=1 gdnproj=separate;;
+      hybridstep) fused=1 graphs=1 hstep=1;;
       pathtable) fused=1 graphs=1 keys=position path=1;;
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

@@ -605,6 +605,10 @@ fn decode_paths(r: &ReportIn) -> Value {
         "stream_tiled": dflash_core::stream_gemm::tiled_wide_calls(),
         "attention": attention,
         "tree_keys": if keys_by_position(mma) { "position" } else { "row" },
+        // the hybrids' opt-in device step (DFLASH_HYBRID_STEP=1, read at load like the model)
+        "hybrid_step": cuda
+            && matches!(r.cfg.architecture(), Ok(dflash_models::Architecture::Qwen35))
+            && std::env::var("DFLASH_HYBRID_STEP").as_deref() == Ok("1"),
     })
 }
 

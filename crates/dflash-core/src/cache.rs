@@ -9,7 +9,9 @@
 //! - A [`SequenceCache`] holds one [`LayerCache`] per decoder layer; all layers always have the same
 //!   length. Recurrent layers (Gated DeltaNet) are [`LayerCache::Recurrent`], whose `crop` /
 //!   `keep_rows` restore exactly the kept tokens' state ([`crate::recurrent_cache`]), so decoding
-//!   code never needs to change. Recurrent layers have no device step (`advance` refuses them).
+//!   code never needs to change. A dense device step counts its rows with `advance` (which refuses
+//!   recurrent layers); a hybrid's with `commit_device_step`, its recurrent layers' fixed buffers
+//!   made by `ensure_recurrent_step_buffers` ([`crate::recurrent_step`]).
 
 use crate::recurrent_cache::RecurrentCache;
 use crate::{CoreError, Result};
@@ -214,6 +216,9 @@ pub struct SequenceCache {
     pub layers: Vec<LayerCache>,
     /// CUDA graphs of this cache's device steps (they bake in its buffers).
     pub step_graphs: crate::step_graph::StepGraphs,
+    /// The scratch the recurrent layers of a hybrid's device step share (made with their own
+    /// buffers by [`SequenceCache::ensure_recurrent_step_buffers`]).
+    pub recurrent_step: Option<crate::recurrent_step::SharedStepBuffers>,
     capacity: usize,
     device: Device,
 }
@@ -236,6 +241,7 @@ impl SequenceCache {
                 })
                 .collect(),
             step_graphs: Default::default(),
+            recurrent_step: None,
             capacity,
             device: device.clone(),
         }
@@ -332,6 +338,70 @@ impl SequenceCache {
             }
         }
         Ok(true)
+    }
+
+    /// Makes the hybrids' device-step buffers (the shared scratch, then each recurrent layer's
+    /// state, record and rule table) where they are missing; they live as long as the cache.
+    /// Call it outside any capture (it uploads the rule tables).
+    pub fn ensure_recurrent_step_buffers(
+        &mut self,
+        shape: crate::recurrent_step::StepShape,
+    ) -> Result<()> {
+        use crate::recurrent_step::{RecurrentStepBuffers, SharedStepBuffers};
+        let shared = match &self.recurrent_step {
+            Some(s) if s.shape == shape => s.clone(),
+            Some(s) => {
+                return Err(CoreError::InvalidInput(format!(
+                    "recurrent step buffers made for {:?}, asked for {shape:?}",
+                    s.shape
+                )))
+            }
+            None => {
+                let s = SharedStepBuffers::new(shape, &self.device)?;
+                self.recurrent_step = Some(s.clone());
+                s
+            }
+        };
+        for l in &mut self.layers {
+            if let LayerCache::Recurrent(c) = l {
+                if c.step_buffers().is_none() {
+                    c.set_step_buffers(RecurrentStepBuffers::new(&shared, &self.device)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts every recurrent layer's state at the cache's length into its device-step buffers
+    /// (pending replays settled there in place, all layers at once).
+    pub fn load_recurrent_step_states(&mut self) -> Result<()> {
+        self.settle_recurrent()?;
+        for l in &mut self.layers {
+            if let LayerCache::Recurrent(c) = l {
+                c.load_step_state()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a hybrid device step of `parents.len()` real rows: attention layers advance over
+    /// the keys it wrote, recurrent layers keep its record (see
+    /// [`crate::RecurrentCache::commit_step`]).
+    pub fn commit_device_step(&mut self, parents: &[i64]) -> Result<()> {
+        let n = parents.len();
+        if self.len() + n > self.capacity {
+            return Err(CoreError::CacheOverflow {
+                needed: self.len() + n,
+                capacity: self.capacity,
+            });
+        }
+        for l in &mut self.layers {
+            match l {
+                LayerCache::Attention(c) => c.advance(n)?,
+                LayerCache::Recurrent(c) => c.commit_step(parents)?,
+            }
+        }
+        Ok(())
     }
 
     /// Counts `n` rows a device step wrote in every layer (see [`KvCache::advance`]).

@@ -414,6 +414,7 @@ pub fn advance(
             g,
             beta,
             state,
+            into: None,
         };
         return Ok(crate::gated_delta_cuda::advance_layers(&[job])?.remove(0));
     }
@@ -434,6 +435,9 @@ pub struct AdvanceJob<'a> {
     pub g: &'a Tensor,
     pub beta: &'a Tensor,
     pub state: &'a Tensor,
+    /// Where the new state goes (contiguous f32 `[H, dk, dv]`, possibly `state` itself: the
+    /// hybrid device step's state buffer, committed in place); `None`: a fresh tensor.
+    pub into: Option<&'a Tensor>,
 }
 
 /// [`advance`] for many layers of one shape and token count at once — the state commit of every
@@ -449,7 +453,16 @@ pub fn advance_layers(jobs: &[AdvanceJob]) -> Result<Vec<Tensor>> {
     }
     let _ = first;
     jobs.iter()
-        .map(|j| advance(j.k, j.v, j.g, j.beta, j.state))
+        .map(|j| {
+            let s = advance(j.k, j.v, j.g, j.beta, j.state)?;
+            match j.into {
+                Some(t) => {
+                    t.slice_set(&s, 0, 0)?;
+                    Ok(t.clone())
+                }
+                None => Ok(s),
+            }
+        })
         .collect()
 }
 

@@ -57,16 +57,8 @@ struct LayerArgs {
     last: u64,
 }
 
-/// Launches `gated_delta_tree_layers_f32` over `layers` (one pointer table upload, one launch):
-/// each layer's tree of `t` tokens, `h` heads, key dim `dk`, value dim `dv`. `meta` is a u32
-/// buffer of at least `22 · L + extra.len()` words; `extra` (parents and kept flags) is copied
-/// right after the table, at the addresses `layers` name.
-fn launch_layers(
-    meta: &Tensor,
-    layers: &[LayerArgs],
-    extra: &[u32],
-    (t, h, dk, dv): (usize, usize, usize, usize),
-) -> Result<()> {
+/// The pointer table of `layers` (22 words each) followed by `extra`.
+fn table_words(layers: &[LayerArgs], extra: &[u32]) -> Vec<u32> {
     let mut words = Vec::with_capacity(22 * layers.len() + extra.len());
     for l in layers {
         for p in [
@@ -77,11 +69,34 @@ fn launch_layers(
         }
     }
     words.extend_from_slice(extra);
-    crate::step_cuda::upload_meta(meta, &words)?;
-    let (mp, dev) = address(meta, "gated delta pointer table")?;
+    words
+}
+
+/// Launches `gated_delta_tree_layers_f32` over `layers` (one pointer table upload, one launch):
+/// each layer's tree of `t` tokens, `h` heads, key dim `dk`, value dim `dv`. `meta` is a u32
+/// buffer of at least `22 · L + extra.len()` words; `extra` (parents and kept flags) is copied
+/// right after the table, at the addresses `layers` name.
+fn launch_layers(
+    meta: &Tensor,
+    layers: &[LayerArgs],
+    extra: &[u32],
+    dims: (usize, usize, usize, usize),
+) -> Result<()> {
+    crate::step_cuda::upload_meta(meta, &table_words(layers, extra))?;
+    launch_table(meta, layers.len(), dims)
+}
+
+/// The launch alone of `gated_delta_tree_layers_f32` over the `layers` tables in `table`
+/// (already on the device): no upload, so a CUDA graph can capture it.
+pub(crate) fn launch_table(
+    table: &Tensor,
+    layers: usize,
+    (t, h, dk, dv): (usize, usize, usize, usize),
+) -> Result<()> {
+    let (mp, dev) = address(table, "gated delta pointer table")?;
     let (ti, hi, dvi) = (t as i32, h as i32, dv as i32);
     let cfg = LaunchConfig {
-        grid_dim: (dv.div_ceil(THREADS) as u32, h as u32, layers.len() as u32),
+        grid_dim: (dv.div_ceil(THREADS) as u32, h as u32, layers as u32),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -90,10 +105,33 @@ fn launch_layers(
     let mut b = f.builder();
     b.arg(&mp).arg(&ti).arg(&hi).arg(&dvi);
     // SAFETY: the table holds, per layer, device addresses of live contiguous tensors of the sizes
-    // the kernel reads and writes (or 0 where the kernel checks for null); `meta` outlives the
+    // the kernel reads and writes (or 0 where the kernel checks for null); `table` outlives the
     // launch on this stream.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
+}
+
+/// Writes one layer's pointer table (22 u32 words) over the fixed buffers of a hybrid device
+/// step into `table` (see [`crate::gated_delta_layer::StepRuleBuffers`]).
+pub(crate) fn upload_rule_table(
+    table: &Tensor,
+    b: &crate::gated_delta_layer::StepRuleBuffers,
+) -> Result<()> {
+    let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
+    let args = LayerArgs {
+        q: ptr(b.q, "step q")?,
+        k: ptr(b.k, "step k")?,
+        v: ptr(b.v, "step v")?,
+        g: ptr(b.g, "step g")?,
+        beta: ptr(b.beta, "step beta")?,
+        state: ptr(b.state, "step state")?,
+        parents: ptr(b.parents, "step parents")?,
+        keep: ptr(b.keep, "step kept flags")?,
+        out: ptr(b.out, "step outputs")?,
+        scratch: ptr(b.scratch, "step scratch")?,
+        last: ptr(b.last, "step last state")?,
+    };
+    crate::step_cuda::upload_meta(table, &table_words(&[args], &[]))
 }
 
 /// The rule over the tree `parents` from `state` on the device: the outputs `[T, H, dv]` and the
@@ -174,8 +212,21 @@ pub(crate) fn advance_layers(jobs: &[crate::gated_delta::AdvanceJob]) -> Result<
             )));
         }
         let (k, v, g, beta, s0) = (c(j.k)?, c(j.v)?, c(j.g)?, c(j.beta)?, c(j.state)?);
-        // SAFETY: written by the kernel before anything reads it.
-        let last = unsafe { Tensor::empty((h, dk, dv), DType::F32, dev_t)? };
+        let last = match j.into {
+            // in place is safe: each thread reads its state column before it writes it
+            Some(t) if t.dims() == [h, dk, dv] && t.dtype() == DType::F32 && t.is_contiguous() => {
+                t.clone()
+            }
+            Some(t) => {
+                return Err(CoreError::InvalidInput(format!(
+                    "advance_layers: an output {:?} {:?} for a state [{h}, {dk}, {dv}] f32",
+                    t.dims(),
+                    t.dtype()
+                )))
+            }
+            // SAFETY: written by the kernel before anything reads it.
+            None => unsafe { Tensor::empty((h, dk, dv), DType::F32, dev_t)? },
+        };
         let ptr = |x: &Tensor| address(x, "advance_layers").map(|p| p.0);
         args.push(LayerArgs {
             q: ptr(&k)?,
@@ -229,11 +280,56 @@ pub(crate) fn conv_and_rule_inputs(
     w: crate::gated_delta_layer::LayerWeights,
     heads: crate::gated_delta_layer::LayerHeads,
 ) -> Result<crate::gated_delta_layer::RuleInputs> {
+    let crate::gated_delta_layer::LayerHeads { hv, dk, dv, .. } = heads;
+    let (n, c) = qkv.dims2()?;
+    if parents.len() != n {
+        return Err(CoreError::InvalidInput(format!(
+            "conv_and_rule_inputs: {} parents for {n} rows",
+            parents.len()
+        )));
+    }
+    let dev_t = qkv.device();
+    let words: Vec<u32> = parents.iter().map(|&p| p as i32 as u32).collect();
+    let parents_t = Tensor::from_vec(words, n, dev_t)?;
+    // SAFETY (all): every element is written by exactly one thread before anything reads it.
+    let empty = |shape: &[usize]| unsafe { Tensor::empty(shape, DType::F32, dev_t) };
+    let u = empty(&[n, c])?;
+    let outs = crate::gated_delta_layer::RuleInputs {
+        qkv: empty(&[n, c])?,
+        q: empty(&[n, hv, dk])?,
+        k: empty(&[n, hv, dk])?,
+        v: empty(&[n, hv, dv])?,
+        g: empty(&[n, hv])?,
+        beta: empty(&[n, hv])?,
+    };
+    conv_and_rule_inputs_into(qkv, conv_state, b, a, &parents_t, w, heads, &u, &outs)?;
+    Ok(outs)
+}
+
+/// [`conv_and_rule_inputs`] into caller-given buffers (launches only, so a CUDA graph can
+/// capture it): `parents` a u32 device tensor of at least n words (i32 bits, as the step's
+/// metadata holds them), `u` `[n, C]` f32 scratch, `outs` the outputs (contiguous f32 of the
+/// shapes [`conv_and_rule_inputs`] returns; views into larger buffers are fine).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_and_rule_inputs_into(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    parents: &Tensor,
+    w: crate::gated_delta_layer::LayerWeights,
+    heads: crate::gated_delta_layer::LayerHeads,
+    u: &Tensor,
+    outs: &crate::gated_delta_layer::RuleInputs,
+) -> Result<()> {
     let crate::gated_delta_layer::LayerHeads { hk, hv, dk, dv } = heads;
     let (conv_w, dt_bias, neg_a) = (w.conv_w, w.dt_bias, w.neg_a);
     let (n, c) = qkv.dims2()?;
     let k = conv_w.dim(1)?;
     let sfx = dtype_suffix(qkv, "conv_and_rule_inputs")?;
+    let f32_of = |t: &Tensor, dims: &[usize]| {
+        t.dims() == dims && t.dtype() == DType::F32 && t.is_contiguous()
+    };
     if c != 2 * hk * dk + hv * dv
         || conv_w.dims() != [c, k]
         || conv_state.dims() != [k - 1, c]
@@ -242,21 +338,32 @@ pub(crate) fn conv_and_rule_inputs(
         || a.dims() != [n, hv]
         || b.dtype() != qkv.dtype()
         || a.dtype() != qkv.dtype()
-        || parents.len() != n
+        || parents.dtype() != DType::U32
+        || parents.elem_count() < n
         || hk == 0
         || !hv.is_multiple_of(hk)
+        || !f32_of(u, &[n, c])
+        || !f32_of(&outs.qkv, &[n, c])
+        || !f32_of(&outs.q, &[n, hv, dk])
+        || !f32_of(&outs.k, &[n, hv, dk])
+        || !f32_of(&outs.v, &[n, hv, dv])
+        || !f32_of(&outs.g, &[n, hv])
+        || !f32_of(&outs.beta, &[n, hv])
     {
         return Err(CoreError::InvalidInput(format!(
-            "conv_and_rule_inputs: qkv {:?}, conv {:?} / {:?}, gates {:?} {:?}, {} parents, {heads:?}",
+            "conv_and_rule_inputs: qkv {:?}, conv {:?} / {:?}, gates {:?} {:?}, {} parents, \
+             outputs q {:?} k {:?} v {:?}, {heads:?}",
             qkv.dims(),
             conv_w.dims(),
             conv_state.dims(),
             b.dims(),
             a.dims(),
-            parents.len()
+            parents.elem_count(),
+            outs.q.dims(),
+            outs.k.dims(),
+            outs.v.dims()
         )));
     }
-    let dev_t = qkv.device();
     let f32c = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.contiguous());
     let (qkv, b, a) = (qkv.contiguous()?, b.contiguous()?, a.contiguous()?);
     let (cs, cw, dtb, na) = (
@@ -265,21 +372,14 @@ pub(crate) fn conv_and_rule_inputs(
         f32c(dt_bias)?,
         f32c(neg_a)?,
     );
-    let words: Vec<u32> = parents.iter().map(|&p| p as i32 as u32).collect();
-    let parents_t = Tensor::from_vec(words, n, dev_t)?;
-    // SAFETY (all): every element is written by exactly one thread before anything reads it.
-    let empty = |shape: &[usize]| unsafe { Tensor::empty(shape, DType::F32, dev_t) };
-    let (u, qkv32) = (empty(&[n, c])?, empty(&[n, c])?);
-    let (q, kk) = (empty(&[n, hv, dk])?, empty(&[n, hv, dk])?);
-    let (v, g, beta) = (empty(&[n, hv, dv])?, empty(&[n, hv])?, empty(&[n, hv])?);
     let (xp, dev) = address(&qkv, "qkv")?;
     let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
     let (csp, cwp, pp) = (
         ptr(&cs, "conv state")?,
         ptr(&cw, "conv weight")?,
-        ptr(&parents_t, "parents")?,
+        ptr(parents, "parents")?,
     );
-    let (up, q32p) = (ptr(&u, "u")?, ptr(&qkv32, "qkv f32")?);
+    let (up, q32p) = (ptr(u, "u")?, ptr(&outs.qkv, "qkv f32")?);
     let (ni, ci, ki) = (n as i32, c as i32, k as i32);
     let module = format!("dflash_gated_delta_dk{dk}");
     let src = ptx(dk)?;
@@ -303,11 +403,11 @@ pub(crate) fn conv_and_rule_inputs(
         ptr(&na, "-exp(A_log)")?,
     );
     let (qp, kp, vp, gp, betap) = (
-        ptr(&q, "q")?,
-        ptr(&kk, "k")?,
-        ptr(&v, "v")?,
-        ptr(&g, "g")?,
-        ptr(&beta, "beta")?,
+        ptr(&outs.q, "q")?,
+        ptr(&outs.k, "k")?,
+        ptr(&outs.v, "v")?,
+        ptr(&outs.g, "g")?,
+        ptr(&outs.beta, "beta")?,
     );
     let (hki, hvi, dvi) = (hk as i32, hv as i32, dv as i32);
     let f = dev.get_or_load_custom_func(&format!("gdn_rule_inputs_{sfx}"), &module, &src)?;
@@ -328,14 +428,7 @@ pub(crate) fn conv_and_rule_inputs(
         .arg(&betap);
     // SAFETY: as above.
     unsafe { l.launch(per_item(n * hv)) }.w()?;
-    Ok(crate::gated_delta_layer::RuleInputs {
-        qkv: qkv32,
-        q,
-        k: kk,
-        v,
-        g,
-        beta,
-    })
+    Ok(())
 }
 
 /// See [`crate::gated_delta_layer::gated_norm`].
@@ -379,13 +472,24 @@ pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result
 }
 
 /// See [`crate::gated_delta_layer::conv_windows`]: one table upload, one launch.
-pub(crate) fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<Tensor>> {
+/// `outs`: the windows' destinations (contiguous f32 `[W, C]`, which may be the jobs' starts:
+/// the kernel commits in place safely), else fresh tensors.
+pub(crate) fn conv_windows(
+    jobs: &[(&Tensor, &Tensor)],
+    n: usize,
+    outs_into: Option<&[&Tensor]>,
+) -> Result<Vec<Tensor>> {
     let (w, c) = jobs[0].0.dims2()?;
     let dev_t = jobs[0].0.device();
     let mut kept = Vec::with_capacity(jobs.len());
     let mut outs = Vec::with_capacity(jobs.len());
     let mut words = Vec::with_capacity(6 * jobs.len());
-    for &(start, conv_in) in jobs {
+    if outs_into.is_some_and(|o| o.len() != jobs.len()) {
+        return Err(CoreError::InvalidInput(
+            "conv_windows: one output per job".into(),
+        ));
+    }
+    for (i, &(start, conv_in)) in jobs.iter().enumerate() {
         if start.dims() != [w, c] || conv_in.dim(1)? != c || conv_in.dim(0)? < n {
             return Err(CoreError::InvalidInput(format!(
                 "conv_windows: start {:?}, inputs {:?}, {n} kept",
@@ -395,8 +499,20 @@ pub(crate) fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<
         }
         let f32c = |a: &Tensor| a.to_dtype(DType::F32).and_then(|a| a.contiguous());
         let (s, x) = (f32c(start)?, f32c(conv_in)?);
-        // SAFETY: every element is written by the kernel.
-        let out = unsafe { Tensor::empty((w, c), DType::F32, dev_t)? };
+        let out = match outs_into.map(|o| o[i]) {
+            Some(t) if t.dims() == [w, c] && t.dtype() == DType::F32 && t.is_contiguous() => {
+                t.clone()
+            }
+            Some(t) => {
+                return Err(CoreError::InvalidInput(format!(
+                    "conv_windows: an output {:?} {:?} for windows [{w}, {c}] f32",
+                    t.dims(),
+                    t.dtype()
+                )))
+            }
+            // SAFETY: every element is written by the kernel.
+            None => unsafe { Tensor::empty((w, c), DType::F32, dev_t)? },
+        };
         for t in [&s, &x, &out] {
             let p = address(t, "conv window")?.0;
             words.push(p as u32);
@@ -411,7 +527,7 @@ pub(crate) fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<
     let (mp, dev) = address(&meta, "conv window table")?;
     let (ni, wi, ci) = (n as i32, w as i32, c as i32);
     let cfg = LaunchConfig {
-        grid_dim: ((w * c).div_ceil(128) as u32, jobs.len() as u32, 1),
+        grid_dim: (c.div_ceil(128) as u32, jobs.len() as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };

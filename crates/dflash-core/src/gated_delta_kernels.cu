@@ -236,17 +236,22 @@ extern "C" __global__ void gdn_gated_norm_bf16(const float* o, const bf16_t* z, 
 }
 
 // The convolution windows after n kept tokens, for L layers at once (the state commit's other
-// half): thread (row r, channel c) of layer blockIdx.y writes row n + r of [start; conv_in] —
-// the last W = K − 1 rows of the window the kept tokens leave. `ptrs` [L][3] holds each layer's
-// start [W, C], conv_in [≥ n, C] and out [W, C] (f32).
+// half): thread (channel c) of layer blockIdx.y writes rows r = 0..W-1 of the window, row n + r of
+// [start; conv_in] — the last W = K − 1 rows of the window the kept tokens leave. `ptrs` [L][3]
+// holds each layer's start [W, C], conv_in [≥ n, C] and out [W, C] (f32). `out` may be `start`
+// (the hybrid device step commits in place): a thread reads row n + r ≥ r of its own channel
+// before it writes row r, and no other thread touches the channel.
 extern "C" __global__ void gdn_conv_window_layers(const unsigned long long* __restrict__ ptrs,
                                                   int n, int W, int C) {
-    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (size_t)W * C) return;
+    const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= (size_t)C) return;
     const unsigned long long* p = ptrs + (size_t)blockIdx.y * 3;
-    const int r = (int)(idx / C), c = (int)(idx % C);
-    const int row = n + r;
-    const float x = row < W ? ((const float*)p[0])[(size_t)row * C + c]
-                            : ((const float*)p[1])[(size_t)(row - W) * C + c];
-    ((float*)p[2])[idx] = x;
+    const float* start = (const float*)p[0];
+    const float* conv_in = (const float*)p[1];
+    float* out = (float*)p[2];
+    for (int r = 0; r < W; ++r) {
+        const int row = n + r;
+        const float x = row < W ? start[(size_t)row * C + c] : conv_in[(size_t)(row - W) * C + c];
+        out[(size_t)r * C + c] = x;
+    }
 }

@@ -87,6 +87,84 @@ pub fn conv_and_rule_inputs(
     ))
 }
 
+/// [`conv_and_rule_inputs`] into caller-given buffers, launches only (the hybrid device step:
+/// a CUDA graph captures it): `parents` a u32 device tensor of at least n words (i32 bits, −1 for
+/// a root, as the step's metadata holds them), `u` `[n, C]` f32 scratch, `outs` contiguous f32
+/// views of the shapes [`conv_and_rule_inputs`] returns. CUDA only.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_and_rule_inputs_into(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    parents: &Tensor,
+    w: LayerWeights,
+    heads: LayerHeads,
+    u: &Tensor,
+    outs: &RuleInputs,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
+        return crate::gated_delta_cuda::conv_and_rule_inputs_into(
+            qkv, conv_state, b, a, parents, w, heads, u, outs,
+        );
+    }
+    let _ = (qkv, conv_state, b, a, parents, w, heads, u, outs);
+    Err(CoreError::InvalidInput(
+        "conv_and_rule_inputs_into: the layer kernels run on CUDA only".into(),
+    ))
+}
+
+/// The buffers the rule reads and writes in a hybrid device step, at addresses that stay fixed
+/// from step to step (the layer's state and record buffers, the sequence's shared scratch), so
+/// that its pointer table is uploaded once ([`upload_rule_table`]) and the launch
+/// ([`rule_from_table`]) replays in a CUDA graph. Shapes as [`crate::gated_delta::tree_recurrent`]
+/// takes them for up to R rows (`q`, `k` `[R, H, dk]`, `v`, `out` `[R, H, dv]`, `g`, `beta`
+/// `[R, H]`, `scratch` `[R, H, dk, dv]`, `state`, `last` `[H, dk, dv]`, f32; `parents`, `keep`
+/// u32 `[R]`).
+pub struct StepRuleBuffers<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub beta: &'a Tensor,
+    pub state: &'a Tensor,
+    pub parents: &'a Tensor,
+    pub keep: &'a Tensor,
+    pub out: &'a Tensor,
+    pub scratch: &'a Tensor,
+    pub last: &'a Tensor,
+}
+
+/// Writes the rule's pointer table over `b` into `table` (u32, at least 22 words). CUDA only.
+pub fn upload_rule_table(table: &Tensor, b: &StepRuleBuffers) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() {
+        return crate::gated_delta_cuda::upload_rule_table(table, b);
+    }
+    let _ = (table, b);
+    Err(CoreError::InvalidInput(
+        "upload_rule_table: the layer kernels run on CUDA only".into(),
+    ))
+}
+
+/// The rule over the first `rows` tokens of the buffers `table` points at (one launch of the
+/// kernel every forward and replay runs, no upload). CUDA only.
+pub fn rule_from_table(table: &Tensor, rows: usize, heads: LayerHeads) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() {
+        return crate::gated_delta_cuda::launch_table(
+            table,
+            1,
+            (rows, heads.hv, heads.dk, heads.dv),
+        );
+    }
+    let _ = (table, rows, heads);
+    Err(CoreError::InvalidInput(
+        "rule_from_table: the layer kernels run on CUDA only".into(),
+    ))
+}
+
 /// The gated RMSNorm after the rule, one CUDA launch: `o` `[n, Hv, dv]` (f32) normed per value
 /// head (`1/sqrt(mean o² + eps)`), times `w` `[dv]`, times SiLU of the gate `z` `[n, Hv·dv]`;
 /// returned `[n, Hv·dv]` in `z`'s dtype. CUDA only ([`layer_kernels_available`]).
@@ -106,18 +184,36 @@ pub fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor
 /// recurrent layers at once (the state commit): one launch on CUDA, a concatenation per job
 /// elsewhere. Exact copies either way.
 pub fn conv_windows(jobs: &[(&Tensor, &Tensor)], n: usize) -> Result<Vec<Tensor>> {
+    conv_windows_into(jobs, n, None)
+}
+
+/// [`conv_windows`] written into `outs` (one contiguous f32 `[K−1, C]` per job, which may be the
+/// job's own `start`: the hybrid device step commits its window buffers in place); returns them.
+pub fn conv_windows_into(
+    jobs: &[(&Tensor, &Tensor)],
+    n: usize,
+    outs: Option<&[&Tensor]>,
+) -> Result<Vec<Tensor>> {
     let Some(&(first, _)) = jobs.first() else {
         return Ok(vec![]);
     };
     #[cfg(feature = "cuda")]
     if first.device().is_cuda() && first.dim(0)? > 0 && crate::gated_delta::kernels_enabled() {
-        return crate::gated_delta_cuda::conv_windows(jobs, n);
+        return crate::gated_delta_cuda::conv_windows(jobs, n, outs);
     }
     let w = first.dim(0)?;
     jobs.iter()
-        .map(|&(start, conv_in)| {
+        .enumerate()
+        .map(|(i, &(start, conv_in))| {
             let all = Tensor::cat(&[start, &conv_in.narrow(0, 0, n)?], 0)?;
-            Ok(all.narrow(0, all.dim(0)? - w, w)?.contiguous()?)
+            let window = all.narrow(0, all.dim(0)? - w, w)?.contiguous()?;
+            match outs.map(|o| o[i]) {
+                Some(t) => {
+                    t.slice_set(&window, 0, 0)?;
+                    Ok(t.clone())
+                }
+                None => Ok(window),
+            }
         })
         .collect()
 }

@@ -31,6 +31,7 @@ pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod pdl;
 pub mod recurrent_cache;
+pub mod recurrent_step;
 pub mod rope;
 pub mod rowwise;
 pub mod step;

@@ -22,6 +22,7 @@
 //!   grow, drop sequences ([`RecurrentCache::select_batch`]) or be emptied (`crop(0)`).
 
 use crate::gated_delta;
+use crate::recurrent_step::{overwrite, RecurrentStepBuffers};
 use crate::{CoreError, Result};
 use candle_core::{Device, Tensor};
 
@@ -144,6 +145,8 @@ pub fn settle_replays(caches: &mut [&mut RecurrentCache]) -> Result<()> {
                 g,
                 beta,
                 state: &caches[i].last.as_ref().expect("checked").1.start.ssm,
+                // a layer with device-step buffers settles in place (see `RecurrentCache::step`)
+                into: caches[i].step.as_ref().map(|b| &b.ssm),
             })
             .collect();
         let states = gated_delta::advance_layers(&jobs)?;
@@ -154,9 +157,28 @@ pub fn settle_replays(caches: &mut [&mut RecurrentCache]) -> Result<()> {
                 (&rec.start.conv, &rec.conv_in)
             })
             .collect();
-        let convs = crate::gated_delta_layer::conv_windows(&windows, n)?;
+        let step_convs: Vec<&Tensor> = group
+            .iter()
+            .filter_map(|&(_, i)| caches[i].step.as_ref().map(|b| &b.conv))
+            .collect();
+        let convs = match step_convs.len() == group.len() {
+            true => crate::gated_delta_layer::conv_windows_into(&windows, n, Some(&step_convs))?,
+            false if step_convs.is_empty() => crate::gated_delta_layer::conv_windows(&windows, n)?,
+            false => {
+                return Err(CoreError::InvalidInput(
+                    "settle: some recurrent layers have device-step buffers, some not".into(),
+                ))
+            }
+        };
         for ((&(_, i), ssm), conv) in group.iter().zip(states).zip(convs) {
-            caches[i].at = At::State(Some(RecurrentState { conv, ssm }));
+            let c = &mut *caches[i];
+            // a replay written over the state it started from consumed its record
+            if let (Some(b), Some((_, rec))) = (&c.step, &c.last) {
+                if b.is_state(&rec.start.ssm) {
+                    c.last = None;
+                }
+            }
+            c.at = At::State(Some(RecurrentState { conv, ssm }));
         }
     }
     Ok(())
@@ -182,6 +204,11 @@ pub struct RecurrentCache {
     at: At,
     /// One state per sequence of a batched cache.
     batch: Option<Vec<RecurrentState>>,
+    /// The device step's fixed buffers, once a device step ran (kept by `crop(0)`). With them,
+    /// pending replays settle into the state buffers in place, and a replay that overwrote the
+    /// state its record started from consumes the record (a later crop inside that forward is
+    /// refused, never approximated).
+    step: Option<RecurrentStepBuffers>,
 }
 
 impl RecurrentCache {
@@ -192,6 +219,7 @@ impl RecurrentCache {
             last: None,
             at: At::State(None),
             batch: None,
+            step: None,
         }
     }
 
@@ -252,7 +280,9 @@ impl RecurrentCache {
             return;
         }
         if len == 0 {
+            let step = self.step.take();
             *self = Self::new(self.capacity);
+            self.step = step;
             return;
         }
         self.at = match &mut self.last {
@@ -370,6 +400,79 @@ impl RecurrentCache {
                 Ok(())
             }
         }
+    }
+
+    /// The device step's buffers, if a device step made them.
+    pub fn step_buffers(&self) -> Option<&RecurrentStepBuffers> {
+        self.step.as_ref()
+    }
+
+    /// Gives the layer its device-step buffers (once; they live as long as the cache).
+    pub fn set_step_buffers(&mut self, buffers: RecurrentStepBuffers) {
+        self.step = Some(buffers);
+    }
+
+    /// Puts the state at `len` into the device step's state buffers (settling a pending replay
+    /// there in place; copying a state a host forward left; zeroing them for the empty state).
+    pub fn load_step_state(&mut self) -> Result<()> {
+        let Some(b) = self.step.clone() else {
+            return Err(CoreError::InvalidInput(
+                "load_step_state: the layer has no device-step buffers".into(),
+            ));
+        };
+        match self.state()? {
+            Some(s) if b.is_state(&s.ssm) && s.conv.id() == b.conv.id() => {}
+            Some(s) => {
+                overwrite(&b.ssm, &s.ssm)?;
+                overwrite(&b.conv, &s.conv)?;
+            }
+            None => {
+                overwrite(&b.ssm, &b.ssm.zeros_like()?)?;
+                overwrite(&b.conv, &b.conv.zeros_like()?)?;
+            }
+        }
+        // the buffers now hold the state at `len`; a record starting from them is void
+        if let Some((_, rec)) = &self.last {
+            if b.is_state(&rec.start.ssm) {
+                self.last = None;
+            }
+        }
+        self.at = At::State(Some(RecurrentState {
+            conv: b.conv.clone(),
+            ssm: b.ssm.clone(),
+        }));
+        Ok(())
+    }
+
+    /// Counts a device step of `parents.len()` tokens (rows `0..n` of the step buffers' record,
+    /// fed from the state buffers, which it left unchanged): a chain's state is the replay of all
+    /// its tokens, a tree's is defined once a crop or a path compaction picks a path.
+    pub fn commit_step(&mut self, parents: &[i64]) -> Result<()> {
+        let Some(b) = self.step.clone() else {
+            return Err(CoreError::InvalidInput(
+                "commit_step: the layer has no device-step buffers".into(),
+            ));
+        };
+        let n = parents.len();
+        let head = |t: &Tensor| t.narrow(0, 0, n);
+        let record = RecurrentRecord {
+            start: RecurrentState {
+                conv: b.conv.clone(),
+                ssm: b.ssm.clone(),
+            },
+            conv_in: head(&b.conv_in)?,
+            k: head(&b.k)?,
+            v: head(&b.v)?,
+            g: head(&b.g)?,
+            beta: head(&b.beta)?,
+            parents: parents.to_vec(),
+        };
+        let chain = record.chain_prefix(n);
+        self.commit(record, None)?;
+        if chain {
+            self.at = At::Replay(n);
+        }
+        Ok(())
     }
 
     /// The device of the kept tensors, if any.

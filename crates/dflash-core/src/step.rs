@@ -228,6 +228,22 @@ pub fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
     ))
 }
 
+/// The additive f32 mask `[rows, cap]` over a whole cache buffer of `cap` rows for the step in
+/// `meta`: row r sees every committed key (`< past`) and the step rows that are r or its
+/// ancestors ([`tree_ancestors`]'s bits), nothing else (−inf) — for attention through GEMMs over
+/// the whole buffer, so that its shapes do not depend on the cache length (the hybrids' gated
+/// attention, whose heads are wider than [`MAX_STEP_HEAD_DIM`]). CUDA only.
+pub fn step_mask(meta: &Tensor, ancestors: &Tensor, rows: usize, cap: usize) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if meta.device().is_cuda() {
+        return crate::step_cuda::step_mask(meta, ancestors, rows, cap);
+    }
+    let _ = (meta, ancestors, rows, cap);
+    Err(CoreError::InvalidInput(
+        "device step: step_mask needs a CUDA device".into(),
+    ))
+}
+
 /// Attention of `q` (`[1, heads, n, d]`, contiguous) over the cache buffers (`[1, kv_heads,
 /// capacity, d]`) under the step's tree (see the module invariants). `ancestors` is either
 /// [`tree_ancestors`]'s output (`[n, ANCESTOR_WORDS]`: a tree, its keys taken by position — a

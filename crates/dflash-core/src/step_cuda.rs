@@ -210,6 +210,34 @@ pub(crate) fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
     Ok(anc)
 }
 
+/// See [`crate::step::step_mask`].
+pub(crate) fn step_mask(
+    meta: &Tensor,
+    ancestors: &Tensor,
+    rows: usize,
+    cap: usize,
+) -> Result<Tensor> {
+    if ancestors.dims() != [rows, crate::step::ANCESTOR_WORDS] || cap == 0 {
+        return Err(CoreError::InvalidInput(format!(
+            "step_mask: ancestors {:?} for {rows} rows, {cap} keys",
+            ancestors.dims()
+        )));
+    }
+    let (mp, dev) = address(meta, "step_mask meta")?;
+    let (ap, _) = address(ancestors, "step_mask ancestors")?;
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { Tensor::empty((rows, cap), DType::F32, meta.device())? };
+    let (op, _) = address(&out, "step_mask output")?;
+    let (ri, ci) = (rows as i32, cap as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((rows * cap).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, "step_mask_f32", cfg, &mp, &ap, &ri, &ci, &op);
+    Ok(out)
+}
+
 /// Counters the attention's fused merge needs (one per block column, zero between launches; each
 /// launch leaves them zero), or `None` to take the separate combine kernel: more columns than the
 /// buffer holds, `DFLASH_FUSED_MERGE=0`, or no buffer yet while the stream is being captured (a

@@ -75,6 +75,28 @@ extern "C" __global__ void kv_append_bf16(const bf16_t* k, const bf16_t* v, bf16
   kv_append(k, v, kb, vb, meta, KV, n, cap, d);
 }
 
+// step_mask_f32: the additive mask [rows, cap] of a step whose attention reads the whole cache
+// buffer through GEMMs (the hybrids' gated attention, whose heads are wider than this file's
+// kernels stage): row r sees key j when j < past, or when j = past + t for a step row t that is r
+// or one of its ancestors (`anc`, tree_ancestors' bits); every other key (the step's other rows,
+// the rows past the step) gets −inf. One thread per element.
+extern "C" __global__ void step_mask_f32(const unsigned int* meta, const unsigned int* anc,
+                                         int rows, int cap, float* out) {
+  PDL_ENTRY();
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)rows * cap) return;
+  const int r = (int)(idx / cap), j = (int)(idx % cap);
+  const int past = (int)meta[0];
+  float m = NEG_INF;
+  if (j < past) {
+    m = 0.0f;
+  } else if (j < past + rows) {
+    const int t = j - past;
+    if ((anc[(long long)r * ANC_WORDS + (t >> 5)] >> (t & 31)) & 1u) m = 0.0f;
+  }
+  out[idx] = m;
+}
+
 // tree_ancestors: per step row r, `stride` = ANC_WORDS words: bit b of word w set when step row
 // 32·w + b is r or an ancestor of r; then r's depth (0 for a root); then its path, the step rows of
 // its ancestors-or-self by depth (root first). Rows walked once per step, not per layer or block.

@@ -109,7 +109,7 @@ static int conv_windows() {
     }
     blockDim = {128, 1, 1};
     for (unsigned by = 0; by < (unsigned)L; ++by)
-        for (unsigned bx = 0; bx < ((unsigned)(W * C) + 127) / 128; ++bx)
+        for (unsigned bx = 0; bx < ((unsigned)C + 127) / 128; ++bx)
             for (unsigned tx = 0; tx < 128; ++tx) {
                 blockIdx = {bx, by, 0};
                 threadIdx = {tx, 0, 0};

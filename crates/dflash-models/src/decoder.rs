@@ -16,7 +16,7 @@ use crate::target::{
 use crate::{ModelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
-mod step;
+pub(crate) mod step;
 
 use dflash_core::{
     attention, flash_block, AttentionMask, Grad, KvCache, LayerCache, RmsNorm, RotaryEmbedding,

@@ -392,6 +392,64 @@ impl GatedDeltaNet {
 }
 
 impl GatedDeltaNet {
+    /// The shapes of this layer's device-step buffers for steps of up to `rows` rows.
+    pub fn step_shape(&self, rows: usize) -> dflash_core::recurrent_step::StepShape {
+        let s = self.shape;
+        dflash_core::recurrent_step::StepShape {
+            heads: gated_delta_layer::LayerHeads {
+                hk: s.key_heads,
+                hv: s.value_heads,
+                dk: s.key_dim,
+                dv: s.value_dim,
+            },
+            channels: s.conv_channels(),
+            conv_kernel: s.conv_kernel,
+            rows,
+        }
+    }
+
+    /// The layer in a hybrid device step (CUDA, layer kernels; launches only, so a CUDA graph
+    /// captures it): `x` `[rows, H]`, the step's parents and kept flags already in
+    /// `shared.tree`, the state in `bufs`' state buffers (left unchanged); the rule's inputs land
+    /// in `bufs`' record rows `0..rows`, which the cache's commit replays. The same kernels, in
+    /// the same order, as [`GatedDeltaNet::forward_tree`] on CUDA.
+    pub fn forward_device(
+        &self,
+        x: &Tensor,
+        bufs: &dflash_core::recurrent_step::RecurrentStepBuffers,
+        shared: &dflash_core::recurrent_step::SharedStepBuffers,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let shape = self.step_shape(shared.shape.rows);
+        if shared.shape != shape || rows > shape.rows {
+            return Err(ModelError::InvalidInput(format!(
+                "Gated DeltaNet device step: buffers for {:?}, the layer needs {shape:?} ({rows} rows)",
+                shared.shape
+            )));
+        }
+        let proj = self.in_proj.forward(x)?;
+        let weights = gated_delta_layer::LayerWeights {
+            conv_w: &self.conv1d,
+            dt_bias: &self.dt_bias,
+            neg_a: &self.neg_a,
+        };
+        gated_delta_layer::conv_and_rule_inputs_into(
+            &proj.qkv,
+            &bufs.conv,
+            &proj.b,
+            &proj.a,
+            &shared.parents(rows)?,
+            weights,
+            shape.heads,
+            &shared.u.narrow(0, 0, rows)?,
+            &bufs.rule_inputs(shared, rows)?,
+        )?;
+        gated_delta_layer::rule_from_table(&bufs.table, rows, shape.heads)?;
+        let o = shared.out.narrow(0, 0, rows)?;
+        let y = gated_delta_layer::gated_norm(&o, &proj.z, &self.norm, self.eps)?;
+        project(&self.out_proj, &y)
+    }
+
     /// [`GatedDeltaNet::forward_tree`] on CUDA through the layer kernels
     /// (`dflash_core::gated_delta_layer`): the same map in five launches around the projections.
     fn forward_tree_kernels(

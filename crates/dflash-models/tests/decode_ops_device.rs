@@ -763,6 +763,7 @@ fn the_gated_delta_rule_matches_the_host_on_the_device() {
                     g: &on[3],
                     beta: &on[4],
                     state: &on[5],
+                    into: None,
                 };
                 let many = gated_delta::advance_layers(&[job, job]).unwrap();
                 assert!(

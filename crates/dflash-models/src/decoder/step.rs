@@ -22,15 +22,15 @@ use dflash_core::{AttentionMask, Grad, SequenceCache};
 
 /// Tree sizes a DDTree step is padded up to: a budget of 2^k nodes plus the root, and steps
 /// between them.
-const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
+pub(crate) const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
 
 /// The widest step taken on the device. Wider trees run the host path (cuBLAS attention over a
 /// device-built mask, no graph), which beats the SIMT tree-attention kernel there: Qwen3-8B shape,
 /// 257-node tree at context 2048, 37.6 ms on the device path against 22.4 ms (docs/benchmarks.md
 /// session 11).
-const MAX_DEVICE_ROWS: usize = 129;
+pub(crate) const MAX_DEVICE_ROWS: usize = 129;
 
-fn logits_code(rows: LogitRows) -> u8 {
+pub(crate) fn logits_code(rows: LogitRows) -> u8 {
     match rows {
         LogitRows::All => 0,
         LogitRows::Last => 1,

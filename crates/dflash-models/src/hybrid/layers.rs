@@ -124,15 +124,9 @@ impl GatedAttention {
         })
     }
 
-    /// The layer over `x` `[1, n, H]` seeing the cached keys and its own under `mask` (additive
-    /// `[n, past + n]`, `None`: all visible); appends its keys and values to `cache`.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        mask: Option<&Tensor>,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
+    /// q (`[b, heads, n, d]`, normed and rotated), k and v (`[b, kv_heads, n, d]`, k normed and
+    /// rotated) and the output gate (`[b, n, heads·d]`, if the layer has one), contiguous.
+    fn heads(&self, x: &Tensor, rope: &Rope) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let (b, n, _) = x.dims3()?;
         let hd = self.head_dim;
         let qg = project(&self.q_proj, x)?;
@@ -157,16 +151,66 @@ impl GatedAttention {
         let v = heads(v, None)?;
         let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
         let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
-        let (k_all, v_all) = cache.append(&k, &v)?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?
-            .transpose(1, 2)?
-            .reshape((b, n, self.n_heads * hd))?;
+        Ok((q, k, v, gate))
+    }
+
+    /// The attention output `o` (`[b, heads, n, d]`) gated and projected.
+    fn output(&self, o: Tensor, gate: Option<Tensor>) -> Result<Tensor> {
+        let (b, _, n, hd) = o.dims4()?;
+        let o = o.transpose(1, 2)?.reshape((b, n, self.n_heads * hd))?;
         let o = match gate {
             Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
             None => o,
         };
         project(&self.o_proj, &o)
+    }
+
+    /// The layer over `x` `[1, n, H]` seeing the cached keys and its own under `mask` (additive
+    /// `[n, past + n]`, `None`: all visible); appends its keys and values to `cache`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (q, k, v, gate) = self.heads(x, rope)?;
+        let (k_all, v_all) = cache.append(&k, &v)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?;
+        self.output(o, gate)
+    }
+
+    /// The layer in a hybrid device step (one sequence; CUDA): keys and values written into the
+    /// cache buffers at the length `meta` holds ([`dflash_core::step::kv_append_at`]), then
+    /// attention over the whole buffers as GEMMs of fixed shape under `mask` (`[n, capacity]`,
+    /// [`dflash_core::step::step_mask`]: committed keys and each row's own path), so a CUDA graph
+    /// replays it at any cache length. The cache's length is advanced by the caller.
+    pub fn forward_device(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        meta: &Tensor,
+        mask: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (q, k, v, gate) = self.heads(x, rope)?;
+        let (_, h, n, hd) = q.dims4()?;
+        let kv = self.n_kv_heads;
+        let (kb, vb) = cache.buffers_for(kv, hd, k.dtype(), k.device())?;
+        dflash_core::step::kv_append_at(&kb, &vb, &k, &v, meta)?;
+        let cap = kb.dim(2)?;
+        let rep = h / kv;
+        let scores = q.reshape((1, kv, rep * n, hd))?.matmul(&kb.t()?)?;
+        let flat = scores.reshape((1, kv * rep * n, cap))?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let Some(p) = dflash_core::decode_ops::softmax_scaled(&flat, Some(mask), n, scale)? else {
+            return Err(ModelError::InvalidInput(
+                "hybrid device step: no fused masked softmax on this device".into(),
+            ));
+        };
+        let o = p.reshape((1, kv, rep * n, cap))?.matmul(&vb)?;
+        self.output(o.reshape((1, h, n, hd))?, gate)
     }
 }
 

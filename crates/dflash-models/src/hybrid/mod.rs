@@ -15,13 +15,15 @@
 //!   attention layer; `crop` / `keep_rows` after a verify restore exactly the accepted tokens'
 //!   state in both, so the decoding loops drive this model unchanged.
 //! - Taps are decoder-layer outputs (HF `hidden_states[l + 1]`, before the final norm); logits
-//!   are f32. CPU path only for now: no fused decode kernels, no device step.
+//!   are f32. On CUDA the fused decode kernels and, opt-in, a device step replayed as a CUDA
+//!   graph (`step.rs`).
 //! - Batched forwards (data regeneration, training features) take causal rows behind left
 //!   padding (`causal_from`); recurrent layers read padding as zeros, which leave their state at
 //!   zero, so each sequence gets exactly its unpadded result. Each sequence's recurrence runs on
 //!   its own.
 
 pub mod layers;
+mod step;
 
 use crate::config::DecoderConfig;
 use crate::decoder::Mlp;
@@ -59,6 +61,12 @@ pub struct HybridDecoder {
     rotary: RotaryEmbedding,
     recurrent: Vec<bool>,
     info: TargetInfo,
+    /// Forwards of up to 129 rows run as device steps (`step.rs`; opt-in for now).
+    device_step: bool,
+    /// Whether this model on this device can take them (CUDA, fused decode, the layer kernels).
+    device_step_supported: bool,
+    /// The device step's cos-then-sin table, made on first use.
+    rope_table: std::sync::OnceLock<Tensor>,
     cache_pool: dflash_core::cache_pool::CachePool<SequenceCache>,
 }
 
@@ -118,6 +126,17 @@ impl HybridDecoder {
             vb.get((cfg.vocab_size, h), "lm_head.weight")?
         };
         let rotary = RotaryEmbedding::new(&cfg.rope().map_err(ModelError::InvalidInput)?)?;
+        let shape = cfg.delta_net_shape();
+        let device_step_supported = fused_mlp
+            && dflash_core::gated_delta_layer::layer_kernels_available(
+                vb.device(),
+                shape.key_dim,
+                vb.dtype(),
+                shape.conv_kernel,
+            );
+        // opt-in until measured on a GPU (a documented override)
+        let device_step =
+            device_step_supported && std::env::var("DFLASH_HYBRID_STEP").as_deref() == Ok("1");
         Ok(Self {
             embed_tokens: Embedding::new(embed_w, h),
             layers,
@@ -136,6 +155,9 @@ impl HybridDecoder {
                 device: vb.device().clone(),
             },
             cache_pool: Default::default(),
+            device_step,
+            device_step_supported,
+            rope_table: std::sync::OnceLock::new(),
         })
     }
 
@@ -205,6 +227,9 @@ impl TargetModel for HybridDecoder {
         };
         if let Some(p) = parents {
             dflash_core::gated_delta::tree_depths(p)?;
+        }
+        if let Some(out) = self.try_device_step(req, parents, cache)? {
+            return Ok(out);
         }
         // every layer's pending replay (a crop or compaction after the last verify) at once
         cache.settle_recurrent()?;

@@ -1,0 +1,358 @@
+//! Fixed device buffers of the hybrids' device step (Gated DeltaNet layers in a CUDA graph): each
+//! recurrent layer's state, committed in place, and the record of its last step, plus the
+//! scratch every recurrent layer of one sequence shares.
+//!
+//! Invariants:
+//! - Every address is fixed for the life of the sequence cache (a crop to zero keeps the
+//!   buffers), so a step graph that bakes them in stays valid; each layer's rule pointer table
+//!   ([`crate::gated_delta_layer::upload_rule_table`]) is uploaded once, when the buffers are
+//!   made — outside any capture: a cache's first device step is never captured.
+//! - A step writes rows `0..rows` of a layer's record buffers and reads its state buffers only;
+//!   the state moves on at the commit ([`crate::RecurrentCache::commit_step`]) as a replay of the
+//!   kept tokens written over the state buffers in place — the same kernel, so the same bits, as
+//!   every other forward and replay.
+//! - [`SharedStepBuffers::tree`] holds the step's parents (rows `0..R`) and kept-state flags
+//!   (rows `R..2R`), copied from the step's metadata at the start of each step (no upload).
+
+use crate::gated_delta_layer::{LayerHeads, StepRuleBuffers};
+use crate::{CoreError, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// The shapes of a sequence's recurrent layers (all alike) and the most rows a step takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepShape {
+    pub heads: LayerHeads,
+    /// Convolution channels `C = 2·Hk·dk + Hv·dv`.
+    pub channels: usize,
+    /// Convolution width `K`.
+    pub conv_kernel: usize,
+    /// `R`, the most rows one step takes.
+    pub rows: usize,
+}
+
+/// Scratch every recurrent layer of one sequence's device step shares (layers run one after
+/// another): the convolved inputs `u` `[R, C]`, the rule's queries `[R, Hv, dk]`, outputs
+/// `[R, Hv, dv]`, kept node states `[R, Hv, dk, dv]` and last state `[Hv, dk, dv]` (f32), and the
+/// step's parents then kept flags (u32 `[2R]`).
+#[derive(Debug, Clone)]
+pub struct SharedStepBuffers {
+    pub shape: StepShape,
+    pub u: Tensor,
+    pub q: Tensor,
+    pub out: Tensor,
+    pub scratch: Tensor,
+    pub last: Tensor,
+    pub tree: Tensor,
+}
+
+impl SharedStepBuffers {
+    pub fn new(shape: StepShape, device: &Device) -> Result<Self> {
+        let LayerHeads { hv, dk, dv, .. } = shape.heads;
+        let r = shape.rows;
+        let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, device);
+        Ok(Self {
+            shape,
+            u: z(&[r, shape.channels])?,
+            q: z(&[r, hv, dk])?,
+            out: z(&[r, hv, dv])?,
+            scratch: z(&[r, hv, dk, dv])?,
+            last: z(&[hv, dk, dv])?,
+            tree: Tensor::zeros(2 * r, DType::U32, device)?,
+        })
+    }
+
+    /// The step's parents (first `rows` entries).
+    pub fn parents(&self, rows: usize) -> Result<Tensor> {
+        Ok(self.tree.narrow(0, 0, rows)?)
+    }
+
+    /// Copies the step's parents and kept flags from its metadata (`[past, tokens[n],
+    /// rope_rows[2n], parents[n], kept[n]]`, [`crate::step::StepMeta`] plus the flags) into
+    /// [`SharedStepBuffers::tree`]: two device copies, capturable.
+    pub fn load_tree(&self, meta: &Tensor, rows: usize) -> Result<()> {
+        let r = self.shape.rows;
+        if rows == 0 || rows > r || meta.elem_count() < 1 + 5 * rows {
+            return Err(CoreError::InvalidInput(format!(
+                "recurrent step: {rows} rows (at most {r}), metadata of {} words",
+                meta.elem_count()
+            )));
+        }
+        let parents = meta.narrow(0, 1 + 3 * rows, rows)?;
+        let kept = meta.narrow(0, 1 + 4 * rows, rows)?;
+        copy(&self.tree.narrow(0, 0, rows)?, &parents)?;
+        copy(&self.tree.narrow(0, r, rows)?, &kept)
+    }
+}
+
+/// One recurrent layer's buffers: its state (`conv` `[K − 1, C]`, `ssm` `[Hv, dk, dv]`, f32), the
+/// record of its last step (`conv_in` `[R, C]`, `k` `[R, Hv, dk]`, `v` `[R, Hv, dv]`, `g`, `beta`
+/// `[R, Hv]`, f32) and the rule's pointer table over them and the shared scratch (u32 `[22]`).
+#[derive(Debug, Clone)]
+pub struct RecurrentStepBuffers {
+    pub conv: Tensor,
+    pub ssm: Tensor,
+    pub conv_in: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+    pub table: Tensor,
+}
+
+impl RecurrentStepBuffers {
+    /// Zeroed buffers for `shared`'s shapes, and their rule table (uploaded now: call it outside
+    /// any capture).
+    pub fn new(shared: &SharedStepBuffers, device: &Device) -> Result<Self> {
+        let s = shared.shape;
+        let LayerHeads { hv, dk, dv, .. } = s.heads;
+        let r = s.rows;
+        let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, device);
+        let b = Self {
+            conv: z(&[s.conv_kernel - 1, s.channels])?,
+            ssm: z(&[hv, dk, dv])?,
+            conv_in: z(&[r, s.channels])?,
+            k: z(&[r, hv, dk])?,
+            v: z(&[r, hv, dv])?,
+            g: z(&[r, hv])?,
+            beta: z(&[r, hv])?,
+            table: Tensor::zeros(22, DType::U32, device)?,
+        };
+        let keep = shared.tree.narrow(0, r, r)?;
+        crate::gated_delta_layer::upload_rule_table(
+            &b.table,
+            &StepRuleBuffers {
+                q: &shared.q,
+                k: &b.k,
+                v: &b.v,
+                g: &b.g,
+                beta: &b.beta,
+                state: &b.ssm,
+                parents: &shared.tree,
+                keep: &keep,
+                out: &shared.out,
+                scratch: &shared.scratch,
+                last: &shared.last,
+            },
+        )?;
+        Ok(b)
+    }
+
+    /// The rule inputs' buffers for a step of `rows` rows (views of the record and the shared
+    /// queries), as [`crate::gated_delta_layer::conv_and_rule_inputs_into`] fills them.
+    pub fn rule_inputs(
+        &self,
+        shared: &SharedStepBuffers,
+        rows: usize,
+    ) -> Result<crate::gated_delta_layer::RuleInputs> {
+        let head = |t: &Tensor| t.narrow(0, 0, rows);
+        Ok(crate::gated_delta_layer::RuleInputs {
+            qkv: head(&self.conv_in)?,
+            q: head(&shared.q)?,
+            k: head(&self.k)?,
+            v: head(&self.v)?,
+            g: head(&self.g)?,
+            beta: head(&self.beta)?,
+        })
+    }
+
+    /// Whether `t` is this layer's delta-rule state buffer itself (not a copy).
+    pub fn is_state(&self, ssm: &Tensor) -> bool {
+        ssm.id() == self.ssm.id()
+    }
+}
+
+/// `src` into `dst` (same shape and dtype, `dst` contiguous): a device copy on CUDA.
+fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if dst.device().is_cuda() {
+        return crate::step_cuda::copy_into(dst, src);
+    }
+    let _ = (dst, src);
+    Err(CoreError::InvalidInput(
+        "recurrent step: the device step runs on CUDA only".into(),
+    ))
+}
+
+/// Writes `src` over the buffer `dst` (same shape; any device): the state a host forward left,
+/// moved into the device step's state buffer.
+pub(crate) fn overwrite(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dims() != src.dims() {
+        return Err(CoreError::InvalidInput(format!(
+            "recurrent step: a state {:?} into a buffer {:?}",
+            src.dims(),
+            dst.dims()
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    if dst.device().is_cuda() {
+        return crate::step_cuda::copy_into(dst, &src.to_dtype(dst.dtype())?);
+    }
+    dst.slice_set(&src.to_dtype(dst.dtype())?.contiguous()?, 0, 0)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The device step's cache bookkeeping on the CPU (the kernels' part runs on the GPU): a state
+    //! a host forward left is copied into the buffers, a step's record is replayed into them in
+    //! place after a crop or a path compaction, and a replay that overwrote its start consumes
+    //! the record.
+    use super::*;
+    use crate::gated_delta;
+    use crate::recurrent_cache::{RecurrentCache, RecurrentRecord, RecurrentState};
+    use crate::test_util::max_abs_diff;
+
+    const H: usize = 2;
+    const DK: usize = 4;
+    const DV: usize = 3;
+    const C: usize = 5;
+    const W: usize = 2;
+    const R: usize = 6;
+
+    fn rnd(shape: &[usize], seed: u64) -> Tensor {
+        Tensor::rand(-0.5f32, 0.5, shape, &Device::Cpu)
+            .unwrap()
+            .affine(1.0, seed as f64 * 1e-3)
+            .unwrap()
+    }
+
+    fn buffers() -> RecurrentStepBuffers {
+        let z = |d: &[usize]| Tensor::zeros(d, DType::F32, &Device::Cpu).unwrap();
+        RecurrentStepBuffers {
+            conv: rnd(&[W, C], 1),
+            ssm: rnd(&[H, DK, DV], 2),
+            conv_in: z(&[R, C]),
+            k: z(&[R, H, DK]),
+            v: z(&[R, H, DV]),
+            g: z(&[R, H]),
+            beta: z(&[R, H]),
+            table: Tensor::zeros(22, DType::U32, &Device::Cpu).unwrap(),
+        }
+    }
+
+    /// A device step's rows written into the record buffers (as the kernels would).
+    fn write_record(b: &RecurrentStepBuffers, seed: u64) {
+        b.conv_in.slice_set(&rnd(&[R, C], seed), 0, 0).unwrap();
+        b.k.slice_set(&rnd(&[R, H, DK], seed + 1), 0, 0).unwrap();
+        b.v.slice_set(&rnd(&[R, H, DV], seed + 2), 0, 0).unwrap();
+        let g = (rnd(&[R, H], seed + 3) - 0.6).unwrap();
+        b.g.slice_set(&g, 0, 0).unwrap();
+        let beta = (rnd(&[R, H], seed + 4) + 0.5).unwrap();
+        b.beta.slice_set(&beta, 0, 0).unwrap();
+    }
+
+    /// The state after `nodes` of the record in `b`, from `start` (host reference ops).
+    fn expected(b: &RecurrentStepBuffers, start: &RecurrentState, nodes: &[u32]) -> RecurrentState {
+        let idx = Tensor::from_slice(nodes, nodes.len(), &Device::Cpu).unwrap();
+        let pick = |t: &Tensor| t.index_select(&idx, 0).unwrap();
+        let ssm = gated_delta::advance(
+            &pick(&b.k),
+            &pick(&b.v),
+            &pick(&b.g),
+            &pick(&b.beta),
+            &start.ssm,
+        )
+        .unwrap();
+        let conv = crate::gated_delta_layer::conv_windows(
+            &[(&start.conv, &pick(&b.conv_in))],
+            nodes.len(),
+        )
+        .unwrap();
+        RecurrentState {
+            conv: conv.into_iter().next().unwrap(),
+            ssm,
+        }
+    }
+
+    fn copy_of(b: &RecurrentStepBuffers) -> RecurrentState {
+        RecurrentState {
+            conv: b.conv.copy().unwrap(),
+            ssm: b.ssm.copy().unwrap(),
+        }
+    }
+
+    fn assert_holds(b: &RecurrentStepBuffers, want: &RecurrentState, what: &str) {
+        assert_eq!(max_abs_diff(&b.ssm, &want.ssm), 0.0, "{what}: state");
+        assert_eq!(
+            max_abs_diff(&b.conv, &want.conv),
+            0.0,
+            "{what}: conv window"
+        );
+    }
+
+    #[test]
+    fn step_buffers_take_host_states_and_settle_replays_in_place() {
+        let b = buffers();
+        let mut cache = RecurrentCache::new(64);
+        cache.set_step_buffers(b.clone());
+        // the empty cache: zeros
+        cache.load_step_state().unwrap();
+        assert_eq!(
+            b.ssm
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+        // a host forward's end state is copied in
+        let end = RecurrentState {
+            conv: rnd(&[W, C], 11),
+            ssm: rnd(&[H, DK, DV], 12),
+        };
+        let host = RecurrentRecord {
+            start: cache.state().unwrap().unwrap(),
+            conv_in: rnd(&[3, C], 13),
+            k: rnd(&[3, H, DK], 14),
+            v: rnd(&[3, H, DV], 15),
+            g: rnd(&[3, H], 16),
+            beta: rnd(&[3, H], 17),
+            parents: vec![-1, 0, 1],
+        };
+        cache.commit(host, Some(end.clone())).unwrap();
+        cache.load_step_state().unwrap();
+        assert_holds(&b, &end, "host state");
+        // a chain step of 5, cropped to 3 of its tokens: replayed into the buffers in place
+        write_record(&b, 20);
+        let before = copy_of(&b);
+        cache.commit_step(&[-1, 0, 1, 2, 3]).unwrap();
+        assert_eq!(cache.len(), 8);
+        cache.crop(6);
+        cache.load_step_state().unwrap();
+        assert_holds(&b, &expected(&b, &before, &[0, 1, 2]), "chain crop");
+        // the replay overwrote its start: a crop back into that step is refused, not approximated
+        let mut probe = cache.clone();
+        probe.crop(5);
+        assert!(probe.state().is_err());
+        // a whole chain kept (an AR step): the next load replays all of it
+        write_record(&b, 30);
+        let before = copy_of(&b);
+        cache.commit_step(&[-1]).unwrap();
+        cache.load_step_state().unwrap();
+        assert_holds(&b, &expected(&b, &before, &[0]), "AR step");
+        // a tree, one root path kept
+        write_record(&b, 40);
+        let before = copy_of(&b);
+        cache.commit_step(&[-1, 0, 0, 2, 1, 3]).unwrap();
+        let base = cache.len() - 6;
+        cache.keep_rows(base, &[0, 2, 3]).unwrap();
+        cache.load_step_state().unwrap();
+        assert_holds(&b, &expected(&b, &before, &[0, 2, 3]), "tree path");
+        // crop(0) keeps the buffers (graphs bake them in) and zeroes them at the next load
+        cache.crop(0);
+        assert!(cache.step_buffers().is_some());
+        cache.load_step_state().unwrap();
+        assert_eq!(
+            b.ssm
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+    }
+}
