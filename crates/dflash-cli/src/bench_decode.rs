@@ -372,7 +372,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
-    if let Some(t) = state_commit(target, &mut cache, &block, &block_pos, &taps, context, &a)? {
+    if let Some(t) = state_commit(target, &ids, &block, &taps, &a)? {
         push(
             &mut ops,
             "state_commit".into(),
@@ -475,20 +475,24 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     write_report(&report, a.out.as_deref())
 }
 
-/// For a target with recurrent layers: per round, the verify of `block` (untimed), then the
-/// crop to half of it and every recurrent layer's state settled as the next forward settles it
-/// (`SequenceCache::settle_recurrent`; timed, between device synchronisations), then the crop
-/// back to `context`. `None` for attention-only targets.
+/// For a target with recurrent layers: on a cache of its own holding the context `ids`, per
+/// round, the verify of `block` after the committed positions (untimed), then the crop to half of
+/// it and every recurrent layer's state settled as the next forward settles it
+/// (`SequenceCache::settle_recurrent`; timed, between device synchronisations); the next round
+/// verifies after the kept half. (A state settled in place — the hybrid device step's buffers —
+/// cannot be cropped back into the verify it ended, so the rounds move on instead of returning
+/// to the context.) `None` for attention-only targets.
 fn state_commit(
     target: &dyn TargetModel,
-    cache: &mut dflash_core::SequenceCache,
+    ids: &[u32],
     block: &[u32],
-    block_pos: &[u32],
     taps: &[usize],
-    context: usize,
     a: &DecodeArgs,
 ) -> Result<Option<Timing>> {
     use dflash_core::LayerCache;
+    let half = block.len() / 2;
+    let rounds = a.warmup + a.rounds;
+    let mut cache = target.new_cache(ids.len() + block.len() + rounds * half)?;
     if !cache
         .layers
         .iter()
@@ -496,26 +500,33 @@ fn state_commit(
     {
         return Ok(None);
     }
+    let positions: Vec<u32> = (0..ids.len() as u32).collect();
+    for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
+        let e = (s + PREFILL_CHUNK).min(ids.len());
+        let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
+        target.forward(&req, &mut cache)?;
+    }
     let dev = cache.device().clone();
     let mut v = vec![];
-    for round in 0..a.warmup + a.rounds {
+    for round in 0..rounds {
+        let base = cache.len();
+        let pos: Vec<u32> = (base as u32..(base + block.len()) as u32).collect();
         let req = ForwardRequest {
             tokens: block,
-            positions: block_pos,
+            positions: &pos,
             mask: AttentionMask::Causal,
             taps,
             logits: LogitRows::All,
         };
-        black_box(target.forward(&req, cache)?);
+        black_box(target.forward(&req, &mut cache)?);
         dev.synchronize()?;
         let t0 = Instant::now();
-        cache.crop(context + block.len() / 2);
+        cache.crop(base + half);
         cache.settle_recurrent()?;
         dev.synchronize()?;
         if round >= a.warmup {
             v.push(t0.elapsed().as_secs_f64());
         }
-        cache.crop(context);
     }
     Ok(Some(Timing::of(v)))
 }
