@@ -181,10 +181,11 @@ pub fn kv_append_at(
     if k.device().is_cuda() {
         return crate::step_cuda::kv_append_at(kbuf, vbuf, k, v, meta);
     }
-    let _ = (kbuf, vbuf, k, v, meta);
-    Err(CoreError::InvalidInput(
-        "device step: kv_append_at needs a CUDA device".into(),
-    ))
+    // the host's emulation (the hybrids' device step on the CPU, for tests)
+    let past = meta.narrow(0, 0, 1)?.to_vec1::<u32>()?[0] as usize;
+    kbuf.slice_set(&k.contiguous()?, 2, past)?;
+    vbuf.slice_set(&v.contiguous()?, 2, past)?;
+    Ok(())
 }
 
 /// A device step's q/k/v heads as one kernel (the math of [`crate::decode_ops::qkv_heads`]: q/k
@@ -222,10 +223,35 @@ pub fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {
     if meta.device().is_cuda() {
         return crate::step_cuda::tree_ancestors(meta, rows);
     }
-    let _ = (meta, rows);
-    Err(CoreError::InvalidInput(
-        "device step: tree_ancestors needs a CUDA device".into(),
-    ))
+    // the host's emulation of the kernel (the hybrids' device step on the CPU, for tests)
+    let words = meta.to_vec1::<u32>()?;
+    if rows == 0 || rows > MAX_STEP_ROWS || words.len() < 1 + 4 * rows {
+        return Err(CoreError::InvalidInput(format!(
+            "tree_ancestors: {rows} rows, metadata of {} words",
+            words.len()
+        )));
+    }
+    let parents = &words[1 + 3 * rows..1 + 4 * rows];
+    let mut out = vec![0u32; rows * ANCESTOR_WORDS];
+    for r in 0..rows {
+        let row = &mut out[r * ANCESTOR_WORDS..(r + 1) * ANCESTOR_WORDS];
+        let mut path = vec![];
+        let mut x = r as i64;
+        while x >= 0 && (x as usize) < rows && path.len() < rows {
+            row[x as usize / 32] |= 1 << (x % 32);
+            path.push(x as u32);
+            x = parents[x as usize] as i32 as i64;
+        }
+        row[MAX_STEP_ROWS / 32] = path.len() as u32 - 1;
+        for (i, &p) in path.iter().rev().enumerate() {
+            row[MAX_STEP_ROWS / 32 + 1 + i] = p;
+        }
+    }
+    Ok(Tensor::from_vec(
+        out,
+        (rows, ANCESTOR_WORDS),
+        meta.device(),
+    )?)
 }
 
 /// The additive f32 mask `[rows, cap]` over a whole cache buffer of `cap` rows for the step in
@@ -238,10 +264,22 @@ pub fn step_mask(meta: &Tensor, ancestors: &Tensor, rows: usize, cap: usize) -> 
     if meta.device().is_cuda() {
         return crate::step_cuda::step_mask(meta, ancestors, rows, cap);
     }
-    let _ = (meta, ancestors, rows, cap);
-    Err(CoreError::InvalidInput(
-        "device step: step_mask needs a CUDA device".into(),
-    ))
+    // the host's emulation of the kernel (the hybrids' device step on the CPU, for tests)
+    let past = meta.narrow(0, 0, 1)?.to_vec1::<u32>()?[0] as usize;
+    let anc = ancestors.to_vec2::<u32>()?;
+    let mask: Vec<f32> = (0..rows * cap)
+        .map(|idx| {
+            let (r, j) = (idx / cap, idx % cap);
+            let seen = j < past
+                || (j < past + rows && (anc[r][(j - past) / 32] >> ((j - past) % 32)) & 1 == 1);
+            if seen {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (rows, cap), meta.device())?)
 }
 
 /// Attention of `q` (`[1, heads, n, d]`, contiguous) over the cache buffers (`[1, kv_heads,

@@ -427,6 +427,9 @@ impl GatedDeltaNet {
                 shared.shape
             )));
         }
+        if !x.device().is_cuda() {
+            return self.forward_device_emulated(x, bufs, shared);
+        }
         let proj = self.in_proj.forward(x)?;
         let weights = gated_delta_layer::LayerWeights {
             conv_w: &self.conv1d,
@@ -448,6 +451,40 @@ impl GatedDeltaNet {
         let o = shared.out.narrow(0, 0, rows)?;
         let y = gated_delta_layer::gated_norm(&o, &proj.z, &self.norm, self.eps)?;
         project(&self.out_proj, &y)
+    }
+
+    /// [`GatedDeltaNet::forward_device`] on the host (tests of the device step's bookkeeping on
+    /// the CPU): the host forward from the state buffers along the step's parents, its record
+    /// written into the buffers' rows as the kernels write it.
+    fn forward_device_emulated(
+        &self,
+        x: &Tensor,
+        bufs: &dflash_core::recurrent_step::RecurrentStepBuffers,
+        shared: &dflash_core::recurrent_step::SharedStepBuffers,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let parents: Vec<i64> = shared
+            .parents(rows)?
+            .to_vec1::<u32>()?
+            .iter()
+            .map(|&p| p as i32 as i64)
+            .collect();
+        let state = RecurrentState {
+            conv: bufs.conv.clone(),
+            ssm: bufs.ssm.clone(),
+        };
+        let f = self.forward_tree(x, &state, Some(&parents))?;
+        let r = &f.record;
+        for (dst, src) in [
+            (&bufs.conv_in, &r.conv_in),
+            (&bufs.k, &r.k),
+            (&bufs.v, &r.v),
+            (&bufs.g, &r.g),
+            (&bufs.beta, &r.beta),
+        ] {
+            dst.slice_set(&src.to_dtype(dst.dtype())?.contiguous()?, 0, 0)?;
+        }
+        Ok(f.out)
     }
 
     /// [`GatedDeltaNet::forward_tree`] on CUDA through the layer kernels

@@ -33,6 +33,13 @@ impl HybridDecoder {
         self.device_step = on && self.device_step_supported;
     }
 
+    /// Runs the device step's host emulation on the CPU (tests of its bookkeeping — buffers,
+    /// metadata, masks, commits — where no GPU is: the same orchestration, host kernels).
+    #[doc(hidden)]
+    pub fn emulate_device_step_on_cpu(&mut self) {
+        self.device_step = self.info.device.is_cpu();
+    }
+
     /// Whether forwards of up to 129 rows run as device steps.
     pub fn device_step(&self) -> bool {
         self.device_step
