@@ -69,7 +69,7 @@ impl RecurrentRecord {
     }
 
     /// The record restricted to `nodes` (a root path, in order), as a chain.
-    fn select(&self, nodes: &[u32]) -> Result<Self> {
+    pub(crate) fn select(&self, nodes: &[u32]) -> Result<Self> {
         let idx = Tensor::from_slice(nodes, nodes.len(), self.k.device())?;
         let pick = |t: &Tensor| t.index_select(&idx, 0);
         Ok(Self {
@@ -86,7 +86,7 @@ impl RecurrentRecord {
     /// The state after the first `n` tokens (which form a chain) from the starting state, by the
     /// host reference ops (the tests' expected values).
     #[cfg(test)]
-    fn state_after(&self, n: usize) -> Result<RecurrentState> {
+    pub(crate) fn state_after(&self, n: usize) -> Result<RecurrentState> {
         if n == 0 {
             return Ok(self.start.clone());
         }

@@ -209,7 +209,6 @@ mod tests {
     //! place after a crop or a path compaction, and a replay that overwrote its start consumes
     //! the record.
     use super::*;
-    use crate::gated_delta;
     use crate::recurrent_cache::{RecurrentCache, RecurrentRecord, RecurrentState};
     use crate::test_util::max_abs_diff;
 
@@ -252,27 +251,23 @@ mod tests {
         b.beta.slice_set(&beta, 0, 0).unwrap();
     }
 
-    /// The state after `nodes` of the record in `b`, from `start` (host reference ops).
+    /// The state after `nodes` of the record in `b`, from `start` (the record's host reference).
     fn expected(b: &RecurrentStepBuffers, start: &RecurrentState, nodes: &[u32]) -> RecurrentState {
-        let idx = Tensor::from_slice(nodes, nodes.len(), &Device::Cpu).unwrap();
-        let pick = |t: &Tensor| t.index_select(&idx, 0).unwrap();
-        let ssm = gated_delta::advance(
-            &pick(&b.k),
-            &pick(&b.v),
-            &pick(&b.g),
-            &pick(&b.beta),
-            &start.ssm,
-        )
-        .unwrap();
-        let conv = crate::gated_delta_layer::conv_windows(
-            &[(&start.conv, &pick(&b.conv_in))],
-            nodes.len(),
-        )
-        .unwrap();
-        RecurrentState {
-            conv: conv.into_iter().next().unwrap(),
-            ssm,
-        }
+        let rec = RecurrentRecord {
+            start: start.clone(),
+            conv_in: b.conv_in.clone(),
+            k: b.k.clone(),
+            v: b.v.clone(),
+            g: b.g.clone(),
+            beta: b.beta.clone(),
+            parents: (0..R as i64).map(|i| i - 1).collect(),
+        };
+        rec.select(nodes).unwrap().state_after(nodes.len()).unwrap()
+    }
+
+    fn assert_zero(b: &RecurrentStepBuffers) {
+        let sum = b.ssm.abs().unwrap().sum_all().unwrap();
+        assert_eq!(sum.to_scalar::<f32>().unwrap(), 0.0, "a zeroed state");
     }
 
     fn copy_of(b: &RecurrentStepBuffers) -> RecurrentState {
@@ -298,16 +293,7 @@ mod tests {
         cache.set_step_buffers(b.clone());
         // the empty cache: zeros
         cache.load_step_state().unwrap();
-        assert_eq!(
-            b.ssm
-                .abs()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap(),
-            0.0
-        );
+        assert_zero(&b);
         // a host forward's end state is copied in
         let end = RecurrentState {
             conv: rnd(&[W, C], 11),
@@ -355,15 +341,6 @@ mod tests {
         cache.crop(0);
         assert!(cache.step_buffers().is_some());
         cache.load_step_state().unwrap();
-        assert_eq!(
-            b.ssm
-                .abs()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap(),
-            0.0
-        );
+        assert_zero(&b);
     }
 }

@@ -392,16 +392,31 @@ impl GatedDeltaNet {
 }
 
 impl GatedDeltaNet {
+    /// The head counts and dims the layer kernels take.
+    fn layer_heads(&self) -> gated_delta_layer::LayerHeads {
+        let s = self.shape;
+        gated_delta_layer::LayerHeads {
+            hk: s.key_heads,
+            hv: s.value_heads,
+            dk: s.key_dim,
+            dv: s.value_dim,
+        }
+    }
+
+    /// The layer's own weights the layer kernels read.
+    fn layer_weights(&self) -> gated_delta_layer::LayerWeights<'_> {
+        gated_delta_layer::LayerWeights {
+            conv_w: &self.conv1d,
+            dt_bias: &self.dt_bias,
+            neg_a: &self.neg_a,
+        }
+    }
+
     /// The shapes of this layer's device-step buffers for steps of up to `rows` rows.
     pub fn step_shape(&self, rows: usize) -> dflash_core::recurrent_step::StepShape {
         let s = self.shape;
         dflash_core::recurrent_step::StepShape {
-            heads: gated_delta_layer::LayerHeads {
-                hk: s.key_heads,
-                hv: s.value_heads,
-                dk: s.key_dim,
-                dv: s.value_dim,
-            },
+            heads: self.layer_heads(),
             channels: s.conv_channels(),
             conv_kernel: s.conv_kernel,
             rows,
@@ -431,18 +446,13 @@ impl GatedDeltaNet {
             return self.forward_device_emulated(x, bufs, shared);
         }
         let proj = self.in_proj.forward(x)?;
-        let weights = gated_delta_layer::LayerWeights {
-            conv_w: &self.conv1d,
-            dt_bias: &self.dt_bias,
-            neg_a: &self.neg_a,
-        };
         gated_delta_layer::conv_and_rule_inputs_into(
             &proj.qkv,
             &bufs.conv,
             &proj.b,
             &proj.a,
             &shared.parents(rows)?,
-            weights,
+            self.layer_weights(),
             shape.heads,
             &shared.u.narrow(0, 0, rows)?,
             &bufs.rule_inputs(shared, rows)?,
@@ -498,17 +508,7 @@ impl GatedDeltaNet {
     ) -> Result<DeltaForward> {
         let s = self.shape;
         let (n, _) = x.dims2()?;
-        let heads = gated_delta_layer::LayerHeads {
-            hk: s.key_heads,
-            hv: s.value_heads,
-            dk: s.key_dim,
-            dv: s.value_dim,
-        };
-        let weights = gated_delta_layer::LayerWeights {
-            conv_w: &self.conv1d,
-            dt_bias: &self.dt_bias,
-            neg_a: &self.neg_a,
-        };
+        let (heads, weights) = (self.layer_heads(), self.layer_weights());
         let proj = self.in_proj.forward(x)?;
         let r = gated_delta_layer::conv_and_rule_inputs(
             &proj.qkv,

@@ -136,6 +136,22 @@ pub fn tiny_qwen3(
     .unwrap()
 }
 
+/// A tiny Qwen3.5 hybrid config (vocab 211, hidden 64, 4 layers alternating Gated DeltaNet and
+/// gated attention with an output gate, two value heads per key head, partial rotary) with
+/// attention heads of `head_dim`.
+pub fn tiny_hybrid(head_dim: usize) -> dflash_models::DecoderConfig {
+    serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": 211, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 4, "full_attention_interval": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "attn_output_gate": true,
+        "tie_word_embeddings": false, "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+    }))
+    .unwrap()
+}
+
 /// Every row of bf16 tree verifies (branching, `tree_sizes` nodes each) and of a 16-token causal
 /// verify, at two cache lengths, against one-token AR steps along the row's path: the logits must
 /// be equal bit for bit (the bit-exact policy must be in force). Panics naming the first row that
@@ -250,4 +266,83 @@ pub fn check_verify_rows_equal_ar_steps_in(dev: &Device, tree_sizes: &[usize], d
             cache.crop(past);
         }
     }
+}
+
+/// Two models run side by side on the same requests, each with its own cache — a device step
+/// against the CPU host path, for instance: every [`Pair::step`] asserts that their logits and
+/// taps agree within `tol` and that the caches end at one length.
+pub struct Pair<'a> {
+    pub a: &'a dyn dflash_models::TargetModel,
+    pub b: &'a dyn dflash_models::TargetModel,
+    pub ac: dflash_core::SequenceCache,
+    pub bc: dflash_core::SequenceCache,
+    pub taps: Vec<usize>,
+    pub tol: f32,
+}
+
+impl<'a> Pair<'a> {
+    pub fn new(
+        a: &'a dyn dflash_models::TargetModel,
+        b: &'a dyn dflash_models::TargetModel,
+        capacity: usize,
+        taps: &[usize],
+        tol: f32,
+    ) -> Self {
+        Self {
+            a,
+            b,
+            ac: a.new_cache(capacity).unwrap(),
+            bc: b.new_cache(capacity).unwrap(),
+            taps: taps.to_vec(),
+            tol,
+        }
+    }
+
+    /// One forward of every row's logits through both.
+    pub fn step(
+        &mut self,
+        tokens: Vec<u32>,
+        positions: Vec<u32>,
+        mask: dflash_core::AttentionMask,
+        what: &str,
+    ) {
+        let req = dflash_models::ForwardRequest {
+            tokens: &tokens,
+            positions: &positions,
+            mask,
+            taps: &self.taps,
+            logits: dflash_models::LogitRows::All,
+        };
+        let x = self.a.forward(&req, &mut self.ac).unwrap();
+        let y = self.b.forward(&req, &mut self.bc).unwrap();
+        let d = max_abs_diff(x.logits.as_ref().unwrap(), y.logits.as_ref().unwrap());
+        assert!(d < self.tol, "{what}: logits differ by {d}");
+        for (tx, ty) in x.taps.iter().zip(&y.taps) {
+            let d = max_abs_diff(tx, ty);
+            assert!(d < self.tol, "{what}: taps differ by {d}");
+        }
+        assert_eq!(self.ac.len(), self.bc.len(), "{what}: cache lengths");
+    }
+
+    pub fn crop(&mut self, len: usize) {
+        self.ac.crop(len);
+        self.bc.crop(len);
+    }
+
+    pub fn keep_rows(&mut self, base: usize, rows: &[u32]) {
+        self.ac.keep_rows(base, rows).unwrap();
+        self.bc.keep_rows(base, rows).unwrap();
+    }
+}
+
+/// The root path to `node` of a tree given by `parents` (root first, `node` last).
+pub fn path_to(parents: &[i64], node: usize) -> Vec<usize> {
+    let mut path = vec![];
+    let mut i = node as i64;
+    while i >= 0 {
+        path.push(i as usize);
+        i = parents[i as usize];
+    }
+    path.reverse();
+    path
 }

@@ -517,8 +517,7 @@ fn tree_attention_matches_the_composite_on_the_device() {
 #[test]
 fn device_step_graphs_replay_the_cpu_composite() {
     use dflash_core::AttentionMask;
-    use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
-    use dflash_models::{LogitRows, TargetModel};
+    use dflash_models::{random::random_target_tensors, Decoder};
     let dev = device();
     if !dev.is_cuda() {
         return;
@@ -539,73 +538,29 @@ fn device_step_graphs_replay_the_cpu_composite() {
         .unwrap()
     };
     let (cpu, gpu) = (on(&Device::Cpu), on(&dev));
-    let (mut cc, mut gc) = (cpu.new_cache(400).unwrap(), gpu.new_cache(400).unwrap());
-    let taps = [1usize, 2];
+    let mut pair = common::Pair::new(&cpu, &gpu, 400, &[1usize, 2], 2e-4);
     let mut len = 0u32;
-    type Cache = dflash_core::SequenceCache;
-    let step = |cc: &mut Cache,
-                gc: &mut Cache,
-                tokens: Vec<u32>,
-                positions: Vec<u32>,
-                mask: AttentionMask,
-                what: &str| {
-        let req = ForwardRequest {
-            tokens: &tokens,
-            positions: &positions,
-            mask,
-            taps: &taps,
-            logits: LogitRows::All,
-        };
-        let a = cpu.forward(&req, cc).unwrap();
-        let b = gpu.forward(&req, gc).unwrap();
-        let d = max_abs(a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap());
-        assert!(d < 2e-4, "{what}: logits differ by {d}");
-        for (ta, tb) in a.taps.iter().zip(&b.taps) {
-            let d = max_abs(ta, tb);
-            assert!(d < 2e-4, "{what}: taps differ by {d}");
-        }
-        assert_eq!(cc.len(), gc.len(), "{what}: cache lengths");
-    };
     let prompt: Vec<u32> = (0..30).map(|i| (i * 37 % 300) as u32).collect();
-    step(
-        &mut cc,
-        &mut gc,
-        prompt,
-        (0..30).collect(),
-        AttentionMask::Causal,
-        "prefill",
-    );
+    pair.step(prompt, (0..30).collect(), AttentionMask::Causal, "prefill");
     len += 30;
     for i in 0..6 {
-        step(
-            &mut cc,
-            &mut gc,
-            vec![i * 11],
-            vec![len],
-            AttentionMask::Causal,
-            "ar",
-        );
+        pair.step(vec![i * 11], vec![len], AttentionMask::Causal, "ar");
         len += 1;
     }
     for i in 0..4 {
-        step(
-            &mut cc,
-            &mut gc,
+        pair.step(
             (0..4).map(|j| j * 5 + i).collect(),
             (len..len + 4).collect(),
             AttentionMask::Causal,
             "block",
         );
-        cc.crop(len as usize + 2);
-        gc.crop(len as usize + 2);
+        pair.crop(len as usize + 2);
         len += 2;
     }
     let parents = vec![-1i64, 0, 0, 1, 1, 3, 2];
     for i in 0..4u32 {
         let pos: Vec<u32> = [0, 1, 1, 2, 2, 3, 2].iter().map(|&p| len + p).collect();
-        step(
-            &mut cc,
-            &mut gc,
+        pair.step(
             (0..7).map(|j| j * 13 + i).collect(),
             pos,
             AttentionMask::Tree {
@@ -613,14 +568,14 @@ fn device_step_graphs_replay_the_cpu_composite() {
             },
             "tree",
         );
-        cc.keep_rows(len as usize, &[0, 1, 3]).unwrap();
-        gc.keep_rows(len as usize, &[0, 1, 3]).unwrap();
+        pair.keep_rows(len as usize, &[0, 1, 3]);
         len += 3;
     }
     assert!(
-        gc.step_graphs.captured() >= 3 || std::env::var("DFLASH_CUDA_GRAPHS").as_deref() == Ok("0"),
+        pair.bc.step_graphs.captured() >= 3
+            || std::env::var("DFLASH_CUDA_GRAPHS").as_deref() == Ok("0"),
         "AR, block and tree shapes replay from graphs ({} captured)",
-        gc.step_graphs.captured()
+        pair.bc.step_graphs.captured()
     );
     // with PDL or DFLASH_GRAPH_REBUILD=1, the graphs compared above are the rebuilt ones,
     // without memory nodes (and with programmatic edges under PDL)

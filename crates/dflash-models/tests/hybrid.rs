@@ -92,17 +92,6 @@ fn random_tree(rng: &mut impl Rng, n: usize) -> Vec<i64> {
     p
 }
 
-fn path_to(parents: &[i64], node: usize) -> Vec<usize> {
-    let mut path = vec![];
-    let mut i = node as i64;
-    while i >= 0 {
-        path.push(i as usize);
-        i = parents[i as usize];
-    }
-    path.reverse();
-    path
-}
-
 /// Rounds of verification as the decoding loops run them — causal blocks cropped after a random
 /// number of accepted rows, trees compacted to a random root path — checking every verified row
 /// against a fresh causal forward of the committed tokens plus the row's path.

@@ -7,44 +7,16 @@
 //! metadata, masks and commits, host kernels), which checks its bookkeeping.
 
 mod common;
-use candle_core::{DType, Device, Tensor};
-use dflash_core::{AttentionMask, SequenceCache};
+use candle_core::{DType, Device};
+use dflash_core::AttentionMask;
 use dflash_models::random::random_target_tensors;
-use dflash_models::{DecoderConfig, ForwardRequest, HybridDecoder, LogitRows, TargetModel};
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    let host = |t: &Tensor| {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap()
-    };
-    (host(a) - host(b))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
+use dflash_models::HybridDecoder;
 
 #[test]
 fn hybrid_device_steps_replay_the_cpu_host_path() {
     let (dev, _) = common::device_and_dtype();
     // both layer kinds, an output gate, two value heads per key head, partial rotary
-    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "qwen3_5_text", "vocab_size": 211, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 4, "full_attention_interval": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "attn_output_gate": true,
-        "tie_word_embeddings": false, "max_position_embeddings": 1024,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
-    }))
-    .unwrap();
+    let cfg = common::tiny_hybrid(32);
     let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 3).unwrap();
     let on = |d: &Device| -> HybridDecoder {
         let w = w
@@ -64,46 +36,18 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
         gpu.device_step(),
         "the device step must be available on {dev:?}"
     );
-    let (mut cc, mut gc) = (cpu.new_cache(500).unwrap(), gpu.new_cache(500).unwrap());
-    let taps = [0usize, 3];
+    let mut pair = common::Pair::new(&cpu, &gpu, 500, &[0usize, 3], 2e-4);
     let mut len = 0u32;
-    let step = |cc: &mut SequenceCache,
-                gc: &mut SequenceCache,
-                tokens: Vec<u32>,
-                positions: Vec<u32>,
-                mask: AttentionMask,
-                what: &str| {
-        let req = ForwardRequest {
-            tokens: &tokens,
-            positions: &positions,
-            mask,
-            taps: &taps,
-            logits: LogitRows::All,
-        };
-        let a = cpu.forward(&req, cc).unwrap();
-        let b = gpu.forward(&req, gc).unwrap();
-        let d = max_abs(a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap());
-        assert!(d < 2e-4, "{what}: logits differ by {d}");
-        for (ta, tb) in a.taps.iter().zip(&b.taps) {
-            let d = max_abs(ta, tb);
-            assert!(d < 2e-4, "{what}: taps differ by {d}");
-        }
-        assert_eq!(cc.len(), gc.len(), "{what}: cache lengths");
-    };
     // a prompt longer than a device step (host path), then one that is a device step
     let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 211) as u32).collect();
-    step(
-        &mut cc,
-        &mut gc,
+    pair.step(
         prompt,
         (0..150).collect(),
         AttentionMask::Causal,
         "prefill (host path)",
     );
     len += 150;
-    step(
-        &mut cc,
-        &mut gc,
+    pair.step(
         (0..20).map(|i| (i * 7 % 211) as u32).collect(),
         (len..len + 20).collect(),
         AttentionMask::Causal,
@@ -111,29 +55,19 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
     );
     len += 20;
     for i in 0..5 {
-        step(
-            &mut cc,
-            &mut gc,
-            vec![i * 11],
-            vec![len],
-            AttentionMask::Causal,
-            "ar",
-        );
+        pair.step(vec![i * 11], vec![len], AttentionMask::Causal, "ar");
         len += 1;
     }
     // DFlash blocks: 16 rows verified, a few kept (a rejection mid-block)
     for i in 0..4u32 {
-        step(
-            &mut cc,
-            &mut gc,
+        pair.step(
             (0..16).map(|j| (j * 5 + i) % 211).collect(),
             (len..len + 16).collect(),
             AttentionMask::Causal,
             "block",
         );
         let keep = 1 + (i as usize * 5) % 16;
-        cc.crop(len as usize + keep);
-        gc.crop(len as usize + keep);
+        pair.crop(len as usize + keep);
         len += keep as u32;
     }
     // DDTree trees (padded to a bucket), one root path kept, deep enough to pass the conv window
@@ -149,9 +83,7 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
     let path = [0u32, 1, 3, 5, 7, 8, 9, 11];
     for i in 0..4u32 {
         let pos: Vec<u32> = (0..parents.len()).map(|r| len + depth(r) as u32).collect();
-        step(
-            &mut cc,
-            &mut gc,
+        pair.step(
             (0..parents.len() as u32)
                 .map(|j| (j * 13 + i) % 211)
                 .collect(),
@@ -162,14 +94,11 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
             "tree",
         );
         let kept = &path[..2 + i as usize * 2];
-        cc.keep_rows(len as usize, kept).unwrap();
-        gc.keep_rows(len as usize, kept).unwrap();
+        pair.keep_rows(len as usize, kept);
         len += kept.len() as u32;
     }
     for i in 0..3 {
-        step(
-            &mut cc,
-            &mut gc,
+        pair.step(
             vec![i * 3 + 1],
             vec![len],
             AttentionMask::Causal,
@@ -177,12 +106,15 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
         );
         len += 1;
     }
-    assert!(gc.recurrent_step.is_some(), "the steps ran as device steps");
+    assert!(
+        pair.bc.recurrent_step.is_some(),
+        "the steps ran as device steps"
+    );
     assert!(
         !dev.is_cuda()
-            || gc.step_graphs.captured() >= 3
+            || pair.bc.step_graphs.captured() >= 3
             || std::env::var("DFLASH_CUDA_GRAPHS").as_deref() == Ok("0"),
         "AR, block and tree shapes replay from graphs ({} captured)",
-        gc.step_graphs.captured()
+        pair.bc.step_graphs.captured()
     );
 }

@@ -22,7 +22,7 @@ use dflash_core::{AttentionMask, Grad, SequenceCache};
 
 /// Tree sizes a DDTree step is padded up to: a budget of 2^k nodes plus the root, and steps
 /// between them.
-pub(crate) const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
+const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
 
 /// The widest step taken on the device. Wider trees run the host path (cuBLAS attention over a
 /// device-built mask, no graph), which beats the SIMT tree-attention kernel there: Qwen3-8B shape,
@@ -30,7 +30,7 @@ pub(crate) const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97
 /// session 11).
 pub(crate) const MAX_DEVICE_ROWS: usize = 129;
 
-pub(crate) fn logits_code(rows: LogitRows) -> u8 {
+fn logits_code(rows: LogitRows) -> u8 {
     match rows {
         LogitRows::All => 0,
         LogitRows::Last => 1,
@@ -38,50 +38,44 @@ pub(crate) fn logits_code(rows: LogitRows) -> u8 {
     }
 }
 
-impl Decoder {
-    fn table_positions(&self) -> usize {
-        StepMeta::table_positions(self.info.max_position_embeddings)
-    }
+/// A forward request laid out as a device step (shared by the dense and the hybrid step): a tree
+/// padded to its bucket with root-level dummy rows, a causal block as it is, and the step's graph
+/// key.
+pub(crate) struct StepPlan {
+    /// The request's rows.
+    pub n: usize,
+    /// The step's rows (`n`, or a tree's bucket).
+    pub rows: usize,
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// The padded tree (`None`: a causal block).
+    pub tree: Option<Vec<i64>>,
+    pub key: StepKey,
+}
 
-    fn rope_table(&self) -> Result<&Tensor> {
-        if self.rope_table.get().is_none() {
-            let t = StepMeta::rope_table(
-                &self.rotary,
-                self.table_positions(),
-                &self.info.device,
-                self.info.dtype,
-            )?;
-            let _ = self.rope_table.set(t);
-        }
-        Ok(self.rope_table.get().expect("set above"))
-    }
-
-    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 129 rows,
-    /// a causal or tree mask, room in the cache and the rope table); `None` otherwise.
-    pub(super) fn try_device_step(
-        &self,
+impl StepPlan {
+    /// The plan for `req` (tree `parents`, or causal) after `past` positions of a cache of
+    /// `capacity`, with a rope table of `table_rows` positions; `None` where it cannot be a
+    /// device step (more than [`MAX_DEVICE_ROWS`] rows, no room, a position past the table).
+    pub fn new(
         req: &ForwardRequest,
-        cache: &mut SequenceCache,
-    ) -> Result<Option<ForwardOutput>> {
+        parents: Option<&[i64]>,
+        past: usize,
+        capacity: usize,
+        table_rows: usize,
+    ) -> Option<Self> {
         let n = req.tokens.len();
-        if !self.device_step || n > MAX_DEVICE_ROWS.min(MAX_STEP_ROWS) {
-            return Ok(None);
+        if n == 0 || n > MAX_DEVICE_ROWS.min(MAX_STEP_ROWS) {
+            return None;
         }
-        let parents = match &req.mask {
-            AttentionMask::Causal => None,
-            AttentionMask::Tree { parents } => Some(parents.as_slice()),
-            _ => return Ok(None),
-        };
         let rows = match parents {
             Some(_) if req.logits != LogitRows::Last => {
                 TREE_BUCKETS.iter().copied().find(|&b| b >= n).unwrap_or(n)
             }
             _ => n,
         };
-        let past = cache.len();
-        let table = self.table_positions();
-        if past + rows > cache.capacity() || req.positions.iter().any(|&p| p as usize >= table) {
-            return Ok(None);
+        if past + rows > capacity || req.positions.iter().any(|&p| p as usize >= table_rows) {
+            return None;
         }
         let mut tokens = req.tokens.to_vec();
         let mut positions = req.positions.to_vec();
@@ -93,42 +87,164 @@ impl Decoder {
                 t.resize(rows, -1);
             }
         }
-        let meta = StepMeta::new(past, &tokens, &positions, tree.as_deref(), table)?;
         let key = StepKey {
             rows,
             outputs: logits_code(req.logits),
             taps: req.taps.to_vec(),
         };
-        let table = self.rope_table()?.clone();
-        let device = self.info.device.clone();
+        Some(Self {
+            n,
+            rows,
+            tokens,
+            positions,
+            tree,
+            key,
+        })
+    }
+
+    /// The step's metadata after `past` positions ([`StepMeta`]).
+    pub fn meta(&self, past: usize, table_rows: usize) -> Result<StepMeta> {
+        Ok(StepMeta::new(
+            past,
+            &self.tokens,
+            &self.positions,
+            self.tree.as_deref(),
+            table_rows,
+        )?)
+    }
+
+    /// Runs `body` (the step from its device metadata) as this plan's step on `cache`: eagerly,
+    /// captured or replayed as a CUDA graph ([`dflash_core::step_graph::StepGraphs::run`]).
+    pub fn run(
+        &self,
+        cache: &mut SequenceCache,
+        words: &[u32],
+        device: &candle_core::Device,
+        body: &mut dyn FnMut(&Tensor, &mut SequenceCache) -> Result<Vec<Tensor>>,
+    ) -> Result<Vec<Tensor>> {
         let mut graphs = std::mem::take(&mut cache.step_graphs);
-        let outputs = graphs.run(key, &meta.words, &[], &device, &mut |m, _| {
-            self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
-                .map_err(ModelError::into_core)
+        let outputs = graphs.run(self.key.clone(), words, &[], device, &mut |m, _| {
+            body(m, cache).map_err(ModelError::into_core)
         });
         cache.step_graphs = graphs;
-        let mut outputs = outputs?;
-        cache.advance(n)?;
+        Ok(outputs?)
+    }
+
+    /// The forward's output from the step's (`[logits?, taps side by side?]`, `rows` rows each):
+    /// cut to the real rows, each tap a view of the side-by-side copy.
+    pub fn output(
+        &self,
+        mut outputs: Vec<Tensor>,
+        req: &ForwardRequest,
+        hidden: usize,
+    ) -> Result<ForwardOutput> {
+        let (logits, taps) = (req.logits, req.taps.len());
+        let (n, rows) = (self.n, self.rows);
         let cut =
             |t: Tensor| -> Result<Tensor> { Ok(if rows > n { t.narrow(0, 0, n)? } else { t }) };
-        let logits = match req.logits {
+        let logits = match logits {
             LogitRows::None => None,
             _ => Some(cut(outputs.remove(0))?),
         };
-        // the taps come side by side from the step (one copy); each tap is a view of them
         let taps_concat = outputs.pop().map(cut).transpose()?;
-        let hidden = self.info.hidden_size;
-        let taps = match &taps_concat {
-            Some(t) => (0..req.taps.len())
+        let tap_views = match &taps_concat {
+            Some(t) => (0..taps)
                 .map(|i| Ok(t.narrow(1, i * hidden, hidden)?))
                 .collect::<Result<_>>()?,
             None => vec![],
         };
-        Ok(Some(ForwardOutput {
+        Ok(ForwardOutput {
             logits,
-            taps,
+            taps: tap_views,
             taps_concat,
-        }))
+        })
+    }
+}
+
+/// The device step's cos-then-sin table ([`StepMeta::rope_table`]) of a model, made on first use
+/// in `cell`.
+pub(crate) fn rope_table_in<'a>(
+    cell: &'a std::sync::OnceLock<Tensor>,
+    rotary: &dflash_core::RotaryEmbedding,
+    info: &crate::target::TargetInfo,
+) -> Result<&'a Tensor> {
+    if cell.get().is_none() {
+        let positions = StepMeta::table_positions(info.max_position_embeddings);
+        let t = StepMeta::rope_table(rotary, positions, &info.device, info.dtype)?;
+        let _ = cell.set(t);
+    }
+    Ok(cell.get().expect("set above"))
+}
+
+/// A step body's outputs from its last residual stream `x` (`[1, rows, hidden]`) and its taps
+/// (`[1, rows, hidden]` each): `[logits?, taps side by side?]`, the logits from `head` (final norm
+/// and LM head) of every row or the last.
+pub(crate) fn body_outputs(
+    x: Tensor,
+    logits: LogitRows,
+    taps: &[Tensor],
+    head: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    let rows = x.dim(1)?;
+    let mut out = Vec::with_capacity(2);
+    match logits {
+        LogitRows::None => {}
+        r => {
+            let x = if r == LogitRows::Last {
+                x.narrow(1, rows - 1, 1)?
+            } else {
+                x
+            };
+            out.push(head(&x.squeeze(0)?)?);
+        }
+    }
+    if !taps.is_empty() {
+        let taps: Vec<Tensor> = taps
+            .iter()
+            .map(|t| t.squeeze(0))
+            .collect::<candle_core::Result<_>>()?;
+        out.push(Tensor::cat(&taps, 1)?);
+    }
+    Ok(out)
+}
+
+impl Decoder {
+    fn table_positions(&self) -> usize {
+        StepMeta::table_positions(self.info.max_position_embeddings)
+    }
+
+    fn rope_table(&self) -> Result<&Tensor> {
+        rope_table_in(&self.rope_table, &self.rotary, &self.info)
+    }
+
+    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 129 rows,
+    /// a causal or tree mask, room in the cache and the rope table); `None` otherwise.
+    pub(super) fn try_device_step(
+        &self,
+        req: &ForwardRequest,
+        cache: &mut SequenceCache,
+    ) -> Result<Option<ForwardOutput>> {
+        if !self.device_step {
+            return Ok(None);
+        }
+        let parents = match &req.mask {
+            AttentionMask::Causal => None,
+            AttentionMask::Tree { parents } => Some(parents.as_slice()),
+            _ => return Ok(None),
+        };
+        let past = cache.len();
+        let table = self.table_positions();
+        let Some(plan) = StepPlan::new(req, parents, past, cache.capacity(), table) else {
+            return Ok(None);
+        };
+        let meta = plan.meta(past, table)?;
+        let rows = plan.rows;
+        let table = self.rope_table()?.clone();
+        let outputs = plan.run(cache, &meta.words, &self.info.device, &mut |m, cache| {
+            self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
+        })?;
+        cache.advance(plan.n)?;
+        Ok(Some(plan.output(outputs, req, self.info.hidden_size)?))
     }
 
     /// The step itself, from the device metadata `meta` alone: `[logits?, taps?]`, each with
@@ -157,26 +273,9 @@ impl Decoder {
             ancestors: &ancestors,
         };
         let (x, tap_out) = self.layers_forward(x, &rope, &keys, cache, taps)?;
-        let mut out = Vec::with_capacity(1 + taps.len());
-        match logits {
-            LogitRows::None => {}
-            r => {
-                let x = if r == LogitRows::Last {
-                    x.narrow(1, rows - 1, 1)?
-                } else {
-                    x
-                };
-                let h = self.norm.forward(&x.squeeze(0)?, Grad::Off)?;
-                out.push(crate::target::TargetModel::lm_head(self, &h)?);
-            }
-        }
-        if !tap_out.is_empty() {
-            let taps: Vec<Tensor> = tap_out
-                .iter()
-                .map(|t| t.squeeze(0))
-                .collect::<candle_core::Result<_>>()?;
-            out.push(Tensor::cat(&taps, 1)?);
-        }
-        Ok(out)
+        body_outputs(x, logits, &tap_out, &|h| {
+            let h = self.norm.forward(h, Grad::Off)?;
+            crate::target::TargetModel::lm_head(self, &h)
+        })
     }
 }

@@ -173,6 +173,56 @@ impl HybridDecoder {
     }
 }
 
+/// A layer's token mixer over its normed input `h` (`[1, n, hidden]`) and its cache: the host
+/// forward's, or the device step's.
+type MixerFn<'a> = dyn FnMut(&Mixer, &mut LayerCache, &Tensor) -> Result<Tensor> + 'a;
+
+impl HybridDecoder {
+    /// The decoder stack over the embeddings `x` `[1, n, hidden]` of one sequence: each layer's
+    /// mixer through `mixer`, then its MLP, every residual add fused with the norm after it (one
+    /// kernel on CUDA). Returns the last residual stream and the tap layers' outputs (`[1, n,
+    /// hidden]` each, in `taps` order).
+    fn layers_forward(
+        &self,
+        mut x: Tensor,
+        cache: &mut SequenceCache,
+        taps: &[usize],
+        mixer: &mut MixerFn,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut tap_out: Vec<Option<Tensor>> = vec![None; taps.len()];
+        // `next` carries the next layer's normed input
+        let mut next: Option<Tensor> = None;
+        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let h = match next.take() {
+                Some(h) => h,
+                None => layer.input_layernorm.forward(&x, Grad::Off)?,
+            };
+            let a = mixer(&layer.mixer, lc, &h).map_err(|e| match e {
+                ModelError::InvalidInput(m) => ModelError::InvalidInput(format!("layer {i}: {m}")),
+                e => e,
+            })?;
+            let h = layer
+                .post_attention_layernorm
+                .add_then_forward(&mut x, &a)?;
+            let m = layer.mlp.forward(&h)?;
+            match self.layers.get(i + 1) {
+                Some(nl) => next = Some(nl.input_layernorm.add_then_forward(&mut x, &m)?),
+                None => x = (&x + m)?,
+            }
+            for (slot, &t) in tap_out.iter_mut().zip(taps) {
+                if t == i {
+                    *slot = Some(x.clone());
+                }
+            }
+        }
+        let tap_out = tap_out
+            .into_iter()
+            .map(|t| t.expect("every tap layer ran"))
+            .collect();
+        Ok((x, tap_out))
+    }
+}
+
 impl TargetModel for HybridDecoder {
     fn info(&self) -> &TargetInfo {
         &self.info
@@ -243,47 +293,23 @@ impl TargetModel for HybridDecoder {
             sin,
         };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
-        let mut x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
-        let mut taps: Vec<Option<Tensor>> = vec![None; req.taps.len()];
-        // each residual add and the norm after it: one kernel on CUDA (`next` carries the next
-        // layer's normed input)
-        let mut next: Option<Tensor> = None;
-        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            let h = match next.take() {
-                Some(h) => h,
-                None => layer.input_layernorm.forward(&x, Grad::Off)?,
-            };
-            let a = match (&layer.mixer, lc) {
-                (Mixer::Linear(d), LayerCache::Recurrent(rc)) => d
+        let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
+        let (x, taps) =
+            self.layers_forward(x, cache, req.taps, &mut |mixer, lc, h| match (mixer, lc) {
+                (Mixer::Linear(d), LayerCache::Recurrent(rc)) => Ok(d
                     .forward_cached(&h.squeeze(0)?, rc, parents)?
-                    .unsqueeze(0)?,
+                    .unsqueeze(0)?),
                 (Mixer::Attention(att), LayerCache::Attention(kv)) => {
-                    att.forward(&h, &rope, mask.as_ref(), kv)?
+                    att.forward(h, &rope, mask.as_ref(), kv)
                 }
-                _ => {
-                    return Err(ModelError::InvalidInput(format!(
-                        "layer {i}: the cache's layer kind does not match the model's"
-                    )))
-                }
-            };
-            let h = layer
-                .post_attention_layernorm
-                .add_then_forward(&mut x, &a)?;
-            let m = layer.mlp.forward(&h)?;
-            match self.layers.get(i + 1) {
-                Some(nl) => next = Some(nl.input_layernorm.add_then_forward(&mut x, &m)?),
-                None => x = (&x + m)?,
-            }
-            for (slot, &t) in taps.iter_mut().zip(req.taps) {
-                if t == i {
-                    *slot = Some(x.squeeze(0)?);
-                }
-            }
-        }
+                _ => Err(ModelError::InvalidInput(
+                    "the cache's layer kind does not match the model's".into(),
+                )),
+            })?;
         let taps = taps
-            .into_iter()
-            .map(|t| t.expect("every tap layer ran"))
-            .collect();
+            .iter()
+            .map(|t| Ok(t.squeeze(0)?))
+            .collect::<Result<_>>()?;
         let logits = match req.logits {
             LogitRows::None => None,
             rows => {

@@ -5,11 +5,11 @@
 //! included), LM head and attention; the recurrent layers follow each node's ancestors token by
 //! token, so their sums never depend on the row count.
 
-use super::common::max_abs_diff;
+use super::common::{max_abs_diff, path_to};
 use candle_core::{DType, Device, Tensor};
 use dflash_core::{AttentionMask, SequenceCache};
 use dflash_models::random::random_hybrid;
-use dflash_models::{DecoderConfig, ForwardRequest, LogitRows, TargetModel};
+use dflash_models::{ForwardRequest, LogitRows, TargetModel};
 use rand::{Rng, SeedableRng};
 
 /// A random tree of `n` nodes whose parents are recent (deep paths, past the conv window).
@@ -19,17 +19,6 @@ fn random_tree(rng: &mut impl Rng, n: usize) -> Vec<i64> {
         p.push(rng.random_range(i.saturating_sub(4)..i) as i64);
     }
     p
-}
-
-fn path_to(parents: &[i64], node: usize) -> Vec<usize> {
-    let mut path = vec![];
-    let mut i = node as i64;
-    while i >= 0 {
-        path.push(i as usize);
-        i = parents[i as usize];
-    }
-    path.reverse();
-    path
 }
 
 fn forward(
@@ -55,16 +44,7 @@ fn forward(
 /// the process runs (the caller sets it).
 pub fn check_hybrid_verify_rows_equal_ar_steps(dtype: DType) {
     // both layer kinds, an output gate, two value heads per key head, partial rotary
-    let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "qwen3_5_text", "vocab_size": 211, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 4, "full_attention_interval": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "attn_output_gate": true,
-        "tie_word_embeddings": false, "max_position_embeddings": 1024,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
-    }))
-    .unwrap();
+    let cfg = super::common::tiny_hybrid(16);
     let m = random_hybrid(&cfg, dtype, &Device::Cpu, 21).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     for past in [9usize, 150] {
