@@ -187,6 +187,47 @@ fn greedy_hybrid_target_modes_equal_ar() {
     }
 }
 
+/// The hybrids' device step (its host emulation on the CPU: the same fixed state and record
+/// buffers, metadata, masks and in-place commits as on CUDA) inside the real decoding loops: AR,
+/// DFlash, DDTree and auto give the host path's AR tokens exactly, after rejected drafts,
+/// compacted trees and recycled caches.
+#[test]
+fn greedy_hybrid_device_step_modes_equal_host_ar() {
+    let vocab = 7;
+    let host = tiny_vocab_hybrid_layers(vocab, 6, 3, 13);
+    let mut stepped = tiny_vocab_hybrid_layers(vocab, 6, 3, 13);
+    stepped.emulate_device_step_on_cpu();
+    assert!(stepped.device_step());
+    let cfg: dflash_models::DFlashConfig = serde_json::from_value(serde_json::json!({
+        "architectures": ["DFlashDraftModel"], "block_size": 8, "num_target_layers": 6,
+        "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000000.0, "max_position_embeddings": 256, "vocab_size": vocab,
+        "tie_word_embeddings": false,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [1, 4]}
+    }))
+    .unwrap();
+    let drafter = random_drafter_for(&cfg, &stepped, 5.0, 7);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    for (i, budget) in [8, 64, 17, 33].into_iter().enumerate() {
+        let prompt: Vec<u32> = (0..rng.random_range(2..12))
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        let gen = greedy(30, vec![]);
+        let want = generate_ar(&host, &prompt, &gen, &mut |_| {}).unwrap();
+        let what = format!("device step, case {i}");
+        let got = generate_ar(&stepped, &prompt, &gen, &mut |_| {}).unwrap();
+        assert_eq!(got.tokens, want.tokens, "{what}: stepped AR != host AR");
+        if i % 2 == 0 {
+            let mut runner = DFlashRunner::new(&drafter);
+            check_modes(&stepped, &mut runner, &prompt, &gen, budget, &what);
+        } else {
+            let mut oracle = OracleDrafter::new(8, 0.3, i as u64);
+            check_modes(&stepped, &mut oracle, &prompt, &gen, budget, &what);
+        }
+    }
+}
+
 /// A drafter laid out as z-lab's published Qwen3.6-27B-DFlash (5 layers: 4 sliding-window layers,
 /// causal within the block since the config has no `is_causal`, then a full one; the reference
 /// taps `[1, 16, 31, 46, 61]` of a 64-layer target; block 16), scaled down, on a 64-layer hybrid

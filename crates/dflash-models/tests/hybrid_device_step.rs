@@ -3,8 +3,9 @@
 //! every step shape eager once, captured, then replayed as a CUDA graph) against the CPU host
 //! path on the same random weights, through a decode that mixes AR steps, causal blocks cropped
 //! mid-block and trees compacted to a root path, with taps. On the GPU (`DFLASH_TEST_DEVICE=cuda`)
-//! the kernels and graphs themselves; on the CPU the step's host emulation (the same buffers,
-//! metadata, masks and commits, host kernels), which checks its bookkeeping.
+//! the kernels and graphs themselves (within 2e-4: cuBLAS attention over the whole buffer); on the
+//! CPU the step's host emulation (the same buffers, metadata, masks and commits, host kernels),
+//! which checks its bookkeeping bit for bit.
 
 mod common;
 use candle_core::{DType, Device};
@@ -36,7 +37,13 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
         gpu.device_step(),
         "the device step must be available on {dev:?}"
     );
-    let mut pair = common::Pair::new(&cpu, &gpu, 500, &[0usize, 3], 2e-4);
+    // on the CPU the emulation is the host path's arithmetic: equal bit for bit
+    let tol = if dev.is_cuda() {
+        2e-4
+    } else {
+        f32::MIN_POSITIVE
+    };
+    let mut pair = common::Pair::new(&cpu, &gpu, 500, &[0usize, 3], tol);
     let mut len = 0u32;
     // a prompt longer than a device step (host path), then one that is a device step
     let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 211) as u32).collect();

@@ -199,22 +199,21 @@ impl GatedAttention {
         let kv = self.n_kv_heads;
         let (kb, vb) = cache.buffers_for(kv, hd, k.dtype(), k.device())?;
         dflash_core::step::kv_append_at(&kb, &vb, &k, &v, meta)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        if !q.device().is_cuda() {
+            // the host's emulation (tests on the CPU): the host path's attention over the whole
+            // buffer — its masked keys add exactly nothing, so this is the host path's result
+            let o = attention(&q, &kb, &vb, Some(mask), scale as f64, Grad::Off)?;
+            return self.output(o, gate);
+        }
         let cap = kb.dim(2)?;
         let rep = h / kv;
         let scores = q.reshape((1, kv, rep * n, hd))?.matmul(&kb.t()?)?;
         let flat = scores.reshape((1, kv * rep * n, cap))?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let p = match dflash_core::decode_ops::softmax_scaled(&flat, Some(mask), n, scale)? {
-            Some(p) => p,
-            // the host's emulation (tests on the CPU): the same map as candle ops
-            None => {
-                let s = (flat.to_dtype(DType::F32)? * scale as f64)?
-                    .reshape((kv * rep, n, cap))?
-                    .broadcast_add(mask)?;
-                candle_nn::ops::softmax_last_dim(&s)?
-                    .reshape((1, kv * rep * n, cap))?
-                    .to_dtype(flat.dtype())?
-            }
+        let Some(p) = dflash_core::decode_ops::softmax_scaled(&flat, Some(mask), n, scale)? else {
+            return Err(ModelError::InvalidInput(
+                "hybrid device step: no fused masked softmax on this device".into(),
+            ));
         };
         let o = p.reshape((1, kv, rep * n, cap))?.matmul(&vb)?;
         self.output(o.reshape((1, h, n, hd))?, gate)
