@@ -4,10 +4,13 @@
 //! depth or per token; and the layer kernels around it ([`crate::gated_delta_layer`]).
 //!
 //! Invariants: inputs are made contiguous f32 here; the parents and the kept-state flags
-//! ([`crate::gated_delta::kept_states`]) cross to the device in one upload; every output element
-//! is written by exactly one thread, so outputs are allocated uninitialised; the scratch holds
-//! only kept nodes' states (allocated when some node is kept); everything runs on candle's
-//! stream, in order with the ops around it.
+//! ([`crate::gated_delta::kept_states`]) cross to the device in one upload — except in the
+//! hybrids' device step, whose launches (`conv_and_rule_inputs_into`, `launch_table`) read fixed
+//! buffers and a pointer table uploaded once (`upload_rule_table`), so a CUDA graph captures them;
+//! every output element is written by exactly one thread, so outputs are allocated
+//! uninitialised; the scratch holds only kept nodes' states; a replay may write its state over
+//! its input (`AdvanceJob::into`) and the conv windows over their start (per channel, in row
+//! order); everything runs on candle's stream, in order with the ops around it.
 
 use crate::gated_delta::{kept_states, DeltaInputs};
 use crate::step_cuda::address;

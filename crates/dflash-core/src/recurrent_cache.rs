@@ -20,6 +20,10 @@
 //! - Batched decoding (data regeneration, training features) keeps one state per sequence
 //!   ([`RecurrentCache::batch_states`] / [`RecurrentCache::commit_batch`]); such a cache can only
 //!   grow, drop sequences ([`RecurrentCache::select_batch`]) or be emptied (`crop(0)`).
+//! - With device-step buffers ([`crate::recurrent_step`]; the hybrids' device step), the state at
+//!   `len` lives in fixed buffers: a step's record is rows of them, replays settle into them in
+//!   place, and a replay that overwrote the state its record started from consumes the record
+//!   (a crop back into that forward then fails with the reason).
 
 use crate::gated_delta;
 use crate::recurrent_step::{overwrite, RecurrentStepBuffers};

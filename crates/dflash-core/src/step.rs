@@ -16,7 +16,8 @@
 //!   the same keys. One kernel serves every step of a dtype in a process
 //!   ([`tensor_core_attention`]: bf16 on tensor cores, f32 on CUDA cores).
 //! - CUDA only (f32, bf16; head_dim a multiple of 32 up to 128); [`device_step_supported`] says
-//!   when, and callers take the host path otherwise.
+//!   when, and callers take the host path otherwise. [`kv_append_at`], [`tree_ancestors`] and
+//!   [`step_mask`] also have host emulations (the hybrids' device step tested on the CPU).
 
 use crate::{CoreError, Result};
 use candle_core::{DType, Tensor};
