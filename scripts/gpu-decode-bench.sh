@@ -30,6 +30,7 @@ ROUNDS=${ROUNDS:-30}
 # rowkeys / poskeys: a tree's keys by step row (DFLASH_TREE_KEYS=row: ancestor masks in place; bf16's default since session 20 unless --bit-exact) / by position (=position: bit-identical to AR steps, bent rows read their keys one by one);
 # tiled: exact with calls of more than 16 rows on the tiled streaming GEMM (DFLASH_STREAM_TILED=1; built, not yet run);
 # pathtable: poskeys with each warp's tree paths in shared memory (DFLASH_ATTN_PATH_TABLE=1, session 21);
+# tiledall: tiled from 2 rows (DFLASH_STREAM_TILED_FROM=2: 16-row verifies too);
 # tiledpt: tiled with the tensor-core attention and the path table at every head width (the bit-exact candidate);
 # gdnsep: hybrids with the Gated DeltaNet input projections as four GEMMs (DFLASH_GDN_IN_PROJ=separate; stacked into one since session 21);
 # hybridstep: hybrids on their device step, replayed as CUDA graphs (DFLASH_HYBRID_STEP=1; session 21, opt-in, not yet run);
@@ -61,6 +62,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== row invariance under the tiled streaming GEMM (DFLASH_STREAM_TILED=1, with and without DFLASH_STREAM_GEMM=all)" | tee -a "$LOG"
   DFLASH_STREAM_TILED=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 stream 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_TILED=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_STREAM_TILED=1 DFLASH_STREAM_TILED_FROM=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 stream 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   echo "== the hybrids' device step against the CPU host path (DFLASH_HYBRID_STEP's path; session 21, first run)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "^test |result|panicked|differ" | tee -a "$LOG"
   DFLASH_CUDA_GRAPHS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
@@ -80,10 +82,11 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
+      tiledall) fused=1 graphs=1 stream=all tiled=1 tfrom=2;;
       nofew) fused=1 graphs=1 few=0;;
       scalar) fused=1 graphs=1 staging=scalar;;
       rebuilt) fused=1 graphs=1 rebuild=1;;
@@ -103,7 +106,7 @@ for spec in $SHAPES; do
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

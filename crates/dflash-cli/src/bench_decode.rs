@@ -614,6 +614,7 @@ fn decode_paths(r: &ReportIn) -> Value {
     json!({
         "stream_policy": format!("{:?}", dflash_core::stream_gemm::stream_policy()),
         "stream_tiled": dflash_core::stream_gemm::tiled_wide_calls(),
+        "stream_tiled_from_rows": dflash_core::stream_gemm::tiled_from_rows(),
         "attention": attention,
         "tree_keys": if keys_by_position(mma) { "position" } else { "row" },
         // the hybrids' opt-in device step (DFLASH_HYBRID_STEP=1, read at load like the model)

@@ -161,8 +161,24 @@ pub fn k_warps(n: usize, k: usize) -> usize {
 /// and NOT YET RUN on a GPU — its bit-identity with the narrow kernel is what the GPU test
 /// `stream_matmul_matches_and_does_not_depend_on_the_row_count` checks under it).
 pub fn tiled_wide_calls() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_STREAM_TILED").as_deref() == Ok("1"))
+    tiled_from_rows().is_some()
+}
+
+/// The fewest rows a call has to take the tiled kernel, when [`tiled_wide_calls`]: 17 (the
+/// narrow kernel's 16-row group is its widest), or `DFLASH_STREAM_TILED_FROM=N` (read once; an A/B
+/// override: the tiled kernel's arithmetic per element is the narrow one's, so any threshold keeps
+/// rows invariant, and 16-row verifies may gain from one weight read per 64 rows too).
+pub fn tiled_from_rows() -> Option<usize> {
+    static FROM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| {
+        if std::env::var("DFLASH_STREAM_TILED").as_deref() != Ok("1") {
+            return None;
+        }
+        let from = std::env::var("DFLASH_STREAM_TILED_FROM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok());
+        Some(from.unwrap_or(17).max(1))
+    })
 }
 
 /// What the kernel feeds the tensor cores and writes.
@@ -396,7 +412,7 @@ mod cuda {
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
         let warps = super::k_warps(n, k);
-        if m > 16 && super::tiled_wide_calls() {
+        if super::tiled_from_rows().is_some_and(|from| m >= from) {
             // one block per 64 × 64 output tile, 8 warps, two shared-memory stages of the weight,
             // x (and up) tiles: 2 · 3 · 64 rows · 128 bytes
             let name = match epilogue {
