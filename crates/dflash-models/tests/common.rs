@@ -278,6 +278,8 @@ pub struct Pair<'a> {
     pub bc: dflash_core::SequenceCache,
     pub taps: Vec<usize>,
     pub tol: f32,
+    /// `tol` relative to the largest |logit| (or |tap|) of `a` (at least 1) instead of absolute.
+    pub relative: bool,
 }
 
 impl<'a> Pair<'a> {
@@ -295,7 +297,14 @@ impl<'a> Pair<'a> {
             bc: b.new_cache(capacity).unwrap(),
             taps: taps.to_vec(),
             tol,
+            relative: false,
         }
+    }
+
+    /// The same pair with `tol` relative to `a`'s largest magnitude (half-precision runs).
+    pub fn relative(mut self) -> Self {
+        self.relative = true;
+        self
     }
 
     /// One forward of every row's logits through both.
@@ -315,11 +324,16 @@ impl<'a> Pair<'a> {
         };
         let x = self.a.forward(&req, &mut self.ac).unwrap();
         let y = self.b.forward(&req, &mut self.bc).unwrap();
-        let d = max_abs_diff(x.logits.as_ref().unwrap(), y.logits.as_ref().unwrap());
-        assert!(d < self.tol, "{what}: logits differ by {d}");
+        let bound = |t: &Tensor| match self.relative {
+            true => self.tol * max_abs(t).max(1.0),
+            false => self.tol,
+        };
+        let (lx, ly) = (x.logits.as_ref().unwrap(), y.logits.as_ref().unwrap());
+        let d = max_abs_diff(lx, ly);
+        assert!(d < bound(lx), "{what}: logits differ by {d}");
         for (tx, ty) in x.taps.iter().zip(&y.taps) {
             let d = max_abs_diff(tx, ty);
-            assert!(d < self.tol, "{what}: taps differ by {d}");
+            assert!(d < bound(tx), "{what}: taps differ by {d}");
         }
         assert_eq!(self.ac.len(), self.bc.len(), "{what}: cache lengths");
     }

@@ -5,7 +5,8 @@
 //! mid-block and trees compacted to a root path, with taps. On the GPU (`DFLASH_TEST_DEVICE=cuda`)
 //! the kernels and graphs themselves (within 2e-4: cuBLAS attention over the whole buffer); on the
 //! CPU the step's host emulation (the same buffers, metadata, masks and commits, host kernels),
-//! which checks its bookkeeping bit for bit.
+//! which checks its bookkeeping bit for bit. Then the same in bf16 against the host path on the
+//! same device (bit for bit on the CPU, within 5 % of the logits' scale on the GPU).
 
 mod common;
 use candle_core::{DType, Device};
@@ -13,37 +14,11 @@ use dflash_core::AttentionMask;
 use dflash_models::random::random_target_tensors;
 use dflash_models::HybridDecoder;
 
-#[test]
-fn hybrid_device_steps_replay_the_cpu_host_path() {
-    let (dev, _) = common::device_and_dtype();
-    // both layer kinds, an output gate, two value heads per key head, partial rotary
-    let cfg = common::tiny_hybrid(32);
-    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 3).unwrap();
-    let on = |d: &Device| -> HybridDecoder {
-        let w = w
-            .iter()
-            .map(|(k, t)| (k.clone(), t.to_device(d).unwrap()))
-            .collect();
-        HybridDecoder::new(&cfg, candle_nn::VarBuilder::from_tensors(w, DType::F32, d)).unwrap()
-    };
-    let cpu = on(&Device::Cpu);
-    let mut gpu = on(&dev);
-    if dev.is_cuda() {
-        gpu.set_device_step(true);
-    } else {
-        gpu.emulate_device_step_on_cpu();
-    }
-    assert!(
-        gpu.device_step(),
-        "the device step must be available on {dev:?}"
-    );
-    // on the CPU the emulation is the host path's arithmetic: equal bit for bit
-    let tol = if dev.is_cuda() {
-        2e-4
-    } else {
-        f32::MIN_POSITIVE
-    };
-    let mut pair = common::Pair::new(&cpu, &gpu, 500, &[0usize, 3], tol);
+/// The decode every pair runs: a prompt longer than a device step (host path), a 20-row chunk
+/// that is one, AR steps, DFlash blocks cropped mid-block, padded DDTree trees compacted to a root
+/// path (deep enough to pass the conv window), and AR steps after. The steps ran as device steps
+/// and, on the GPU, AR, block and tree shapes replay from graphs.
+fn decode_script(pair: &mut common::Pair, dev: &Device) {
     let mut len = 0u32;
     // a prompt longer than a device step (host path), then one that is a device step
     let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 211) as u32).collect();
@@ -124,4 +99,49 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
         "AR, block and tree shapes replay from graphs ({} captured)",
         pair.bc.step_graphs.captured()
     );
+}
+
+#[test]
+fn hybrid_device_steps_replay_the_cpu_host_path() {
+    let (dev, _) = common::device_and_dtype();
+    let cfg = common::tiny_hybrid(32);
+    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 3).unwrap();
+    let on = |d: &Device, dtype: DType| -> HybridDecoder {
+        let w = w
+            .iter()
+            .map(|(k, t)| (k.clone(), t.to_dtype(dtype).unwrap().to_device(d).unwrap()))
+            .collect();
+        HybridDecoder::new(&cfg, candle_nn::VarBuilder::from_tensors(w, dtype, d)).unwrap()
+    };
+    let stepped = |dtype: DType| {
+        let mut m = on(&dev, dtype);
+        if dev.is_cuda() {
+            m.set_device_step(true);
+        } else {
+            m.emulate_device_step_on_cpu();
+        }
+        assert!(
+            m.device_step(),
+            "the device step must be available on {dev:?}"
+        );
+        m
+    };
+    // f32, against the CPU host path: on the CPU the emulation is the host path's arithmetic
+    // (equal bit for bit), on the GPU cuBLAS attention over the whole buffer (within 2e-4)
+    let (cpu, gpu) = (on(&Device::Cpu, DType::F32), stepped(DType::F32));
+    let tol = if dev.is_cuda() {
+        2e-4
+    } else {
+        f32::MIN_POSITIVE
+    };
+    let mut pair = common::Pair::new(&cpu, &gpu, 500, &[0usize, 3], tol);
+    decode_script(&mut pair, &dev);
+    // bf16 against the host path on the same device: on the CPU again bit for bit; on the GPU
+    // the same kernels but the attention, so within a few bf16 roundings of the logits' scale
+    let (host, step) = (on(&dev, DType::BF16), stepped(DType::BF16));
+    let mut pair = match dev.is_cuda() {
+        true => common::Pair::new(&host, &step, 500, &[0usize, 3], 5e-2).relative(),
+        false => common::Pair::new(&host, &step, 500, &[0usize, 3], f32::MIN_POSITIVE),
+    };
+    decode_script(&mut pair, &dev);
 }
