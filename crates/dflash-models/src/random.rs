@@ -191,8 +191,81 @@ pub fn random_target(
             "a Qwen3.5 hybrid is not a dense decoder (random_hybrid / random_target_model)".into(),
         ));
     }
-    let w = fill(target_parameter_shapes(cfg, arch), dtype, device, seed)?;
-    Decoder::new(cfg, arch, VarBuilder::from_tensors(w, dtype, device))
+    let vb = random_var_builder(target_parameter_shapes(cfg, arch), dtype, device, seed)?;
+    Decoder::new(cfg, arch, vb)
+}
+
+/// A var builder over random weights of these (name, shape)s: on the CPU the tensors of [`fill`]
+/// (those of [`random_target_tensors`]); on an accelerator each weight drawn when the
+/// constructor asks for it ([`LazyRandom`]), so that a constructor that stacks weights (the fused
+/// q/k/v, gate/up and Gated DeltaNet input projections) never holds the unstacked copies beside
+/// the stacked ones — a Qwen3.6-27B shape would not fit an 80 GB card otherwise.
+fn random_var_builder(
+    shapes: Vec<(String, Vec<usize>)>,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<VarBuilder<'static>> {
+    if device.is_cpu() {
+        let w = fill(shapes, dtype, device, seed)?;
+        return Ok(VarBuilder::from_tensors(w, dtype, device));
+    }
+    device.set_seed(seed)?;
+    let backend = LazyRandom {
+        shapes: shapes.into_iter().collect(),
+    };
+    Ok(VarBuilder::from_backend(
+        Box::new(backend),
+        dtype,
+        device.clone(),
+    ))
+}
+
+/// Random weights drawn on request by the device's generator (norm weights ones), each at most
+/// once per request: see [`random_var_builder`].
+struct LazyRandom {
+    shapes: HashMap<String, Vec<usize>>,
+}
+
+impl LazyRandom {
+    fn draw(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let Some(shape) = self.shapes.get(name) else {
+            candle_core::bail!("random weights: no tensor named {name}")
+        };
+        if name.ends_with("norm.weight") {
+            return Tensor::ones(shape.as_slice(), dtype, dev);
+        }
+        Tensor::randn(0f32, STD, shape.as_slice(), dev)?.to_dtype(dtype)
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for LazyRandom {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.draw(name, dtype, dev)?;
+        if t.shape() != &s {
+            candle_core::bail!(
+                "random weights: {name} is {:?}, asked for {:?}",
+                t.dims(),
+                s.dims()
+            )
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.draw(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.shapes.contains_key(name)
+    }
 }
 
 /// A Qwen3.5 / Qwen3.6 hybrid with config `cfg` and random weights, built by
@@ -203,8 +276,9 @@ pub fn random_hybrid(
     device: &Device,
     seed: u64,
 ) -> Result<HybridDecoder> {
-    let w = random_target_tensors(cfg, dtype, device, seed)?;
-    HybridDecoder::new(cfg, VarBuilder::from_tensors(w, dtype, device))
+    let arch = architecture(cfg)?;
+    let vb = random_var_builder(target_parameter_shapes(cfg, arch), dtype, device, seed)?;
+    HybridDecoder::new(cfg, vb)
 }
 
 /// A target of any supported architecture with config `cfg` and random weights.

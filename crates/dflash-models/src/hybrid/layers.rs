@@ -198,7 +198,8 @@ impl GatedAttention {
         let (_, h, n, hd) = q.dims4()?;
         let kv = self.n_kv_heads;
         let (kb, vb) = cache.buffers_for(kv, hd, k.dtype(), k.device())?;
-        dflash_core::step::kv_append_at(&kb, &vb, &k, &v, meta)?;
+        // the partial rotary leaves k strided (rotated and pass-through halves side by side)
+        dflash_core::step::kv_append_at(&kb, &vb, &k.contiguous()?, &v.contiguous()?, meta)?;
         let scale = 1.0 / (hd as f32).sqrt();
         if !q.device().is_cuda() {
             // the host's emulation (tests on the CPU): the host path's attention over the whole
