@@ -33,7 +33,8 @@ ROUNDS=${ROUNDS:-30}
 # tiledall: tiled from 2 rows (DFLASH_STREAM_TILED_FROM=2: 16-row verifies too);
 # tiledpt: tiled with the tensor-core attention and the path table at every head width (the bit-exact candidate);
 # gdnsep: hybrids with the Gated DeltaNet input projections as four GEMMs (DFLASH_GDN_IN_PROJ=separate; stacked into one since session 21);
-# hybridstep: hybrids on their device step, replayed as CUDA graphs (DFLASH_HYBRID_STEP=1; session 21, opt-in, not yet run);
+# hybridstep: hybrids on their device step, replayed as CUDA graphs (DFLASH_HYBRID_STEP=1, the default since session 21);
+# hybridhost: hybrids on the host path (DFLASH_HYBRID_STEP=0: every layer's ops launched from the host, as before session 21);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -63,7 +64,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   DFLASH_STREAM_TILED=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 stream 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_TILED=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   DFLASH_STREAM_TILED=1 DFLASH_STREAM_TILED_FROM=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 stream 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
-  echo "== the hybrids' device step against the CPU host path (DFLASH_HYBRID_STEP's path; session 21, first run)" | tee -a "$LOG"
+  echo "== the hybrids' device step against the CPU host path (f32) and the GPU host path (bf16)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "^test |result|panicked|differ" | tee -a "$LOG"
   DFLASH_CUDA_GRAPHS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   for dt in f32 bf16; do
@@ -102,6 +103,7 @@ for spec in $SHAPES; do
       pdlearly) fused=1 graphs=1 pdl=early;;
       gdnsep) fused=1 graphs=1 gdnproj=separate;;
       hybridstep) fused=1 graphs=1 hstep=1;;
+      hybridhost) fused=1 graphs=1 hstep=0;;
       pathtable) fused=1 graphs=1 keys=position path=1;;
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac

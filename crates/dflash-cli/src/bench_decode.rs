@@ -617,10 +617,10 @@ fn decode_paths(r: &ReportIn) -> Value {
         "stream_tiled_from_rows": dflash_core::stream_gemm::tiled_from_rows(),
         "attention": attention,
         "tree_keys": if keys_by_position(mma) { "position" } else { "row" },
-        // the hybrids' opt-in device step (DFLASH_HYBRID_STEP=1, read at load like the model)
+        // the hybrids' device step (off with DFLASH_HYBRID_STEP=0, read at load like the model)
         "hybrid_step": cuda
             && matches!(r.cfg.architecture(), Ok(dflash_models::Architecture::Qwen35))
-            && std::env::var("DFLASH_HYBRID_STEP").as_deref() == Ok("1"),
+            && std::env::var("DFLASH_HYBRID_STEP").as_deref() != Ok("0"),
     })
 }
 

@@ -1,4 +1,4 @@
-//! The Qwen3.5 / Qwen3.6 hybrids' device step (`DFLASH_HYBRID_STEP=1`: Gated DeltaNet layers
+//! The Qwen3.5 / Qwen3.6 hybrids' device step (the default on CUDA: Gated DeltaNet layers
 //! on fixed state buffers, gated attention over the whole cache buffer under a device-built mask,
 //! every step shape eager once, captured, then replayed as a CUDA graph) against the CPU host
 //! path on the same random weights, through a decode that mixes AR steps, causal blocks cropped
@@ -138,7 +138,10 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
     decode_script(&mut pair, &dev);
     // bf16 against the host path on the same device: on the CPU again bit for bit; on the GPU
     // the same kernels but the attention, so within a few bf16 roundings of the logits' scale
-    let (host, step) = (on(&dev, DType::BF16), stepped(DType::BF16));
+    let mut host = on(&dev, DType::BF16);
+    host.set_device_step(false);
+    assert!(!host.device_step());
+    let step = stepped(DType::BF16);
     let mut pair = match dev.is_cuda() {
         true => common::Pair::new(&host, &step, 500, &[0usize, 3], 5e-2).relative(),
         false => common::Pair::new(&host, &step, 500, &[0usize, 3], f32::MIN_POSITIVE),

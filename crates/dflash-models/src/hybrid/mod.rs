@@ -15,8 +15,8 @@
 //!   attention layer; `crop` / `keep_rows` after a verify restore exactly the accepted tokens'
 //!   state in both, so the decoding loops drive this model unchanged.
 //! - Taps are decoder-layer outputs (HF `hidden_states[l + 1]`, before the final norm); logits
-//!   are f32. On CUDA the fused decode kernels and, opt-in, a device step replayed as a CUDA
-//!   graph (`step.rs`).
+//!   are f32. On CUDA the fused decode kernels and a device step replayed as a CUDA graph
+//!   (`step.rs`).
 //! - Batched forwards (data regeneration, training features) take causal rows behind left
 //!   padding (`causal_from`); recurrent layers read padding as zeros, which leave their state at
 //!   zero, so each sequence gets exactly its unpadded result. Each sequence's recurrence runs on
@@ -61,7 +61,7 @@ pub struct HybridDecoder {
     rotary: RotaryEmbedding,
     recurrent: Vec<bool>,
     info: TargetInfo,
-    /// Forwards of up to 129 rows run as device steps (`step.rs`; opt-in for now).
+    /// Forwards of up to 129 rows run as device steps (`step.rs`).
     device_step: bool,
     /// Whether this model on this device can take them (CUDA, fused decode, the layer kernels).
     device_step_supported: bool,
@@ -134,9 +134,9 @@ impl HybridDecoder {
                 vb.dtype(),
                 shape.conv_kernel,
             );
-        // opt-in until measured on a GPU (a documented override)
+        // on where supported; `DFLASH_HYBRID_STEP=0` (a documented override) keeps the host path
         let device_step =
-            device_step_supported && std::env::var("DFLASH_HYBRID_STEP").as_deref() == Ok("1");
+            device_step_supported && std::env::var("DFLASH_HYBRID_STEP").as_deref() != Ok("0");
         Ok(Self {
             embed_tokens: Embedding::new(embed_w, h),
             layers,

@@ -4,8 +4,10 @@
 //! gated-attention layers.
 //!
 //! Invariants:
-//! - Opt-in (`DFLASH_HYBRID_STEP=1`, read at load, or [`HybridDecoder::set_device_step`]) until
-//!   it has been measured on a GPU; CUDA with the fused decode and the Gated DeltaNet kernels.
+//! - On by default where it can run (CUDA with the fused decode and the Gated DeltaNet kernels);
+//!   `DFLASH_HYBRID_STEP=0` (read at load) or [`HybridDecoder::set_device_step`] turns it off.
+//!   Measured on an H100 (session 21, Qwen3.5-4B shape): AR step 8.14 → 6.87 ms, 16-row verify
+//!   11.16 → 9.63, state commit 0.207 → 0.152.
 //! - Recurrent layers read their state from fixed buffers (`dflash_core::recurrent_step`) and
 //!   write their rows' rule inputs there; the cache's commit replays the kept tokens into the
 //!   state buffers in place with the rule's one kernel, so the states are those of the host path
