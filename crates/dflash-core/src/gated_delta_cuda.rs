@@ -430,7 +430,7 @@ pub(crate) fn conv_and_rule_inputs_into(
         .arg(&gp)
         .arg(&betap);
     // SAFETY: as above.
-    unsafe { l.launch(per_item(n * hv)) }.w()?;
+    unsafe { l.launch(per_item(n * hv * dk.max(dv))) }.w()?;
     Ok(())
 }
 
@@ -470,7 +470,7 @@ pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result
         .arg(&e)
         .arg(&yp);
     // SAFETY: the kernel's arguments in order, live contiguous tensors of the checked sizes.
-    unsafe { l.launch(per_item(n * hv)) }.w()?;
+    unsafe { l.launch(per_item(n * hv * dv)) }.w()?;
     Ok(y)
 }
 

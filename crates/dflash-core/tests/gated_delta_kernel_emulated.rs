@@ -171,7 +171,7 @@ static int rule_inputs() {
     auto dtb = take<float>(Hv), na = take<float>(Hv);
     std::vector<float> q((size_t)n * Hv * DK, NAN), k((size_t)n * Hv * DK, NAN),
         v((size_t)n * Hv * dv, NAN), g((size_t)n * Hv, NAN), beta((size_t)n * Hv, NAN);
-    per_item((size_t)n * Hv, [&] {
+    per_item((size_t)n * Hv * (DK > dv ? DK : dv), [&] {
         if (bf) gdn_rule_inputs_bf16(u.data(), b16.data(), a16.data(), dtb.data(), na.data(), n, Hk, Hv, dv, q.data(), k.data(), v.data(), g.data(), beta.data());
         else gdn_rule_inputs_f32(u.data(), b32.data(), a32.data(), dtb.data(), na.data(), n, Hk, Hv, dv, q.data(), k.data(), v.data(), g.data(), beta.data());
     });
@@ -188,7 +188,7 @@ static int gated_norm() {
     auto w = take<float>(dv);
     std::vector<float> y32((size_t)n * Hv * dv, NAN);
     std::vector<bf16_t> y16((size_t)n * Hv * dv, 0xffff);
-    per_item((size_t)n * Hv, [&] {
+    per_item((size_t)n * Hv * dv, [&] {
         if (bf) gdn_gated_norm_bf16(o.data(), z16.data(), w.data(), n, Hv, dv, eps, y16.data());
         else gdn_gated_norm_f32(o.data(), z32.data(), w.data(), n, Hv, dv, eps, y32.data());
     });
