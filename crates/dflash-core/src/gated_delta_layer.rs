@@ -197,6 +197,11 @@ pub fn conv_windows_into(
     let Some(&(first, _)) = jobs.first() else {
         return Ok(vec![]);
     };
+    if outs.is_some_and(|o| o.len() != jobs.len()) {
+        return Err(CoreError::InvalidInput(
+            "conv_windows_into: one output per job".into(),
+        ));
+    }
     #[cfg(feature = "cuda")]
     if first.device().is_cuda() && first.dim(0)? > 0 && crate::gated_delta::kernels_enabled() {
         return crate::gated_delta_cuda::conv_windows(jobs, n, outs);
