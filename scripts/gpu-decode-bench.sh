@@ -28,7 +28,7 @@ ROUNDS=${ROUNDS:-30}
 # gdnoff: hybrids with the Gated DeltaNet layer on candle's composite (DFLASH_GDN_KERNELS=0; A/B of session 16's kernels);
 # scalarattn: bf16 attention on the CUDA-core kernel instead of the tensor-core one (DFLASH_TREE_ATTN=scalar, session 20);
 # rowkeys / poskeys: a tree's keys by step row (DFLASH_TREE_KEYS=row: ancestor masks in place; bf16's default since session 20 unless --bit-exact) / by position (=position: bit-identical to AR steps, bent rows read their keys one by one);
-# tiled: exact with calls of more than 16 rows on the tiled streaming GEMM (DFLASH_STREAM_TILED=1; built, not yet run);
+# tiled: exact with calls of more than 16 rows on the tiled streaming GEMM (DFLASH_STREAM_TILED=1; bit-exact, far slower: session 21);
 # pathtable: poskeys with each warp's tree paths in shared memory (DFLASH_ATTN_PATH_TABLE=1, session 21);
 # tiledall: tiled from 2 rows (DFLASH_STREAM_TILED_FROM=2: 16-row verifies too);
 # tiledpt: tiled with the tensor-core attention and the path table at every head width (the bit-exact candidate);

@@ -9,7 +9,8 @@
 //!   row computed alone by the AR step (tested on the GPU).
 //! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
 //! - Calls of more than 16 rows run one narrow block per 16-row group (each re-reads the weight),
-//!   or, with [`tiled_wide_calls`] (opt-in, not yet run on a GPU), the tiled kernel, whose
+//!   or, with [`tiled_wide_calls`] (opt-in: bit-exact, but measured far slower on an H100 in
+//!   session 21), the tiled kernel, whose
 //!   per-element arithmetic is the narrow kernel's.
 //! - No backward: an input autograd tracks (`Tensor::track_op`) always gets `None`.
 //! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
@@ -157,8 +158,9 @@ pub fn k_warps(n: usize, k: usize) -> usize {
 
 /// Whether calls of more than 16 rows take the tiled kernel (`stream_gemm_tiled.cu`: each weight
 /// chunk read once per 64 rows instead of once per 16, the narrow kernel's per-element arithmetic)
-/// instead of one narrow block per 16-row group: `DFLASH_STREAM_TILED=1` (read once; opt-in, built
-/// and NOT YET RUN on a GPU — its bit-identity with the narrow kernel is what the GPU test
+/// instead of one narrow block per 16-row group: `DFLASH_STREAM_TILED=1` (read once; opt-in: on an
+/// H100 in session 21 it was bit-identical with the narrow kernel but far slower — one block per
+/// 64×64 output tile walking the whole K leaves too few blocks — its bit-identity is what the GPU test
 /// `stream_matmul_matches_and_does_not_depend_on_the_row_count` checks under it).
 pub fn tiled_wide_calls() -> bool {
     tiled_from_rows().is_some()

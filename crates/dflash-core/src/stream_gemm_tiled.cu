@@ -1,8 +1,9 @@
 // A tiled row-invariant GEMM for wide steps (issue 18: bit-exact tree verifies at the speed of the
 // default path), appended to stream_gemm.cu at compile time (stream_gemm.rs: SOURCE). Opt-in
 // (`DFLASH_STREAM_TILED=1`: calls of more than 16 rows on the streaming GEMM take it): written at the
-// end of session 14 and moved here in session 20, compiled and assembled for sm_90 with no spills,
-// NOT YET RUN on a GPU — `scripts/probe-stream-gemm.py` (WIDE=1) checks every output bit for bit
+// end of session 14 and moved here in session 20; first run on an H100 in session 21: bit for bit
+// the narrow kernel's outputs, but far slower (one block per 64×64 output tile walking the whole K
+// leaves 9–64 blocks at SmolLM2 / Qwen3-8B down shapes) — `scripts/probe-stream-gemm.py` (WIDE=1) checks every output bit for bit
 // against the narrow kernel and times it; the GPU test
 // `stream_matmul_matches_and_does_not_depend_on_the_row_count` under `DFLASH_STREAM_TILED=1` checks
 // the same through the Rust launch.
