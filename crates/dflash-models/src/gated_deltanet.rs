@@ -141,7 +141,7 @@ pub struct GatedDeltaNet {
     dt_bias: Tensor,
     /// `−exp(A_log)` `[Hv]` f32.
     neg_a: Tensor,
-    /// The gated norm's weight `[dv]` (applied as is).
+    /// The gated norm's weight `[dv]` (applied as is), in f32 (as every use reads it).
     norm: Tensor,
     out_proj: Linear,
     shape: DeltaNetShape,
@@ -192,7 +192,7 @@ impl GatedDeltaNet {
             conv1d,
             dt_bias: vb.get(hv, "dt_bias")?.to_dtype(DType::F32)?,
             neg_a: vb.get(hv, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?,
-            norm: vb.get(shape.value_dim, "norm.weight")?,
+            norm: vb.get(shape.value_dim, "norm.weight")?.to_dtype(DType::F32)?,
             out_proj: linear(&vb, vdim, h, "out_proj")?,
             shape,
             eps,
@@ -378,7 +378,7 @@ impl GatedDeltaNet {
         // gated RMSNorm per value head (f32), weight applied as is, then SiLU(z)
         let ms = o.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = o.broadcast_mul(&(ms + self.eps)?.sqrt()?.recip()?)?;
-        let normed = normed.broadcast_mul(&self.norm.to_dtype(DType::F32)?)?;
+        let normed = normed.broadcast_mul(&self.norm)?;
         let z = proj.z.to_dtype(DType::F32)?.reshape((n, hv, dv))?;
         let y = (normed * candle_nn::ops::silu(&z)?)?
             .reshape((n, hv * dv))?
