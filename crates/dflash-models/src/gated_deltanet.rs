@@ -192,7 +192,9 @@ impl GatedDeltaNet {
             conv1d,
             dt_bias: vb.get(hv, "dt_bias")?.to_dtype(DType::F32)?,
             neg_a: vb.get(hv, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?,
-            norm: vb.get(shape.value_dim, "norm.weight")?.to_dtype(DType::F32)?,
+            norm: vb
+                .get(shape.value_dim, "norm.weight")?
+                .to_dtype(DType::F32)?,
             out_proj: linear(&vb, vdim, h, "out_proj")?,
             shape,
             eps,
