@@ -165,7 +165,7 @@ pub fn check_verify_rows_equal_ar_steps(dev: &Device, tree_sizes: &[usize]) {
 #[allow(dead_code)]
 pub fn check_verify_rows_equal_ar_steps_in(dev: &Device, tree_sizes: &[usize], dtype: DType) {
     use dflash_core::AttentionMask;
-    use dflash_models::{random::random_target_tensors, Decoder, ForwardRequest};
+    use dflash_models::{random::random_target_tensors, Decoder};
     use dflash_models::{LogitRows, TargetModel};
     let dev = dev.clone();
     let cfg = tiny_qwen3(3, 192, 320, 1024);
@@ -187,14 +187,7 @@ pub fn check_verify_rows_equal_ar_steps_in(dev: &Device, tree_sizes: &[usize], d
                   positions: &[u32],
                   mask: AttentionMask,
                   rows: LogitRows| {
-        let req = ForwardRequest {
-            tokens,
-            positions,
-            mask,
-            taps: &[],
-            logits: rows,
-        };
-        model.forward(&req, cache).unwrap().logits.unwrap()
+        forward_logits(&model, cache, tokens, positions, mask, rows).unwrap()
     };
     for past in [70usize, 191] {
         cache.crop(0);
@@ -359,4 +352,23 @@ pub fn path_to(parents: &[i64], node: usize) -> Vec<usize> {
     }
     path.reverse();
     path
+}
+
+/// The logits of one forward of `m` over `tokens` at `positions` under `mask` (no taps).
+pub fn forward_logits(
+    m: &dyn dflash_models::TargetModel,
+    cache: &mut dflash_core::SequenceCache,
+    tokens: &[u32],
+    positions: &[u32],
+    mask: dflash_core::AttentionMask,
+    rows: dflash_models::LogitRows,
+) -> Option<Tensor> {
+    let req = dflash_models::ForwardRequest {
+        tokens,
+        positions,
+        mask,
+        taps: &[],
+        logits: rows,
+    };
+    m.forward(&req, cache).unwrap().logits
 }

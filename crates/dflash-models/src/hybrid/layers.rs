@@ -181,9 +181,9 @@ impl GatedAttention {
         self.output(o, gate)
     }
 
-    /// The layer in a hybrid device step (one sequence; CUDA): keys and values written into the
+    /// The layer in a hybrid device step (one sequence): keys and values written into the
     /// cache buffers at the length `meta` holds ([`dflash_core::step::kv_append_at`]), then
-    /// attention over the whole buffers as GEMMs of fixed shape under `mask` (`[n, capacity]`,
+    /// attention over the whole buffers (GEMMs of fixed shape on CUDA) under `mask` (`[n, capacity]`,
     /// [`dflash_core::step::step_mask`]: committed keys and each row's own path), so a CUDA graph
     /// replays it at any cache length. The cache's length is advanced by the caller.
     pub fn forward_device(
@@ -195,29 +195,16 @@ impl GatedAttention {
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (q, k, v, gate) = self.heads(x, rope)?;
-        let (_, h, n, hd) = q.dims4()?;
-        let kv = self.n_kv_heads;
-        let (kb, vb) = cache.buffers_for(kv, hd, k.dtype(), k.device())?;
+        let hd = self.head_dim;
+        let (kb, vb) = cache.buffers_for(self.n_kv_heads, hd, k.dtype(), k.device())?;
         // the partial rotary leaves k strided (rotated and pass-through halves side by side)
         dflash_core::step::kv_append_at(&kb, &vb, &k.contiguous()?, &v.contiguous()?, meta)?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        if !q.device().is_cuda() {
-            // the host's emulation (tests on the CPU): the host path's attention over the whole
-            // buffer — its masked keys add exactly nothing, so this is the host path's result
-            let o = attention(&q, &kb, &vb, Some(mask), scale as f64, Grad::Off)?;
-            return self.output(o, gate);
-        }
-        let cap = kb.dim(2)?;
-        let rep = h / kv;
-        let scores = q.reshape((1, kv, rep * n, hd))?.matmul(&kb.t()?)?;
-        let flat = scores.reshape((1, kv * rep * n, cap))?;
-        let Some(p) = dflash_core::decode_ops::softmax_scaled(&flat, Some(mask), n, scale)? else {
-            return Err(ModelError::InvalidInput(
-                "hybrid device step: no fused masked softmax on this device".into(),
-            ));
-        };
-        let o = p.reshape((1, kv, rep * n, cap))?.matmul(&vb)?;
-        self.output(o.reshape((1, h, n, hd))?, gate)
+        // the host path's attention over the whole buffers: on CUDA its fused-decode GEMMs and
+        // masked softmax (fixed shapes), on the CPU the row-invariant host kernels, where the
+        // masked keys add exactly nothing
+        let scale = 1.0 / (hd as f64).sqrt();
+        let o = attention(&q, &kb, &vb, Some(mask), scale, Grad::Off)?;
+        self.output(o, gate)
     }
 }
 

@@ -5,11 +5,11 @@
 //! included), LM head and attention; the recurrent layers follow each node's ancestors token by
 //! token, so their sums never depend on the row count.
 
-use super::common::{max_abs_diff, path_to};
-use candle_core::{DType, Device, Tensor};
-use dflash_core::{AttentionMask, SequenceCache};
+use super::common::{forward_logits, max_abs_diff, path_to};
+use candle_core::{DType, Device};
+use dflash_core::AttentionMask;
 use dflash_models::random::random_hybrid;
-use dflash_models::{ForwardRequest, LogitRows, TargetModel};
+use dflash_models::{LogitRows, TargetModel};
 use rand::{Rng, SeedableRng};
 
 /// A random tree of `n` nodes whose parents are recent (deep paths, past the conv window).
@@ -19,24 +19,6 @@ fn random_tree(rng: &mut impl Rng, n: usize) -> Vec<i64> {
         p.push(rng.random_range(i.saturating_sub(4)..i) as i64);
     }
     p
-}
-
-fn forward(
-    m: &dyn TargetModel,
-    cache: &mut SequenceCache,
-    tokens: &[u32],
-    positions: &[u32],
-    mask: AttentionMask,
-    rows: LogitRows,
-) -> Option<Tensor> {
-    let req = ForwardRequest {
-        tokens,
-        positions,
-        mask,
-        taps: &[],
-        logits: rows,
-    };
-    m.forward(&req, cache).unwrap().logits
 }
 
 /// Every checked row of hybrid verifies (trees of 17/65/257 nodes, a 16-row chain, at two
@@ -54,7 +36,7 @@ pub fn check_hybrid_verify_rows_equal_ar_steps(dtype: DType) {
         let prefilled = || {
             let mut cache = m.new_cache(700).unwrap();
             let pos: Vec<u32> = (0..past as u32).collect();
-            forward(
+            forward_logits(
                 &m,
                 &mut cache,
                 &prompt,
@@ -82,7 +64,7 @@ pub fn check_hybrid_verify_rows_equal_ar_steps(dtype: DType) {
                     parents: parents.clone(),
                 }
             };
-            let verify = forward(
+            let verify = forward_logits(
                 &m,
                 &mut prefilled(),
                 &tokens,
@@ -97,7 +79,7 @@ pub fn check_hybrid_verify_rows_equal_ar_steps(dtype: DType) {
                 let mut cache = prefilled();
                 let mut last = None;
                 for (t, &node) in path.iter().enumerate() {
-                    last = forward(
+                    last = forward_logits(
                         &m,
                         &mut cache,
                         &[tokens[node]],
