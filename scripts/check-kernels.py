@@ -81,6 +81,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
     if "#define DK" in src:  # compiled once per key head dim at run time
         for dk in (16, 64, 128, 256):
             ok &= compile_source(f"#define DK {dk}\n{src}", f"{base} (DK {dk})")
+            if "RULE_LANES4" in src:  # the rule's four-lanes-a-column variant (DFLASH_GDN_RULE_LANES=4)
+                ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n{src}", f"{base} (DK {dk}, 4 lanes)")
     elif "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")

@@ -372,12 +372,18 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
-    if let Some(t) = state_commit(target, &ids, &block, &taps, &a)? {
+    if let Some((t, submit)) = state_commit(target, &ids, &block, &taps, &a)? {
         push(
             &mut ops,
             "state_commit".into(),
             format!("state commit ({} of {} kept)", block.len() / 2, block.len()),
             t,
+        );
+        push(
+            &mut ops,
+            "state_commit_submit".into(),
+            "  of which host until submitted".into(),
+            submit,
         );
     }
 
@@ -481,14 +487,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 /// (`SequenceCache::settle_recurrent`; timed, between device synchronisations); the next round
 /// verifies after the kept half. (A state settled in place — the hybrid device step's buffers —
 /// cannot be cropped back into the verify it ended, so the rounds move on instead of returning
-/// to the context.) `None` for attention-only targets.
+/// to the context.) Also the host's share: the time until `settle_recurrent` returns, its kernels
+/// queued (the rest is the device's). `None` for attention-only targets.
 fn state_commit(
     target: &dyn TargetModel,
     ids: &[u32],
     block: &[u32],
     taps: &[usize],
     a: &DecodeArgs,
-) -> Result<Option<Timing>> {
+) -> Result<Option<(Timing, Timing)>> {
     use dflash_core::LayerCache;
     let half = block.len() / 2;
     let rounds = a.warmup + a.rounds;
@@ -507,7 +514,7 @@ fn state_commit(
         target.forward(&req, &mut cache)?;
     }
     let dev = cache.device().clone();
-    let mut v = vec![];
+    let (mut v, mut submit) = (vec![], vec![]);
     for round in 0..rounds {
         let base = cache.len();
         let pos: Vec<u32> = (base as u32..(base + block.len()) as u32).collect();
@@ -523,12 +530,14 @@ fn state_commit(
         let t0 = Instant::now();
         cache.crop(base + half);
         cache.settle_recurrent()?;
+        let queued = t0.elapsed().as_secs_f64();
         dev.synchronize()?;
         if round >= a.warmup {
             v.push(t0.elapsed().as_secs_f64());
+            submit.push(queued);
         }
     }
-    Ok(Some(Timing::of(v)))
+    Ok(Some((Timing::of(v), Timing::of(submit))))
 }
 
 /// The loop rows (see the module invariants): seconds per step of AR, DFlash and DDTree-64
@@ -676,6 +685,7 @@ fn report(r: &ReportIn) -> Value {
         "verify_ms": verify,
         "draft_block_ms": get("draft_block").map(ms),
         "state_commit_ms": get("state_commit").map(ms),
+        "state_commit_submit_ms": get("state_commit_submit").map(ms),
         "tree_build_ms": ms(tree_build),
         "tree_build_budget": DEFAULT_TREE_BUDGET,
         "tree_topk_ms": get(&format!("tree_topk.{DEFAULT_TREE_BUDGET}")).map(ms),

@@ -11,7 +11,8 @@
 //!   `keep_rows` restore exactly the kept tokens' state ([`crate::recurrent_cache`]), so decoding
 //!   code never needs to change. A dense device step counts its rows with `advance` (which refuses
 //!   recurrent layers); a hybrid's with `commit_device_step`, its recurrent layers' fixed buffers
-//!   made by `ensure_recurrent_step_buffers` ([`crate::recurrent_step`]).
+//!   made by `ensure_recurrent_step_buffers` ([`crate::recurrent_step`]) with the fixed tables
+//!   through which `settle_recurrent` commits a step's kept chain in two launches on CUDA.
 
 use crate::recurrent_cache::RecurrentCache;
 use crate::{CoreError, Result};
@@ -219,6 +220,8 @@ pub struct SequenceCache {
     /// The scratch the recurrent layers of a hybrid's device step share (made with their own
     /// buffers by [`SequenceCache::ensure_recurrent_step_buffers`]).
     pub recurrent_step: Option<crate::recurrent_step::SharedStepBuffers>,
+    /// The fixed tables of the recurrent layers' state commit (CUDA; made with their buffers).
+    recurrent_commit: Option<crate::recurrent_step::CommitTables>,
     capacity: usize,
     device: Device,
 }
@@ -242,6 +245,7 @@ impl SequenceCache {
                 .collect(),
             step_graphs: Default::default(),
             recurrent_step: None,
+            recurrent_commit: None,
             capacity,
             device: device.clone(),
         }
@@ -275,6 +279,9 @@ impl SequenceCache {
     /// ([`crate::recurrent_cache::settle_replays`]: one kernel launch on CUDA). A forward calls it
     /// first; otherwise each layer would replay alone on first use (the same states).
     pub fn settle_recurrent(&mut self) -> Result<()> {
+        if self.settle_step_chains()? {
+            return Ok(());
+        }
         let mut rec: Vec<&mut RecurrentCache> = self
             .layers
             .iter_mut()
@@ -284,6 +291,39 @@ impl SequenceCache {
             })
             .collect();
         crate::recurrent_cache::settle_replays(&mut rec)
+    }
+
+    /// [`SequenceCache::settle_recurrent`] through the fixed commit tables when every recurrent
+    /// layer's pending state is a chain replay of its last device step's record of the same
+    /// length (a DFlash or AR step's crop): two launches, no per-layer host work. `false` where
+    /// the general path must run (nothing pending, a compacted tree path, a host forward's
+    /// record, no tables).
+    fn settle_step_chains(&mut self) -> Result<bool> {
+        let Some(tables) = &self.recurrent_commit else {
+            return Ok(false);
+        };
+        let mut n = None;
+        let mut layers = 0;
+        for l in &self.layers {
+            if let LayerCache::Recurrent(c) = l {
+                layers += 1;
+                match (c.pending_step_chain(), n) {
+                    (Some(k), None) => n = Some(k),
+                    (Some(k), Some(m)) if k == m => {}
+                    _ => return Ok(false),
+                }
+            }
+        }
+        let Some(n) = n.filter(|_| layers == tables.layers()) else {
+            return Ok(false);
+        };
+        tables.commit_chains(n)?;
+        for l in &mut self.layers {
+            if let LayerCache::Recurrent(c) = l {
+                c.settled_in_place()?;
+            }
+        }
+        Ok(true)
     }
 
     pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
@@ -347,7 +387,7 @@ impl SequenceCache {
         &mut self,
         shape: crate::recurrent_step::StepShape,
     ) -> Result<()> {
-        use crate::recurrent_step::{RecurrentStepBuffers, SharedStepBuffers};
+        use crate::recurrent_step::{CommitTables, RecurrentStepBuffers, SharedStepBuffers};
         let shared = match &self.recurrent_step {
             Some(s) if s.shape == shape => s.clone(),
             Some(s) => {
@@ -362,12 +402,25 @@ impl SequenceCache {
                 s
             }
         };
+        let mut made = false;
         for l in &mut self.layers {
             if let LayerCache::Recurrent(c) = l {
                 if c.step_buffers().is_none() {
                     c.set_step_buffers(RecurrentStepBuffers::new(&shared, &self.device)?);
+                    made = true;
                 }
             }
+        }
+        if made || self.recurrent_commit.is_none() {
+            let buffers: Vec<&RecurrentStepBuffers> = self
+                .layers
+                .iter()
+                .filter_map(|l| match l {
+                    LayerCache::Recurrent(c) => c.step_buffers(),
+                    LayerCache::Attention(_) => None,
+                })
+                .collect();
+            self.recurrent_commit = CommitTables::new(&buffers, shape, &self.device)?;
         }
         Ok(())
     }

@@ -295,6 +295,21 @@ pub fn kernels_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("DFLASH_GDN_KERNELS").as_deref() != Ok("0"))
 }
 
+/// [`tree_recurrent`] on CUDA through the rule's kernel with one lane (`lanes4` false) or four
+/// lanes (true) a state column, whatever `DFLASH_GDN_RULE_LANES` says: the GPU test that the two
+/// give the same bits.
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub fn tree_recurrent_with_lanes(
+    x: &DeltaInputs,
+    state: &Tensor,
+    parents: &[i64],
+    lanes4: bool,
+) -> Result<(Tensor, Tensor)> {
+    tree_depths(parents)?;
+    crate::gated_delta_cuda::tree_recurrent_as(x, state, parents, lanes4)
+}
+
 /// The rule over a token tree from `state`: node `i` continues from the state of its parent
 /// `parents[i]` (`-1`: from `state`), so every node's output is what the rule gives along its own
 /// path of ancestors. Nodes of one depth step together. Returns outputs `[T, H, dv]` and the state

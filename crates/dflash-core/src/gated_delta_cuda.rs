@@ -27,22 +27,41 @@ const THREADS: usize = 32;
 
 /// The kernel module compiled for key head dim `dk` (cached per process).
 fn ptx(dk: usize) -> candle_core::Result<String> {
-    static PTX: OnceLock<Mutex<HashMap<usize, std::result::Result<String, String>>>> =
-        OnceLock::new();
+    ptx_variant(dk, false)
+}
+
+/// The module for `dk`, with the rule's four-lanes-a-column kernel when `lanes4` (see
+/// [`rule_lanes4`]).
+fn ptx_variant(dk: usize, lanes4: bool) -> candle_core::Result<String> {
+    type Cache = HashMap<(usize, bool), std::result::Result<String, String>>;
+    static PTX: OnceLock<Mutex<Cache>> = OnceLock::new();
     let mut map = PTX
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .expect("the PTX cache lock is never poisoned");
-    map.entry(dk)
+    map.entry((dk, lanes4))
         .or_insert_with(|| {
+            let define = if lanes4 { "#define RULE_LANES4\n" } else { "" };
             candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(format!(
-                "#define DK {dk}\n{SOURCE}"
+                "#define DK {dk}\n{define}{SOURCE}"
             ))
             .map(|p| p.to_src())
             .map_err(|e| format!("gated delta kernel (DK {dk}): NVRTC failed: {e:?}"))
         })
         .clone()
         .map_err(candle_core::Error::Msg)
+}
+
+/// Whether the rule runs four lanes a state column: the default (the same bits as one lane a
+/// column — see `gated_delta_kernels.cu`, and the GPU test
+/// `the_rules_four_lane_kernel_gives_the_one_lane_kernels_bits` — with four times the warps and
+/// 64 registers a thread instead of 168; measured on an H100 in session 22: Qwen3.6-27B at 2048
+/// tree64 verify 44.98 → 41.85 ms, tree256 111.4 → 102.0, chain16 27.38 → 26.83; Qwen3.5-4B
+/// tree64 14.92 → 13.52). `DFLASH_GDN_RULE_LANES=1` (read once; a documented override for A/B
+/// runs) keeps one lane a column.
+fn rule_lanes4() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_GDN_RULE_LANES").map_or(true, |v| v.trim() != "1"))
 }
 
 /// One layer's arguments of the rule's kernel (device addresses; 0 for null).
@@ -84,9 +103,10 @@ fn launch_layers(
     layers: &[LayerArgs],
     extra: &[u32],
     dims: (usize, usize, usize, usize),
+    lanes4: bool,
 ) -> Result<()> {
     crate::step_cuda::upload_meta(meta, &table_words(layers, extra))?;
-    launch_table(meta, layers.len(), dims)
+    launch_table_as(meta, layers.len(), dims, lanes4)
 }
 
 /// The launch alone of `gated_delta_tree_layers_f32` over the `layers` tables in `table`
@@ -94,17 +114,37 @@ fn launch_layers(
 pub(crate) fn launch_table(
     table: &Tensor,
     layers: usize,
+    dims: (usize, usize, usize, usize),
+) -> Result<()> {
+    launch_table_as(table, layers, dims, rule_lanes4())
+}
+
+/// [`launch_table`] with the rule's lanes chosen here (`lanes4`: four lanes a column).
+fn launch_table_as(
+    table: &Tensor,
+    layers: usize,
     (t, h, dk, dv): (usize, usize, usize, usize),
+    lanes4: bool,
 ) -> Result<()> {
     let (mp, dev) = address(table, "gated delta pointer table")?;
     let (ti, hi, dvi) = (t as i32, h as i32, dv as i32);
+    let lanes4 = lanes4 && dk % 4 == 0;
+    // one lane a column: THREADS columns a block; four: THREADS / 4
+    let columns = if lanes4 { THREADS / 4 } else { THREADS };
     let cfg = LaunchConfig {
-        grid_dim: (dv.div_ceil(THREADS) as u32, h as u32, layers as u32),
+        grid_dim: (dv.div_ceil(columns) as u32, h as u32, layers as u32),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let module = format!("dflash_gated_delta_dk{dk}");
-    let f = dev.get_or_load_custom_func("gated_delta_tree_layers_f32", &module, &ptx(dk)?)?;
+    let module = format!(
+        "dflash_gated_delta_dk{dk}{}",
+        if lanes4 { "_l4" } else { "" }
+    );
+    let f = dev.get_or_load_custom_func(
+        "gated_delta_tree_layers_f32",
+        &module,
+        &ptx_variant(dk, lanes4)?,
+    )?;
     let mut b = f.builder();
     b.arg(&mp).arg(&ti).arg(&hi).arg(&dvi);
     // SAFETY: the table holds, per layer, device addresses of live contiguous tensors of the sizes
@@ -132,7 +172,7 @@ pub(crate) fn upload_rule_table(
         keep: ptr(b.keep, "step kept flags")?,
         out: ptr(b.out, "step outputs")?,
         scratch: ptr(b.scratch, "step scratch")?,
-        last: ptr(b.last, "step last state")?,
+        last: 0, // the state moves on at the commit
     };
     crate::step_cuda::upload_meta(table, &table_words(&[args], &[]))
 }
@@ -143,6 +183,16 @@ pub(crate) fn tree_recurrent(
     x: &DeltaInputs,
     state: &Tensor,
     parents: &[i64],
+) -> Result<(Tensor, Tensor)> {
+    tree_recurrent_as(x, state, parents, rule_lanes4())
+}
+
+/// [`tree_recurrent`] with the rule's lanes chosen here (a GPU test compares the two kernels).
+pub(crate) fn tree_recurrent_as(
+    x: &DeltaInputs,
+    state: &Tensor,
+    parents: &[i64],
+    lanes4: bool,
 ) -> Result<(Tensor, Tensor)> {
     let (t, h, dk) = x.k.dims3()?;
     let dv = x.v.dim(2)?;
@@ -190,7 +240,7 @@ pub(crate) fn tree_recurrent(
         .map(|&p| p as i32 as u32)
         .chain(keep.iter().map(|&b| b as u32))
         .collect();
-    launch_layers(&meta, &[args], &extra, (t, h, dk, dv))?;
+    launch_layers(&meta, &[args], &extra, (t, h, dk, dv), lanes4)?;
     Ok((out, last))
 }
 
@@ -249,7 +299,7 @@ pub(crate) fn advance_layers(jobs: &[crate::gated_delta::AdvanceJob]) -> Result<
     }
     // SAFETY: the upload writes the whole table before the kernel reads it.
     let meta = unsafe { Tensor::empty(22 * jobs.len(), DType::U32, dev_t)? };
-    launch_layers(&meta, &args, &[], (t, h, dk, dv))?;
+    launch_layers(&meta, &args, &[], (t, h, dk, dv), rule_lanes4())?;
     drop(kept);
     Ok(outs)
 }
@@ -543,4 +593,73 @@ pub(crate) fn conv_windows(
     unsafe { b.launch(cfg) }.w()?;
     drop(kept);
     Ok(outs)
+}
+
+/// Writes the fixed tables of a hybrid device step's state commit over every recurrent layer's
+/// buffers, in layer order: `replay` (22 u32 words a layer) makes the rule's kernel advance each
+/// layer's state buffer in place along the first rows of its step record (no outputs, nothing
+/// kept), `windows` (6 words a layer) makes the window kernel move each convolution window buffer
+/// in place over the same rows. Uploaded once, when the buffers are made.
+pub(crate) fn upload_commit_tables(
+    replay: &Tensor,
+    windows: &Tensor,
+    layers: &[&crate::recurrent_step::RecurrentStepBuffers],
+) -> Result<()> {
+    let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
+    let mut args = Vec::with_capacity(layers.len());
+    let mut words = Vec::with_capacity(6 * layers.len());
+    for b in layers {
+        let ssm = ptr(&b.ssm, "commit state")?;
+        let k = ptr(&b.k, "commit k")?;
+        args.push(LayerArgs {
+            q: k,
+            k,
+            v: ptr(&b.v, "commit v")?,
+            g: ptr(&b.g, "commit g")?,
+            beta: ptr(&b.beta, "commit beta")?,
+            state: ssm,
+            parents: 0,
+            keep: 0,
+            out: 0,
+            scratch: 0,
+            last: ssm, // in place: each thread reads its column before it writes it
+        });
+        let conv = ptr(&b.conv, "commit conv window")?;
+        for p in [conv, ptr(&b.conv_in, "commit conv inputs")?, conv] {
+            words.push(p as u32);
+            words.push((p >> 32) as u32);
+        }
+    }
+    crate::step_cuda::upload_meta(replay, &table_words(&args, &[]))?;
+    crate::step_cuda::upload_meta(windows, &words)
+}
+
+/// The state commit of every recurrent layer from the tables of [`upload_commit_tables`]: each
+/// layer's state advanced in place along the first `n` rows of its record, then its
+/// convolution window moved over them — two launches, no upload, whatever the layer count.
+pub(crate) fn commit_from_tables(
+    replay: &Tensor,
+    windows: &Tensor,
+    layers: usize,
+    n: usize,
+    shape: crate::recurrent_step::StepShape,
+) -> Result<()> {
+    let heads = shape.heads;
+    launch_table(replay, layers, (n, heads.hv, heads.dk, heads.dv))?;
+    let (mp, dev) = address(windows, "conv window table")?;
+    let (w, c) = (shape.conv_kernel - 1, shape.channels);
+    let (ni, wi, ci) = (n as i32, w as i32, c as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(128) as u32, layers as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let module = "dflash_gated_delta_dk16"; // the window does not depend on DK
+    let f = dev.get_or_load_custom_func("gdn_conv_window_layers", module, &ptx(16)?)?;
+    let mut b = f.builder();
+    b.arg(&mp).arg(&ni).arg(&wi).arg(&ci);
+    // SAFETY: the table holds the layers' window and record buffers (fixed for the cache's life,
+    // contiguous f32 of the step shape); a window moves in place per channel in row order.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }

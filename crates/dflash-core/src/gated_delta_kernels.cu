@@ -12,7 +12,8 @@
 //   prediction summed over the rows, then the write, then the read-out), but each sum over the DK
 //   rows is four interleaved partial sums added pairwise (DK a multiple of 4): the GPU's result
 //   equals the host's up to f32 rounding, and a replay through this kernel equals the forward.
-// - `out` may be null (a replay that needs only the final state); `scratch` is read and written
+// - `out` may be null (a replay that needs only the final state), `last` too (a device step's
+//   forward, whose state moves on at the commit); `scratch` is read and written
 //   only for nodes marked `keep`. `gated_delta_tree_layers_f32` runs it for many layers at once
 //   (the replay of every recurrent layer) through the same per-thread code.
 
@@ -43,7 +44,7 @@ __device__ __forceinline__ void gated_delta_tree(
     const int* __restrict__ keep,      // [T], 1: the node's state is read by a later node != i+1
     float* __restrict__ out,           // [T, H, dv] or null
     float* __restrict__ scratch,       // [T, H, DK, dv] (rows of kept nodes only)
-    float* __restrict__ last,          // [H, DK, dv], the state after node T-1
+    float* __restrict__ last,          // [H, DK, dv], the state after node T-1, or null
     int T, int H, int dv, int h, int j) {
     const size_t head = (size_t)DK * dv;
     float s[DK];
@@ -84,10 +85,77 @@ __device__ __forceinline__ void gated_delta_tree(
             for (int r = 0; r < DK; ++r) dst[(size_t)r * dv + j] = s[r];
         }
     }
+    if (!last) return;  // a device step's forward: the state moves on at the commit
     float* dst = last + (size_t)h * head;
 #pragma unroll
     for (int r = 0; r < DK; ++r) dst[(size_t)r * dv + j] = s[r];
 }
+
+#ifdef RULE_LANES4
+// The same rule with four lanes a column (the default; `DFLASH_GDN_RULE_LANES=1` keeps the one-lane
+// kernel above; compiled with
+// `RULE_LANES4` defined, launched with blocks of 32 threads over ceil(dv / 8) × H × L): lane
+// (t = lane / 8, column jl = lane % 8) owns rows r ≡ t (mod 4) of its column — exactly the rows
+// of partial sum t of `gated_delta_tree` — and sums them in the same ascending order; the four
+// sums meet by two xor shuffles, (p0 + p1) + (p2 + p3) on every lane (a + b = b + a in IEEE
+// arithmetic), so every output and state is the one-lane kernel's, bit for bit, with a quarter of
+// the registers a thread and four times the warps. Inactive columns (j ≥ dv) still shuffle.
+__device__ __forceinline__ float rule_sum4(float p) {
+    const float x = p + __shfl_xor_sync(0xffffffffu, p, 8);
+    return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+__device__ __forceinline__ void gated_delta_tree_lanes4(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ state,
+    const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
+    float* __restrict__ scratch, float* __restrict__ last, int T, int H, int dv, int h, int j,
+    int t) {
+    const size_t head = (size_t)DK * dv;
+    const bool col = j < dv;
+    const int jc = col ? j : 0;  // a column to read for the shuffles' sake; nothing is written
+    float s[DK / 4];
+#pragma unroll 1
+    for (int i = 0; i < T; ++i) {
+        const int p = parents ? parents[i] : i - 1;
+        if (p != i - 1 || i == 0) {
+            const float* src = p < 0 ? state + (size_t)h * head
+                                     : scratch + ((size_t)p * H + h) * head;
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) s[m] = src[(size_t)(4 * m + t) * dv + jc];
+        }
+        const size_t th = (size_t)i * H + h;
+        const float alpha = expf(g[th]);
+        const float* kk = k + th * DK;
+        float pred = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) {
+            s[m] *= alpha;
+            pred += kk[4 * m + t] * s[m];
+        }
+        const float d = beta[th] * (v[th * dv + jc] - rule_sum4(pred));
+        const float* qq = q + th * DK;
+        float o = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) {
+            s[m] += RELOAD(kk + 4 * m + t) * d;
+            if (out) o += qq[4 * m + t] * s[m];
+        }
+        if (out) {
+            const float total = rule_sum4(o);
+            if (col && t == 0) out[th * dv + j] = total;
+        }
+        if (col && keep && keep[i]) {
+            float* dst = scratch + th * head;
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) dst[(size_t)(4 * m + t) * dv + j] = s[m];
+        }
+    }
+    if (!col || !last) return;
+    float* dst = last + (size_t)h * head;
+#pragma unroll
+    for (int m = 0; m < DK / 4; ++m) dst[(size_t)(4 * m + t) * dv + j] = s[m];
+}
+#endif
 
 // The one entry point of the rule: the tree for each of L layers at once (a forward: L = 1; the
 // replay of every recurrent layer after a verify: one chain per layer, same length). Layer
@@ -98,9 +166,17 @@ __device__ __forceinline__ void gated_delta_tree(
 // chain replay spilled 608 bytes at DK 128.)
 extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_layers_f32(
     const unsigned long long* __restrict__ ptrs, int T, int H, int dv) {
+    const unsigned long long* p = ptrs + (size_t)blockIdx.z * 11;
+#ifdef RULE_LANES4
+    gated_delta_tree_lanes4((const float*)p[0], (const float*)p[1], (const float*)p[2],
+                            (const float*)p[3], (const float*)p[4], (const float*)p[5],
+                            (const int*)p[6], (const int*)p[7], (float*)p[8], (float*)p[9],
+                            (float*)p[10], T, H, dv, blockIdx.y,
+                            blockIdx.x * 8 + (threadIdx.x & 7), threadIdx.x >> 3);
+    return;
+#endif
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= dv) return;
-    const unsigned long long* p = ptrs + (size_t)blockIdx.z * 11;
     gated_delta_tree((const float*)p[0], (const float*)p[1], (const float*)p[2],
                      (const float*)p[3], (const float*)p[4], (const float*)p[5],
                      (const int*)p[6], (const int*)p[7], (float*)p[8], (float*)p[9],

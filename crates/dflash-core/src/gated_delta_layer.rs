@@ -120,8 +120,8 @@ pub fn conv_and_rule_inputs_into(
 /// that its pointer table is uploaded once ([`upload_rule_table`]) and the launch
 /// ([`rule_from_table`]) replays in a CUDA graph. Shapes as [`crate::gated_delta::tree_recurrent`]
 /// takes them for up to R rows (`q`, `k` `[R, H, dk]`, `v`, `out` `[R, H, dv]`, `g`, `beta`
-/// `[R, H]`, `scratch` `[R, H, dk, dv]`, `state`, `last` `[H, dk, dv]`, f32; `parents`, `keep`
-/// u32 `[R]`).
+/// `[R, H]`, `scratch` `[R, H, dk, dv]`, `state` `[H, dk, dv]`, f32; `parents`, `keep` u32
+/// `[R]`). The rule writes no end state: the state buffer moves on at the commit (a replay).
 pub struct StepRuleBuffers<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
@@ -133,7 +133,6 @@ pub struct StepRuleBuffers<'a> {
     pub keep: &'a Tensor,
     pub out: &'a Tensor,
     pub scratch: &'a Tensor,
-    pub last: &'a Tensor,
 }
 
 /// Writes the rule's pointer table over `b` into `table` (u32, at least 22 words). CUDA only.

@@ -23,7 +23,10 @@
 //! - With device-step buffers ([`crate::recurrent_step`]; the hybrids' device step), the state at
 //!   `len` lives in fixed buffers: a step's record is rows of them, replays settle into them in
 //!   place, and a replay that overwrote the state its record started from consumes the record
-//!   (a crop back into that forward then fails with the reason).
+//!   (a crop back into that forward then fails with the reason). A chain replay of a step's own
+//!   record ([`RecurrentCache::pending_step_chain`]) settles for every layer at once through the
+//!   sequence's fixed commit tables on CUDA ([`crate::recurrent_step::CommitTables`]; the same
+//!   kernels), the rest through [`settle_replays`].
 
 use crate::gated_delta;
 use crate::recurrent_step::{overwrite, RecurrentStepBuffers};
@@ -180,6 +183,7 @@ pub fn settle_replays(caches: &mut [&mut RecurrentCache]) -> Result<()> {
             if let (Some(b), Some((_, rec))) = (&c.step, &c.last) {
                 if b.is_state(&rec.start.ssm) {
                     c.last = None;
+                    c.step_record = false;
                 }
             }
             c.at = At::State(Some(RecurrentState { conv, ssm }));
@@ -213,6 +217,10 @@ pub struct RecurrentCache {
     /// state its record started from consumes the record (a later crop inside that forward is
     /// refused, never approximated).
     step: Option<RecurrentStepBuffers>,
+    /// Whether `last` is a device step's record as the step wrote it (rows of the step buffers,
+    /// starting from the state buffers): then a chain replay of it can settle through the
+    /// sequence's fixed commit tables ([`RecurrentCache::pending_step_chain`]).
+    step_record: bool,
 }
 
 impl RecurrentCache {
@@ -224,7 +232,44 @@ impl RecurrentCache {
             at: At::State(None),
             batch: None,
             step: None,
+            step_record: false,
         }
+    }
+
+    /// The rows to keep when the pending state is a chain replay of the last device step's own
+    /// record into the state buffers it started from — what
+    /// [`crate::recurrent_step::CommitTables::commit_chains`] does for every layer at once;
+    /// `None` otherwise.
+    pub fn pending_step_chain(&self) -> Option<usize> {
+        match (&self.at, &self.last, &self.step) {
+            (At::Replay(n), Some((_, rec)), Some(b))
+                if *n > 0 && self.step_record && b.is_state(&rec.start.ssm) =>
+            {
+                Some(*n)
+            }
+            _ => None,
+        }
+    }
+
+    /// Counts the pending chain replay ([`RecurrentCache::pending_step_chain`]) as done: the state
+    /// buffers hold it, and the record they started from is consumed.
+    pub fn settled_in_place(&mut self) -> Result<()> {
+        let Some(b) = self
+            .step
+            .as_ref()
+            .filter(|_| self.pending_step_chain().is_some())
+        else {
+            return Err(CoreError::InvalidInput(
+                "settled_in_place: no chain replay of a device step is pending".into(),
+            ));
+        };
+        self.at = At::State(Some(RecurrentState {
+            conv: b.conv.clone(),
+            ssm: b.ssm.clone(),
+        }));
+        self.last = None;
+        self.step_record = false;
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -274,6 +319,7 @@ impl RecurrentCache {
             )),
         };
         self.last = (n <= MAX_RECORDED_ROWS).then_some((self.len, record));
+        self.step_record = false;
         self.len = needed;
         Ok(())
     }
@@ -351,6 +397,7 @@ impl RecurrentCache {
         let kept = rec.select(&nodes)?;
         let n = kept.len();
         self.last = Some((start, kept));
+        self.step_record = false;
         self.at = At::Replay(n);
         self.len = base + rows.len();
         Ok(())
@@ -439,6 +486,7 @@ impl RecurrentCache {
         if let Some((_, rec)) = &self.last {
             if b.is_state(&rec.start.ssm) {
                 self.last = None;
+                self.step_record = false;
             }
         }
         self.at = At::State(Some(RecurrentState {
@@ -473,6 +521,7 @@ impl RecurrentCache {
         };
         let chain = record.chain_prefix(n);
         self.commit(record, None)?;
+        self.step_record = true;
         if chain {
             self.at = At::Replay(n);
         }

@@ -32,7 +32,7 @@ pub struct StepShape {
 
 /// Scratch every recurrent layer of one sequence's device step shares (layers run one after
 /// another): the convolved inputs `u` `[R, C]`, the rule's queries `[R, Hv, dk]`, outputs
-/// `[R, Hv, dv]`, kept node states `[R, Hv, dk, dv]` and last state `[Hv, dk, dv]` (f32), and the
+/// `[R, Hv, dv]`, kept node states `[R, Hv, dk, dv]` (f32), and the
 /// step's parents then kept flags (u32 `[2R]`).
 #[derive(Debug, Clone)]
 pub struct SharedStepBuffers {
@@ -41,7 +41,6 @@ pub struct SharedStepBuffers {
     pub q: Tensor,
     pub out: Tensor,
     pub scratch: Tensor,
-    pub last: Tensor,
     pub tree: Tensor,
 }
 
@@ -56,7 +55,6 @@ impl SharedStepBuffers {
             q: z(&[r, hv, dk])?,
             out: z(&[r, hv, dv])?,
             scratch: z(&[r, hv, dk, dv])?,
-            last: z(&[hv, dk, dv])?,
             tree: Tensor::zeros(2 * r, DType::U32, device)?,
         })
     }
@@ -135,7 +133,6 @@ impl RecurrentStepBuffers {
                 keep: &keep,
                 out: &shared.out,
                 scratch: &shared.scratch,
-                last: &shared.last,
             },
         )?;
         Ok(b)
@@ -162,6 +159,71 @@ impl RecurrentStepBuffers {
     /// Whether `t` is this layer's delta-rule state buffer itself (not a copy).
     pub fn is_state(&self, ssm: &Tensor) -> bool {
         ssm.id() == self.ssm.id()
+    }
+}
+
+/// The fixed pointer tables of a sequence's state commit on CUDA (every recurrent layer, in layer
+/// order; uploaded once with the buffers): a chain commit — the first `n` rows of every layer's
+/// step record kept — is then two launches with no host work per layer
+/// ([`CommitTables::commit_chains`]), the same kernels, so the same bits, as
+/// [`crate::recurrent_cache::settle_replays`].
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct CommitTables {
+    replay: Tensor,
+    windows: Tensor,
+    layers: usize,
+    shape: StepShape,
+}
+
+impl CommitTables {
+    /// The tables over `layers` (all of a sequence's recurrent layers, in order); `None` off CUDA
+    /// (the host emulation settles layer by layer).
+    pub fn new(
+        layers: &[&RecurrentStepBuffers],
+        shape: StepShape,
+        device: &Device,
+    ) -> Result<Option<Self>> {
+        if !device.is_cuda() || layers.is_empty() {
+            return Ok(None);
+        }
+        let replay = Tensor::zeros(22 * layers.len(), DType::U32, device)?;
+        let windows = Tensor::zeros(6 * layers.len(), DType::U32, device)?;
+        #[cfg(feature = "cuda")]
+        crate::gated_delta_cuda::upload_commit_tables(&replay, &windows, layers)?;
+        Ok(Some(Self {
+            replay,
+            windows,
+            layers: layers.len(),
+            shape,
+        }))
+    }
+
+    /// Layers the tables cover.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Every layer's state and window advanced in place along the first `n` rows of its record.
+    pub fn commit_chains(&self, n: usize) -> Result<()> {
+        if n == 0 || n > self.shape.rows {
+            return Err(CoreError::InvalidInput(format!(
+                "state commit of {n} rows (records hold {})",
+                self.shape.rows
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        return crate::gated_delta_cuda::commit_from_tables(
+            &self.replay,
+            &self.windows,
+            self.layers,
+            n,
+            self.shape,
+        );
+        #[cfg(not(feature = "cuda"))]
+        Err(CoreError::InvalidInput(
+            "commit tables exist on CUDA only".into(),
+        ))
     }
 }
 
@@ -309,6 +371,7 @@ mod tests {
             parents: vec![-1, 0, 1],
         };
         cache.commit(host, Some(end.clone())).unwrap();
+        assert_eq!(cache.pending_step_chain(), None, "a host forward's record");
         cache.load_step_state().unwrap();
         assert_holds(&b, &end, "host state");
         // a chain step of 5, cropped to 3 of its tokens: replayed into the buffers in place
@@ -317,8 +380,19 @@ mod tests {
         cache.commit_step(&[-1, 0, 1, 2, 3]).unwrap();
         assert_eq!(cache.len(), 8);
         cache.crop(6);
+        // what the fixed commit tables would settle on CUDA: 3 rows of the step's own record
+        assert_eq!(cache.pending_step_chain(), Some(3));
+        let mut tables_path = cache.clone();
         cache.load_step_state().unwrap();
         assert_holds(&b, &expected(&b, &before, &[0, 1, 2]), "chain crop");
+        assert_eq!(cache.pending_step_chain(), None, "settled");
+        // counting it settled in place (after the tables' launches) leaves the same bookkeeping
+        tables_path.settled_in_place().unwrap();
+        assert_eq!(tables_path.len(), cache.len());
+        assert!(tables_path.settled_in_place().is_err(), "nothing pending");
+        let mut probe = tables_path.clone();
+        probe.crop(5);
+        assert!(probe.state().is_err(), "the record is consumed");
         // the replay overwrote its start: a crop back into that step is refused, not approximated
         let mut probe = cache.clone();
         probe.crop(5);
@@ -334,7 +408,17 @@ mod tests {
         let before = copy_of(&b);
         cache.commit_step(&[-1, 0, 0, 2, 1, 3]).unwrap();
         let base = cache.len() - 6;
+        assert_eq!(
+            cache.pending_step_chain(),
+            None,
+            "a tree: no state until a path is kept"
+        );
         cache.keep_rows(base, &[0, 2, 3]).unwrap();
+        assert_eq!(
+            cache.pending_step_chain(),
+            None,
+            "a compacted path is a gathered record, not the step's rows"
+        );
         cache.load_step_state().unwrap();
         assert_holds(&b, &expected(&b, &before, &[0, 2, 3]), "tree path");
         // crop(0) keeps the buffers (graphs bake them in) and zeroes them at the next load

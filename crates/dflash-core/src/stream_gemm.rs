@@ -76,6 +76,24 @@ pub fn stream_max_few_rows_bytes() -> usize {
     })
 }
 
+/// The fewest 16-output tiles (blocks) a weight must give for the fast policy to stream it in a
+/// call of up to [`FEW_ROWS`] rows when it is larger than [`STREAM_MAX_BYTES`]: 1.5 waves over
+/// an H100/H200's 132 SMs. Below that the blocks leave SMs idle for most of the last wave:
+/// Qwen3.5-4B's silu·down (2560 outputs, 160 blocks) read its 47 MB at 1.1 TB/s in the AR step
+/// (ncu, session 21), and the AR step took 5.54 ms streamed against 4.99 with every few-row call
+/// on cuBLAS (H100, session 22); Qwen3-8B's o projection (4096 outputs, 256 blocks) streams
+/// faster than cuBLAS. `DFLASH_STREAM_FEW_MIN_TILES=N` (read once; a documented override for A/B
+/// runs; 0 drops the condition).
+pub fn stream_few_rows_min_tiles() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("DFLASH_STREAM_FEW_MIN_TILES")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(198)
+    })
+}
+
 /// The largest LM head the fast policy streams: cuBLAS's bf16 × bf16 → f32 product of a few rows
 /// took ~0.17 ms longer on SmolLM2's 56 MB head (AR step 1.31 → 1.13 ms streamed, drafter block
 /// 0.61 → 0.54), but the stream lost 0.18 ms on Qwen3-8B's 1.2 GB head (AR 5.84 → 6.02).
@@ -137,8 +155,12 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
             } else {
                 STREAM_MAX_BYTES
             };
+            let tiles = w.dims().first().map_or(0, |n| n.div_ceil(16));
             (rows <= FAST_MAX_ROWS && bytes <= limit)
-                || (!logits && rows <= FEW_ROWS && bytes <= stream_max_few_rows_bytes())
+                || (!logits
+                    && rows <= FEW_ROWS
+                    && bytes <= stream_max_few_rows_bytes()
+                    && tiles >= stream_few_rows_min_tiles())
         }
         StreamPolicy::All => rows <= STREAM_MAX_ROWS,
     }

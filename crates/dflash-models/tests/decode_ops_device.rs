@@ -745,3 +745,57 @@ fn the_gated_delta_rule_matches_the_host_on_the_device() {
         }
     }
 }
+
+/// The rule's two CUDA kernels — one lane a state column, and four lanes a column
+/// (`DFLASH_GDN_RULE_LANES=4`) — give the same outputs and end state, bit for bit, for chains and
+/// branching trees with several roots, at the real key head dim (128) with a value dim that is not
+/// a multiple of the four-lane kernel's 8 columns a warp, and at the tiny fixture's (16).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_rules_four_lane_kernel_gives_the_one_lane_kernels_bits() {
+    use dflash_core::gated_delta::{self, DeltaInputs};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let trees: Vec<Vec<i64>> = vec![
+        (0..17).map(|i| i - 1).collect(),
+        vec![-1, 0, 1, 0, 2, 3, 1, 4, 5, 6, 2, 7, -1, 12, 13, 12],
+        vec![-1],
+    ];
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (dk, dv, h) in [(128usize, 128usize, 3usize), (128, 20, 2), (16, 16, 4)] {
+        for parents in &trees {
+            let t = parents.len();
+            let r = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let scale = (dk as f64).powf(-0.5);
+            let q = (gated_delta::l2norm(&r(&[t, h, dk])).unwrap() * scale).unwrap();
+            let k = gated_delta::l2norm(&r(&[t, h, dk])).unwrap();
+            let v = r(&[t, h, dv]);
+            let g = r(&[t, h]).abs().unwrap().neg().unwrap();
+            let beta = candle_nn::ops::sigmoid(&r(&[t, h])).unwrap();
+            let state = r(&[h, dk, dv]);
+            let x = DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &g,
+                beta: &beta,
+            };
+            let run = |lanes4| {
+                gated_delta::tree_recurrent_with_lanes(&x, &state, parents, lanes4).unwrap()
+            };
+            let (one, four) = (run(false), run(true));
+            assert!(
+                bits(&one.0) == bits(&four.0),
+                "dk {dk}, dv {dv}, tree {parents:?}: outputs differ by {}",
+                max_abs(&one.0, &four.0)
+            );
+            assert!(
+                bits(&one.1) == bits(&four.1),
+                "dk {dk}, dv {dv}, tree {parents:?}: end states differ by {}",
+                max_abs(&one.1, &four.1)
+            );
+        }
+    }
+}
