@@ -8,7 +8,9 @@
 # kernels of one step with their time, achieved bandwidth and share. Knobs: SHAPES, COUNT (kernels
 # profiled), SKIP (kernels run unprofiled first: weights and prefill — a hybrid needs ~2400 to reach
 # its AR steps), VARIANT_ENV (extra environment for the binary, e.g. DFLASH_STREAM_GEMM=0), METRICS
-# (more ncu metrics, comma-separated, e.g. launch__registers_per_thread), WIDTHS (tree sizes, default 64).
+# (more ncu metrics, comma-separated, e.g. launch__registers_per_thread), WIDTHS (tree sizes, default 64),
+# PROFILE_OP (profile only that op's runs: ar_step, verify.chain16, state_commit, verify.tree64, …
+# — `bench decode` opens the profiler's range around it; SKIP then counts inside the range).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHAPES=${SHAPES:-"qwen3-8b:bf16:512 smollm2-135m:bf16:512"}
@@ -21,7 +23,7 @@ for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   csv=$OUT/profile-$shape-$dtype-$ctx.csv
   echo "== ncu: bench decode $shape $dtype context $ctx"
-  env ${VARIANT_ENV:-} timeout 420 "$NCU" --clock-control none --cache-control ${CACHE_CONTROL:-none} --metrics gpu__time_duration.sum,dram__bytes_read.sum${METRICS:+,$METRICS} \
+  env ${VARIANT_ENV:-} ${PROFILE_OP:+DFLASH_PROFILE_OP=$PROFILE_OP} timeout 420 "$NCU" ${PROFILE_OP:+--profile-from-start off} --clock-control none --cache-control ${CACHE_CONTROL:-none} --metrics gpu__time_duration.sum,dram__bytes_read.sum${METRICS:+,$METRICS} \
     --launch-skip "${SKIP:-0}" --launch-count "$COUNT" --csv --log-file "$csv" /tmp/bin/dflash bench decode --shape "$shape" \
     --context "$ctx" --device cuda --dtype "$dtype" --rounds 2 --warmup 1 --widths ${WIDTHS:-64} > /dev/null 2> "$OUT/profile-$shape.err" \
     || { echo "ncu exit $?"; tail -5 "$OUT/profile-$shape.err"; }

@@ -191,6 +191,43 @@ struct Op {
     t: Timing,
 }
 
+/// Runs `f` inside the CUDA profiler's range when `DFLASH_PROFILE_OP` names `key` (a documented
+/// knob for `ncu --profile-from-start off`, scripts/gpu-profile-step.sh's `PROFILE_OP`: only that
+/// op's runs are profiled, whatever ran before them); otherwise just runs it.
+fn in_profile<T>(key: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let on = std::env::var("DFLASH_PROFILE_OP").is_ok_and(|v| v == key);
+    if on {
+        profiler(true)?;
+    }
+    let out = f();
+    if on {
+        profiler(false)?;
+    }
+    out
+}
+
+/// Starts or stops the CUDA profiler's range (no-op without CUDA).
+fn profiler(start: bool) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        // SAFETY: plain driver calls with no arguments; the bench's CUDA context is current on
+        // this thread (candle made it here).
+        let r = unsafe {
+            match start {
+                true => sys::cuProfilerStart(),
+                false => sys::cuProfilerStop(),
+            }
+        };
+        anyhow::ensure!(
+            r == sys::CUresult::CUDA_SUCCESS,
+            "cuProfilerStart/Stop: {r:?}"
+        );
+    }
+    let _ = start;
+    Ok(())
+}
+
 fn push(ops: &mut Vec<Op>, key: String, label: String, t: Timing) {
     ops.push(Op { key, label, t });
 }
@@ -312,14 +349,16 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let next_tok = [bonus];
 
     // AR step: one token, only its id crosses to the host
-    let t = time(&mut || {
-        let out = target.forward(
-            &ForwardRequest::causal(&next_tok, &one_pos, LogitRows::Last),
-            &mut cache,
-        )?;
-        black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
-        cache.crop(context);
-        Ok(())
+    let t = in_profile("ar_step", || {
+        time(&mut || {
+            let out = target.forward(
+                &ForwardRequest::causal(&next_tok, &one_pos, LogitRows::Last),
+                &mut cache,
+            )?;
+            black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
+            cache.crop(context);
+            Ok(())
+        })
     })?;
     push(&mut ops, "ar_step".into(), "AR step (greedy)".into(), t);
 
@@ -349,20 +388,22 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let mut block = vec![bonus];
     block.extend(greedy_rows(&draft_logits)?);
     let block_pos: Vec<u32> = (context as u32..(context + block.len()) as u32).collect();
-    let t = time(&mut || {
-        let req = ForwardRequest {
-            tokens: &block,
-            positions: &block_pos,
-            mask: AttentionMask::Causal,
-            taps: &taps,
-            logits: LogitRows::All,
-        };
-        let out = target.forward(&req, &mut cache)?;
-        black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
-        cache.crop(context);
-        Ok(())
-    })?;
     let chain = format!("chain{}", a.block_size);
+    let t = in_profile(&format!("verify.{chain}"), || {
+        time(&mut || {
+            let req = ForwardRequest {
+                tokens: &block,
+                positions: &block_pos,
+                mask: AttentionMask::Causal,
+                taps: &taps,
+                logits: LogitRows::All,
+            };
+            let out = target.forward(&req, &mut cache)?;
+            black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
+            cache.crop(context);
+            Ok(())
+        })
+    })?;
     push(
         &mut ops,
         format!("verify.{chain}"),
@@ -372,7 +413,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
-    if let Some((t, submit)) = state_commit(target, &ids, &block, &taps, &a)? {
+    if let Some((t, submit)) = in_profile("state_commit", || {
+        state_commit(target, &ids, &block, &taps, &a)
+    })? {
         push(
             &mut ops,
             "state_commit".into(),
@@ -392,13 +435,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     for &w in &widths {
         let tree = tree_from_draft_logits(&draft_logits, bonus, w)?;
         let path = accepted_path(&tree);
-        let t = time(&mut || {
-            let pos = tree.positions(context);
-            let out = target.forward(&tree.verify_request(&pos, &taps), &mut cache)?;
-            black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
-            cache.keep_rows(context, &path)?;
-            cache.crop(context);
-            Ok(())
+        let t = in_profile(&format!("verify.tree{w}"), || {
+            time(&mut || {
+                let pos = tree.positions(context);
+                let out = target.forward(&tree.verify_request(&pos, &taps), &mut cache)?;
+                black_box(greedy_rows(out.logits.as_ref().context("logits")?)?);
+                cache.keep_rows(context, &path)?;
+                cache.crop(context);
+                Ok(())
+            })
         })?;
         tree_info.insert(
             format!("tree{w}"),
