@@ -83,6 +83,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
             ok &= compile_source(f"#define DK {dk}\n{src}", f"{base} (DK {dk})")
             if "RULE_LANES4" in src:  # the rule's four-lanes-a-column variant (DFLASH_GDN_RULE_LANES=4)
                 ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n{src}", f"{base} (DK {dk}, 4 lanes)")
+                ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n{src}",
+                                     f"{base} (DK {dk}, 4 lanes, staged)")
     elif "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")

@@ -295,19 +295,28 @@ pub fn kernels_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("DFLASH_GDN_KERNELS").as_deref() != Ok("0"))
 }
 
-/// [`tree_recurrent`] on CUDA through the rule's kernel with one lane (`lanes4` false) or four
-/// lanes (true) a state column, whatever `DFLASH_GDN_RULE_LANES` says: the GPU test that the two
-/// give the same bits.
+/// The rule's CUDA kernels (`gated_delta_kernels.cu`), all with the same arithmetic per output
+/// (so the same bits): one lane a state column; four lanes a column (the default); four lanes
+/// with each chunk of tokens' inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`, opt-in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RuleKernel {
+    OneLane,
+    FourLanes,
+    FourLanesStaged,
+}
+
+/// [`tree_recurrent`] on CUDA through the given rule kernel, whatever the environment says: the
+/// GPU test that every kernel gives the same bits.
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
-pub fn tree_recurrent_with_lanes(
+pub fn tree_recurrent_with_kernel(
     x: &DeltaInputs,
     state: &Tensor,
     parents: &[i64],
-    lanes4: bool,
+    kernel: RuleKernel,
 ) -> Result<(Tensor, Tensor)> {
     tree_depths(parents)?;
-    crate::gated_delta_cuda::tree_recurrent_as(x, state, parents, lanes4)
+    crate::gated_delta_cuda::tree_recurrent_as(x, state, parents, kernel)
 }
 
 /// The rule over a token tree from `state`: node `i` continues from the state of its parent

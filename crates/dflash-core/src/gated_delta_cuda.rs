@@ -12,7 +12,7 @@
 //! its input (`AdvanceJob::into`) and the conv windows over their start (per channel, in row
 //! order); everything runs on candle's stream, in order with the ops around it.
 
-use crate::gated_delta::{kept_states, DeltaInputs};
+use crate::gated_delta::{kept_states, DeltaInputs, RuleKernel};
 use crate::step_cuda::address;
 use crate::{CoreError, Result};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -27,21 +27,24 @@ const THREADS: usize = 32;
 
 /// The kernel module compiled for key head dim `dk` (cached per process).
 fn ptx(dk: usize) -> candle_core::Result<String> {
-    ptx_variant(dk, false)
+    ptx_variant(dk, RuleKernel::OneLane)
 }
 
-/// The module for `dk`, with the rule's four-lanes-a-column kernel when `lanes4` (see
-/// [`rule_lanes4`]).
-fn ptx_variant(dk: usize, lanes4: bool) -> candle_core::Result<String> {
-    type Cache = HashMap<(usize, bool), std::result::Result<String, String>>;
+/// The module for `dk` with `kernel` as its rule (the layer kernels are the same in every one).
+fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<String> {
+    type Cache = HashMap<(usize, RuleKernel), std::result::Result<String, String>>;
     static PTX: OnceLock<Mutex<Cache>> = OnceLock::new();
     let mut map = PTX
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .expect("the PTX cache lock is never poisoned");
-    map.entry((dk, lanes4))
+    map.entry((dk, kernel))
         .or_insert_with(|| {
-            let define = if lanes4 { "#define RULE_LANES4\n" } else { "" };
+            let define = match kernel {
+                RuleKernel::OneLane => "",
+                RuleKernel::FourLanes => "#define RULE_LANES4\n",
+                RuleKernel::FourLanesStaged => "#define RULE_LANES4\n#define RULE_STAGED\n",
+            };
             candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(format!(
                 "#define DK {dk}\n{define}{SOURCE}"
             ))
@@ -52,16 +55,25 @@ fn ptx_variant(dk: usize, lanes4: bool) -> candle_core::Result<String> {
         .map_err(candle_core::Error::Msg)
 }
 
-/// Whether the rule runs four lanes a state column: the default (the same bits as one lane a
-/// column — see `gated_delta_kernels.cu`, and the GPU test
-/// `the_rules_four_lane_kernel_gives_the_one_lane_kernels_bits` — with four times the warps and
-/// 64 registers a thread instead of 168; measured on an H100 in session 22: Qwen3.6-27B at 2048
-/// tree64 verify 44.98 → 41.85 ms, tree256 111.4 → 102.0, chain16 27.38 → 26.83; Qwen3.5-4B
-/// tree64 14.92 → 13.52). `DFLASH_GDN_RULE_LANES=1` (read once; a documented override for A/B
-/// runs) keeps one lane a column.
-fn rule_lanes4() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_GDN_RULE_LANES").map_or(true, |v| v.trim() != "1"))
+/// The rule's kernel in force: four lanes a state column by default (the same bits as one lane
+/// a column — see `gated_delta_kernels.cu`, and the GPU test
+/// `the_rules_kernels_give_the_same_bits` — with four times the warps and 64 registers a thread
+/// instead of 168; measured on an H100 in session 22: Qwen3.6-27B at 2048 tree64 verify 44.98 →
+/// 41.85 ms, tree256 111.4 → 102.0, chain16 27.38 → 26.83; Qwen3.5-4B tree64 14.92 → 13.52).
+/// `DFLASH_GDN_RULE_LANES=1` keeps one lane a column, `DFLASH_GDN_RULE_STAGE=1` takes the
+/// shared-memory staging (read once; documented overrides for A/B runs).
+fn rule_kernel() -> RuleKernel {
+    static KERNEL: OnceLock<RuleKernel> = OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        let on = |name: &str, v: &str| std::env::var(name).is_ok_and(|x| x.trim() == v);
+        if on("DFLASH_GDN_RULE_LANES", "1") {
+            RuleKernel::OneLane
+        } else if on("DFLASH_GDN_RULE_STAGE", "1") {
+            RuleKernel::FourLanesStaged
+        } else {
+            RuleKernel::FourLanes
+        }
+    })
 }
 
 /// One layer's arguments of the rule's kernel (device addresses; 0 for null).
@@ -103,10 +115,10 @@ fn launch_layers(
     layers: &[LayerArgs],
     extra: &[u32],
     dims: (usize, usize, usize, usize),
-    lanes4: bool,
+    kernel: RuleKernel,
 ) -> Result<()> {
     crate::step_cuda::upload_meta(meta, &table_words(layers, extra))?;
-    launch_table_as(meta, layers.len(), dims, lanes4)
+    launch_table_as(meta, layers.len(), dims, kernel)
 }
 
 /// The launch alone of `gated_delta_tree_layers_f32` over the `layers` tables in `table`
@@ -116,19 +128,24 @@ pub(crate) fn launch_table(
     layers: usize,
     dims: (usize, usize, usize, usize),
 ) -> Result<()> {
-    launch_table_as(table, layers, dims, rule_lanes4())
+    launch_table_as(table, layers, dims, rule_kernel())
 }
 
-/// [`launch_table`] with the rule's lanes chosen here (`lanes4`: four lanes a column).
+/// [`launch_table`] with the rule's kernel chosen here.
 fn launch_table_as(
     table: &Tensor,
     layers: usize,
     (t, h, dk, dv): (usize, usize, usize, usize),
-    lanes4: bool,
+    kernel: RuleKernel,
 ) -> Result<()> {
     let (mp, dev) = address(table, "gated delta pointer table")?;
     let (ti, hi, dvi) = (t as i32, h as i32, dv as i32);
-    let lanes4 = lanes4 && dk % 4 == 0;
+    let kernel = if dk % 4 == 0 {
+        kernel
+    } else {
+        RuleKernel::OneLane
+    };
+    let lanes4 = kernel != RuleKernel::OneLane;
     // one lane a column: THREADS columns a block; four: THREADS / 4
     let columns = if lanes4 { THREADS / 4 } else { THREADS };
     let cfg = LaunchConfig {
@@ -136,14 +153,16 @@ fn launch_table_as(
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let module = format!(
-        "dflash_gated_delta_dk{dk}{}",
-        if lanes4 { "_l4" } else { "" }
-    );
+    let suffix = match kernel {
+        RuleKernel::OneLane => "",
+        RuleKernel::FourLanes => "_l4",
+        RuleKernel::FourLanesStaged => "_l4s",
+    };
+    let module = format!("dflash_gated_delta_dk{dk}{suffix}");
     let f = dev.get_or_load_custom_func(
         "gated_delta_tree_layers_f32",
         &module,
-        &ptx_variant(dk, lanes4)?,
+        &ptx_variant(dk, kernel)?,
     )?;
     let mut b = f.builder();
     b.arg(&mp).arg(&ti).arg(&hi).arg(&dvi);
@@ -184,15 +203,15 @@ pub(crate) fn tree_recurrent(
     state: &Tensor,
     parents: &[i64],
 ) -> Result<(Tensor, Tensor)> {
-    tree_recurrent_as(x, state, parents, rule_lanes4())
+    tree_recurrent_as(x, state, parents, rule_kernel())
 }
 
-/// [`tree_recurrent`] with the rule's lanes chosen here (a GPU test compares the two kernels).
+/// [`tree_recurrent`] with the rule's kernel chosen here (a GPU test compares the kernels).
 pub(crate) fn tree_recurrent_as(
     x: &DeltaInputs,
     state: &Tensor,
     parents: &[i64],
-    lanes4: bool,
+    kernel: RuleKernel,
 ) -> Result<(Tensor, Tensor)> {
     let (t, h, dk) = x.k.dims3()?;
     let dv = x.v.dim(2)?;
@@ -240,7 +259,7 @@ pub(crate) fn tree_recurrent_as(
         .map(|&p| p as i32 as u32)
         .chain(keep.iter().map(|&b| b as u32))
         .collect();
-    launch_layers(&meta, &[args], &extra, (t, h, dk, dv), lanes4)?;
+    launch_layers(&meta, &[args], &extra, (t, h, dk, dv), kernel)?;
     Ok((out, last))
 }
 
@@ -299,7 +318,7 @@ pub(crate) fn advance_layers(jobs: &[crate::gated_delta::AdvanceJob]) -> Result<
     }
     // SAFETY: the upload writes the whole table before the kernel reads it.
     let meta = unsafe { Tensor::empty(22 * jobs.len(), DType::U32, dev_t)? };
-    launch_layers(&meta, &args, &[], (t, h, dk, dv), rule_lanes4())?;
+    launch_layers(&meta, &args, &[], (t, h, dk, dv), rule_kernel())?;
     drop(kept);
     Ok(outs)
 }

@@ -104,15 +104,69 @@ __device__ __forceinline__ float rule_sum4(float p) {
     const float x = p + __shfl_xor_sync(0xffffffffu, p, 8);
     return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
-// Tokens staged in shared memory at a time: the warp loads a chunk's k, q, g, beta, value
-// columns, parents and kept flags with all its loads in flight, then walks the chunk from shared
-// memory — a node's inputs never wait on a global load in the serial walk (the per-node global
+__device__ __forceinline__ void gated_delta_tree_lanes4(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ state,
+    const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
+    float* __restrict__ scratch, float* __restrict__ last, int T, int H, int dv, int h, int j,
+    int t) {
+    const size_t head = (size_t)DK * dv;
+    const bool col = j < dv;
+    const int jc = col ? j : 0;  // a column to read for the shuffles' sake; nothing is written
+    float s[DK / 4];
+#pragma unroll 1
+    for (int i = 0; i < T; ++i) {
+        const int p = parents ? parents[i] : i - 1;
+        if (p != i - 1 || i == 0) {
+            const float* src = p < 0 ? state + (size_t)h * head
+                                     : scratch + ((size_t)p * H + h) * head;
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) s[m] = src[(size_t)(4 * m + t) * dv + jc];
+        }
+        const size_t th = (size_t)i * H + h;
+        const float alpha = expf(g[th]);
+        const float* kk = k + th * DK;
+        float pred = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) {
+            s[m] *= alpha;
+            pred += kk[4 * m + t] * s[m];
+        }
+        const float d = beta[th] * (v[th * dv + jc] - rule_sum4(pred));
+        const float* qq = q + th * DK;
+        float o = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) {
+            s[m] += RELOAD(kk + 4 * m + t) * d;
+            if (out) o += qq[4 * m + t] * s[m];
+        }
+        if (out) {
+            const float total = rule_sum4(o);
+            if (col && t == 0) out[th * dv + j] = total;
+        }
+        if (col && keep && keep[i]) {
+            float* dst = scratch + th * head;
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) dst[(size_t)(4 * m + t) * dv + j] = s[m];
+        }
+    }
+    if (!col || !last) return;
+    float* dst = last + (size_t)h * head;
+#pragma unroll
+    for (int m = 0; m < DK / 4; ++m) dst[(size_t)(4 * m + t) * dv + j] = s[m];
+}
+
+#ifdef RULE_STAGED
+// The four-lane rule with its inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`, compiled
+// with `RULE_STAGED` defined; opt-in until run on a GPU). A chunk of tokens at a time, the warp
+// loads their k, q, g, beta, value columns, parents and kept flags with all its loads in flight,
+// then walks the chunk from shared memory — a node's inputs never wait on a global load in the serial walk (the per-node global
 // loads had made a 65-node tree cost 239 µs a layer at Qwen3.6-27B, 3.7 µs a node). The values
 // are the same floats, so the arithmetic (and every bit) is unchanged.
 #ifndef RULE_CHUNK
 #define RULE_CHUNK ((4096 / DK) < 64 ? (4096 / DK) : 64)
 #endif
-__device__ __forceinline__ void gated_delta_tree_lanes4(
+__device__ __forceinline__ void gated_delta_tree_lanes4_staged(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ state,
     const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
@@ -190,7 +244,8 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 #pragma unroll
     for (int m = 0; m < DK / 4; ++m) dst[(size_t)(4 * m + t) * dv + j] = s[m];
 }
-#endif
+#endif  // RULE_STAGED
+#endif  // RULE_LANES4
 
 // The one entry point of the rule: the tree for each of L layers at once (a forward: L = 1; the
 // replay of every recurrent layer after a verify: one chain per layer, same length). Layer
@@ -203,7 +258,12 @@ extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_layers_f32(
     const unsigned long long* __restrict__ ptrs, int T, int H, int dv) {
     const unsigned long long* p = ptrs + (size_t)blockIdx.z * 11;
 #ifdef RULE_LANES4
-    gated_delta_tree_lanes4((const float*)p[0], (const float*)p[1], (const float*)p[2],
+#ifdef RULE_STAGED
+    gated_delta_tree_lanes4_staged(
+#else
+    gated_delta_tree_lanes4(
+#endif
+                            (const float*)p[0], (const float*)p[1], (const float*)p[2],
                             (const float*)p[3], (const float*)p[4], (const float*)p[5],
                             (const int*)p[6], (const int*)p[7], (float*)p[8], (float*)p[9],
                             (float*)p[10], T, H, dv, blockIdx.y,

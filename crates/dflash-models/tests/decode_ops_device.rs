@@ -746,19 +746,29 @@ fn the_gated_delta_rule_matches_the_host_on_the_device() {
     }
 }
 
-/// The rule's two CUDA kernels — one lane a state column, and four lanes a column
-/// (`DFLASH_GDN_RULE_LANES=4`) — give the same outputs and end state, bit for bit, for chains and
-/// branching trees with several roots, at the real key head dim (128) with a value dim that is not
-/// a multiple of the four-lane kernel's 8 columns a warp, and at the tiny fixture's (16).
+/// The rule's CUDA kernels — one lane a state column, four lanes a column (the default), four
+/// lanes with the inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`) — give the same
+/// outputs and end state, bit for bit, for chains and branching trees with several roots, longer
+/// than one staged chunk, at the real key head dim (128) with a value dim that is not a multiple
+/// of the four-lane kernel's 8 columns a warp, and at the tiny fixture's (16).
 #[cfg(feature = "cuda")]
 #[test]
-fn the_rules_four_lane_kernel_gives_the_one_lane_kernels_bits() {
-    use dflash_core::gated_delta::{self, DeltaInputs};
+fn the_rules_kernels_give_the_same_bits() {
+    use dflash_core::gated_delta::{self, DeltaInputs, RuleKernel};
     let dev = device();
     if !dev.is_cuda() {
         return;
     }
+    // a 70-node tree: branches, a second root, and more nodes than one staged chunk (32 at dk 128)
+    let long: Vec<i64> = (0..70i64)
+        .map(|i| match i {
+            0 | 40 => -1,
+            _ if i % 7 == 3 => i - 3,
+            _ => i - 1,
+        })
+        .collect();
     let trees: Vec<Vec<i64>> = vec![
+        long,
         (0..17).map(|i| i - 1).collect(),
         vec![-1, 0, 1, 0, 2, 3, 1, 4, 5, 6, 2, 7, -1, 12, 13, 12],
         vec![-1],
@@ -782,20 +792,23 @@ fn the_rules_four_lane_kernel_gives_the_one_lane_kernels_bits() {
                 g: &g,
                 beta: &beta,
             };
-            let run = |lanes4| {
-                gated_delta::tree_recurrent_with_lanes(&x, &state, parents, lanes4).unwrap()
+            let run = |kernel| {
+                gated_delta::tree_recurrent_with_kernel(&x, &state, parents, kernel).unwrap()
             };
-            let (one, four) = (run(false), run(true));
-            assert!(
-                bits(&one.0) == bits(&four.0),
-                "dk {dk}, dv {dv}, tree {parents:?}: outputs differ by {}",
-                max_abs(&one.0, &four.0)
-            );
-            assert!(
-                bits(&one.1) == bits(&four.1),
-                "dk {dk}, dv {dv}, tree {parents:?}: end states differ by {}",
-                max_abs(&one.1, &four.1)
-            );
+            let one = run(RuleKernel::OneLane);
+            for kernel in [RuleKernel::FourLanes, RuleKernel::FourLanesStaged] {
+                let other = run(kernel);
+                assert!(
+                    bits(&one.0) == bits(&other.0),
+                    "{kernel:?}, dk {dk}, dv {dv}, tree {parents:?}: outputs differ by {}",
+                    max_abs(&one.0, &other.0)
+                );
+                assert!(
+                    bits(&one.1) == bits(&other.1),
+                    "{kernel:?}, dk {dk}, dv {dv}, tree {parents:?}: end states differ by {}",
+                    max_abs(&one.1, &other.1)
+                );
+            }
         }
     }
 }
