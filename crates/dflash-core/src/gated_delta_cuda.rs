@@ -596,10 +596,20 @@ pub(crate) fn conv_windows(
     // SAFETY: the upload writes the whole table before the kernel reads it.
     let meta = unsafe { Tensor::empty(words.len(), DType::U32, dev_t)? };
     crate::step_cuda::upload_meta(&meta, &words)?;
-    let (mp, dev) = address(&meta, "conv window table")?;
+    // the table holds live contiguous f32 tensors of the checked sizes
+    launch_conv_windows(&meta, jobs.len(), n, w, c)?;
+    drop(kept);
+    Ok(outs)
+}
+
+/// `gdn_conv_window_layers` over the `layers` (start, inputs, out) address triples in `table`:
+/// each window `[w, c]` moved over `n` inputs. The caller guarantees the table names live
+/// contiguous f32 tensors of those sizes (an output may be its start: per channel, in row order).
+fn launch_conv_windows(table: &Tensor, layers: usize, n: usize, w: usize, c: usize) -> Result<()> {
+    let (mp, dev) = address(table, "conv window table")?;
     let (ni, wi, ci) = (n as i32, w as i32, c as i32);
     let cfg = LaunchConfig {
-        grid_dim: (c.div_ceil(128) as u32, jobs.len() as u32, 1),
+        grid_dim: (c.div_ceil(128) as u32, layers as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -607,11 +617,9 @@ pub(crate) fn conv_windows(
     let f = dev.get_or_load_custom_func("gdn_conv_window_layers", module, &ptx(16)?)?;
     let mut b = f.builder();
     b.arg(&mp).arg(&ni).arg(&wi).arg(&ci);
-    // SAFETY: the table holds live contiguous f32 tensors of the checked sizes; `meta` outlives
-    // the launch on this stream.
+    // SAFETY: see the function's contract; `table` outlives the launch on this stream.
     unsafe { b.launch(cfg) }.w()?;
-    drop(kept);
-    Ok(outs)
+    Ok(())
 }
 
 /// Writes the fixed tables of a hybrid device step's state commit over every recurrent layer's
@@ -665,20 +673,7 @@ pub(crate) fn commit_from_tables(
 ) -> Result<()> {
     let heads = shape.heads;
     launch_table(replay, layers, (n, heads.hv, heads.dk, heads.dv))?;
-    let (mp, dev) = address(windows, "conv window table")?;
-    let (w, c) = (shape.conv_kernel - 1, shape.channels);
-    let (ni, wi, ci) = (n as i32, w as i32, c as i32);
-    let cfg = LaunchConfig {
-        grid_dim: (c.div_ceil(128) as u32, layers as u32, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let module = "dflash_gated_delta_dk16"; // the window does not depend on DK
-    let f = dev.get_or_load_custom_func("gdn_conv_window_layers", module, &ptx(16)?)?;
-    let mut b = f.builder();
-    b.arg(&mp).arg(&ni).arg(&wi).arg(&ci);
-    // SAFETY: the table holds the layers' window and record buffers (fixed for the cache's life,
-    // contiguous f32 of the step shape); a window moves in place per channel in row order.
-    unsafe { b.launch(cfg) }.w()?;
-    Ok(())
+    // the table holds the layers' window and record buffers (fixed for the cache's life,
+    // contiguous f32 of the step shape)
+    launch_conv_windows(windows, layers, n, shape.conv_kernel - 1, shape.channels)
 }
