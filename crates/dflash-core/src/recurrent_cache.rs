@@ -253,7 +253,7 @@ impl RecurrentCache {
 
     /// Counts the pending chain replay ([`RecurrentCache::pending_step_chain`]) as done: the state
     /// buffers hold it, and the record they started from is consumed.
-    pub fn settled_in_place(&mut self) -> Result<()> {
+    pub(crate) fn settled_in_place(&mut self) -> Result<()> {
         let Some(b) = self
             .step
             .as_ref()
