@@ -411,7 +411,7 @@ impl SequenceCache {
                 }
             }
         }
-        if made || self.recurrent_commit.is_none() {
+        if made {
             let buffers: Vec<&RecurrentStepBuffers> = self
                 .layers
                 .iter()
