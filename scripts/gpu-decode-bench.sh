@@ -140,7 +140,7 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 def f(x):
     return "-" if x is None else f"{x:.3f}"
-print(f"{'shape':14} {'dt':4} {'ctx':>5} {'engine':13} {'floor':>7} {'AR':>7} {'chain16':>8} {'tree64':>8} {'tree256':>8} {'draft':>7} {'tree-b':>7} {'sampled':>8} {'loopAR':>7} {'loopDF':>7} {'loopDT':>7}")
+print(f"{'shape':14} {'dt':4} {'ctx':>5} {'engine':13} {'floor':>7} {'AR':>7} {'chain16':>8} {'tree64':>8} {'tree256':>8} {'draft':>7} {'tree-b':>7} {'sampled':>8} {'loopAR':>7} {'loopDF':>7} {'loopDT':>7} {'commit':>7} {'tcommit':>7}")
 for r in rows:
     v = r.get("verify_ms") or {}
     lp = r.get("loop_step_ms") or {}
@@ -148,5 +148,6 @@ for r in rows:
     print(f"{r.get('shape','?'):14} {r.get('dtype','?'):4} {r.get('context',0):>5} {eng:13} {f(r.get('floor_ms')):>7} "
           f"{f(r.get('ar_step_ms')):>7} {f(v.get('chain16')):>8} {f(v.get('tree64')):>8} {f(v.get('tree256')):>8} "
           f"{f(r.get('draft_block_ms')):>7} {f(r.get('tree_build_ms')):>7} {f(r.get('sampled_step_ms')):>8} "
-          f"{f(lp.get('ar')):>7} {f(lp.get('dflash')):>7} {f(lp.get('ddtree64')):>7}")
+          f"{f(lp.get('ar')):>7} {f(lp.get('dflash')):>7} {f(lp.get('ddtree64')):>7} "
+          f"{f(r.get('state_commit_ms')):>7} {f(r.get('tree_commit_ms')):>7}")
 PY

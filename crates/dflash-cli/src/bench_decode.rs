@@ -414,7 +414,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
     if let Some((t, submit)) = in_profile("state_commit", || {
-        state_commit(target, &ids, &block, &taps, &a)
+        state_commit(target, &ids, &block, None, &taps, &a)
     })? {
         push(
             &mut ops,
@@ -457,6 +457,29 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             format!("verify tree{w} ({} nodes)", tree.tokens.len()),
             t,
         );
+    }
+
+    // hybrids: the state commit after a DDTree-64 verify — its accepted path kept (the
+    // records' path gathered, then replayed), timed alone
+    if widths.contains(&64) {
+        let tree = tree_from_draft_logits(&draft_logits, bonus, 64)?;
+        if let Some((t, submit)) = in_profile("tree_commit", || {
+            state_commit(target, &ids, &block, Some(&tree), &taps, &a)
+        })? {
+            let kept = accepted_path(&tree).len();
+            push(
+                &mut ops,
+                "tree_commit".into(),
+                format!("state commit, tree64 path ({kept} kept)"),
+                t,
+            );
+            push(
+                &mut ops,
+                "tree_commit_submit".into(),
+                "  of which host until submitted".into(),
+                submit,
+            );
+        }
     }
 
     // one drafter block after NEW_CTX newly committed positions
@@ -534,17 +557,26 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 /// cannot be cropped back into the verify it ended, so the rounds move on instead of returning
 /// to the context.) Also the host's share: the time until `settle_recurrent` returns, its kernels
 /// queued (the rest is the device's). `None` for attention-only targets.
+///
+/// With `tree`, the verify is of that tree instead and the kept rows are `tree`'s accepted path
+/// (`SequenceCache::keep_rows`, then `settle_recurrent`, timed together).
 fn state_commit(
     target: &dyn TargetModel,
     ids: &[u32],
     block: &[u32],
+    tree: Option<&DraftTree>,
     taps: &[usize],
     a: &DecodeArgs,
 ) -> Result<Option<(Timing, Timing)>> {
     use dflash_core::LayerCache;
-    let half = block.len() / 2;
+    let path = tree.map(accepted_path);
+    let half = match (&path, tree) {
+        (Some(p), _) => p.len(),
+        _ => block.len() / 2,
+    };
+    let rows = tree.map_or(block.len(), |t| t.tokens.len());
     let rounds = a.warmup + a.rounds;
-    let mut cache = target.new_cache(ids.len() + block.len() + rounds * half)?;
+    let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;
     if !cache
         .layers
         .iter()
@@ -562,18 +594,27 @@ fn state_commit(
     let (mut v, mut submit) = (vec![], vec![]);
     for round in 0..rounds {
         let base = cache.len();
-        let pos: Vec<u32> = (base as u32..(base + block.len()) as u32).collect();
-        let req = ForwardRequest {
-            tokens: block,
-            positions: &pos,
-            mask: AttentionMask::Causal,
-            taps,
-            logits: LogitRows::All,
+        let pos: Vec<u32> = match tree {
+            Some(t) => t.positions(base),
+            None => (base as u32..(base + block.len()) as u32).collect(),
+        };
+        let req = match tree {
+            Some(t) => t.verify_request(&pos, taps),
+            None => ForwardRequest {
+                tokens: block,
+                positions: &pos,
+                mask: AttentionMask::Causal,
+                taps,
+                logits: LogitRows::All,
+            },
         };
         black_box(target.forward(&req, &mut cache)?);
         dev.synchronize()?;
         let t0 = Instant::now();
-        cache.crop(base + half);
+        match &path {
+            Some(p) => cache.keep_rows(base, p)?,
+            None => cache.crop(base + half),
+        }
         cache.settle_recurrent()?;
         let queued = t0.elapsed().as_secs_f64();
         dev.synchronize()?;
@@ -705,7 +746,7 @@ fn report(r: &ReportIn) -> Value {
         to_floor.insert(o.key.clone(), json!(o.t.median / r.floor));
     }
     let tree_build = get(&format!("tree_build.{DEFAULT_TREE_BUDGET}")).unwrap_or(f64::NAN);
-    json!({
+    let mut doc = json!({
         "shape": r.shape,
         "architecture": r.cfg.architecture().unwrap_or(dflash_models::config::Architecture::Llama).as_str(),
         "device": r.devname,
@@ -746,7 +787,11 @@ fn report(r: &ReportIn) -> Value {
         "step_graphs": dflash_core::step_graph::last_graph_report(),
         "dflash_version": env!("CARGO_PKG_VERSION"),
         "git": git_commit(),
-    })
+    });
+    // (added after: one json! of every field passes the macro's recursion limit)
+    doc["tree_commit_ms"] = json!(get("tree_commit").map(ms));
+    doc["tree_commit_submit_ms"] = json!(get("tree_commit_submit").map(ms));
+    doc
 }
 
 /// The human table on stderr: op, median / min / p90 ms, × AR step, × floor.

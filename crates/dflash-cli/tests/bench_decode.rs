@@ -105,7 +105,7 @@ fn tiny_shape_reports_every_field() {
 }
 
 /// `bench decode --target fixtures/NAME` at context 16, one tree width, checked field by field.
-fn bench_fixture(name: &str) -> Value {
+fn bench_fixture(name: &str, width: usize) -> Value {
     let dir = common::root().join("fixtures").join(name);
     let dir = dir.to_str().unwrap();
     let r = bench(&[
@@ -118,26 +118,29 @@ fn bench_fixture(name: &str) -> Value {
         "--warmup",
         "1",
         "--widths",
-        "16",
+        &width.to_string(),
     ]);
-    check(&r, dir, 16, &[16]);
+    check(&r, dir, 16, &[width]);
     r
 }
 
 #[test]
 fn target_config_gives_the_shape() {
-    assert_eq!(bench_fixture("tiny-qwen3")["architecture"], "qwen3");
+    assert_eq!(bench_fixture("tiny-qwen3", 16)["architecture"], "qwen3");
 }
 
 /// A Qwen3.5 hybrid's config (Gated DeltaNet and gated full-attention layers): every op runs on
-/// its recurrent caches, the report names the architecture and times the state commit (a dense
-/// target has none).
+/// its recurrent caches, the report names the architecture and times the state commit, after a
+/// chain and (with width 64) after a tree's path (a dense target has neither).
 #[test]
 fn hybrid_target_config_runs() {
-    let r = bench_fixture("tiny-qwen3.5");
+    let r = bench_fixture("tiny-qwen3.5", 64);
     assert_eq!(r["architecture"], "qwen3_5");
     assert!(r["state_commit_ms"].as_f64().unwrap() > 0.0, "{r}");
-    assert!(bench_fixture("tiny-qwen3")["state_commit_ms"].is_null());
+    assert!(r["tree_commit_ms"].as_f64().unwrap() > 0.0, "{r}");
+    let dense = bench_fixture("tiny-qwen3", 64);
+    assert!(dense["state_commit_ms"].is_null());
+    assert!(dense["tree_commit_ms"].is_null());
 }
 
 #[test]

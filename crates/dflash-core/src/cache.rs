@@ -342,8 +342,11 @@ impl SequenceCache {
         Ok(())
     }
 
-    /// [`SequenceCache::keep_rows`] as one kernel over every layer's buffers (single-sequence
-    /// caches, a strictly increasing path); `false` where the per-layer path must run.
+    /// [`SequenceCache::keep_rows`] as one kernel over every attention layer's buffers
+    /// (single-sequence caches, a strictly increasing path) and, on a hybrid whose recurrent
+    /// layers all hold their device step's own record, one gather of the path's rows in those
+    /// records through the commit tables (so the commit is then the tables' chain commit);
+    /// `false` where the per-layer path must run (before anything moved).
     #[cfg(feature = "cuda")]
     fn keep_rows_on_device(&mut self, base: usize, rows: &[u32]) -> Result<bool> {
         let len = self.len();
@@ -356,25 +359,43 @@ impl SequenceCache {
             return Ok(false);
         }
         let mut buffers = Vec::with_capacity(2 * self.layers.len());
+        // recurrent layers: the path's rows of every layer's own step record (all alike)
+        let mut path: Option<Vec<u32>> = None;
         for l in &self.layers {
-            let LayerCache::Attention(c) = l else {
-                return Ok(false);
-            };
-            match &c.buffers {
-                Some((k, v)) if k.dim(0)? == 1 => {
-                    buffers.push(k.clone());
-                    buffers.push(v.clone());
+            match l {
+                LayerCache::Attention(c) => match &c.buffers {
+                    Some((k, v)) if k.dim(0)? == 1 => {
+                        buffers.push(k.clone());
+                        buffers.push(v.clone());
+                    }
+                    _ => return Ok(false),
+                },
+                LayerCache::Recurrent(c) => {
+                    if self.recurrent_commit.is_none() || rows.is_empty() {
+                        return Ok(false);
+                    }
+                    match (c.step_path(base, rows)?, &path) {
+                        (Some(nodes), None) => path = Some(nodes),
+                        (Some(nodes), Some(p)) if &nodes == p => {}
+                        _ => return Ok(false),
+                    }
                 }
-                _ => return Ok(false),
             }
         }
         let identity = rows.iter().enumerate().all(|(i, &r)| i as u32 == r);
-        if !identity {
+        if !identity && !buffers.is_empty() {
             crate::step_cuda::keep_rows_all(&buffers, base, rows)?;
         }
+        if let (Some(nodes), Some(tables)) = (&path, &self.recurrent_commit) {
+            tables.gather_path(nodes)?;
+        }
         for l in &mut self.layers {
-            if let LayerCache::Attention(c) = l {
-                c.len = base + rows.len();
+            match l {
+                LayerCache::Attention(c) => c.len = base + rows.len(),
+                LayerCache::Recurrent(c) => {
+                    let n = path.as_ref().map_or(0, Vec::len);
+                    c.path_gathered_in_place(base, rows.len(), n)?;
+                }
             }
         }
         Ok(true)

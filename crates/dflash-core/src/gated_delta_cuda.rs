@@ -630,12 +630,21 @@ fn launch_conv_windows(table: &Tensor, layers: usize, n: usize, w: usize, c: usi
 pub(crate) fn upload_commit_tables(
     replay: &Tensor,
     windows: &Tensor,
+    gather: &Tensor,
     layers: &[&crate::recurrent_step::RecurrentStepBuffers],
 ) -> Result<()> {
     let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
     let mut args = Vec::with_capacity(layers.len());
     let mut words = Vec::with_capacity(6 * layers.len());
+    let mut gathered = Vec::with_capacity(GATHER_WORDS * layers.len());
     for b in layers {
+        for t in [&b.conv_in, &b.k, &b.v, &b.g, &b.beta] {
+            let width = (t.elem_count() / t.dim(0)?) as u64;
+            for w in [ptr(t, "record buffer")?, width] {
+                gathered.push(w as u32);
+                gathered.push((w >> 32) as u32);
+            }
+        }
         let ssm = ptr(&b.ssm, "commit state")?;
         let k = ptr(&b.k, "commit k")?;
         args.push(LayerArgs {
@@ -658,7 +667,47 @@ pub(crate) fn upload_commit_tables(
         }
     }
     crate::step_cuda::upload_meta(replay, &table_words(&args, &[]))?;
+    crate::step_cuda::upload_meta(gather, &gathered)?;
     crate::step_cuda::upload_meta(windows, &words)
+}
+
+/// Words a layer takes in the record gather table of [`upload_commit_tables`]: its five record
+/// buffers (convolution inputs, k, v, g, beta), each an address and a row width (u64 each).
+pub(crate) const GATHER_WORDS: usize = 20;
+
+/// The accepted root path's record rows `rows` (strictly increasing) gathered to rows
+/// `0..rows.len()` of every layer's record in place, through the gather table of
+/// [`upload_commit_tables`] over `layers` layers whose widest record row is `widest` floats:
+/// the rows copied into `path` (a u32 buffer), one launch.
+pub(crate) fn gather_records(
+    gather: &Tensor,
+    path: &Tensor,
+    layers: usize,
+    widest: usize,
+    rows: &[u32],
+) -> Result<()> {
+    if rows.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(CoreError::InvalidInput(format!(
+            "record gather: rows {rows:?} are not strictly increasing"
+        )));
+    }
+    crate::step_cuda::upload_meta(path, rows)?;
+    let (gp, dev) = address(gather, "record gather table")?;
+    let (pp, _) = address(path, "record gather rows")?;
+    let m = rows.len() as i32;
+    let cfg = LaunchConfig {
+        grid_dim: ((5 * layers) as u32, widest.div_ceil(256) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let module = "dflash_gated_delta_dk16"; // the gather does not depend on DK
+    let f = dev.get_or_load_custom_func("gdn_record_keep_rows", module, &ptx(16)?)?;
+    let mut b = f.builder();
+    b.arg(&gp).arg(&pp).arg(&m);
+    // SAFETY: the table names live f32 record buffers of the cache (fixed for its life) with
+    // their row widths; `path` holds `m` rows below the records' row count; in stream order.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// The state commit of every recurrent layer from the tables of [`upload_commit_tables`]: each

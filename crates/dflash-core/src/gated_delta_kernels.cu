@@ -435,3 +435,21 @@ extern "C" __global__ void gdn_conv_window_layers(const unsigned long long* __re
         out[(size_t)r * C + c] = x;
     }
 }
+
+// The path compaction of the hybrids' device-step records after a tree verify, every recurrent
+// layer at once (the accepted root path's rows gathered to rows 0..m in place, so the state
+// commit replays rows 0..m through its fixed tables). `bufs` [B][2]: each record buffer's
+// address and its row width in floats; rows rows[i] move to row i for i ascending (rows strictly
+// increasing, so rows[i] ≥ i: a thread reads a row of its channel before it overwrites it, and no
+// other thread touches the channel). Block (buffer, channel chunk), a thread per channel.
+extern "C" __global__ void gdn_record_keep_rows(const unsigned long long* __restrict__ bufs,
+                                                const unsigned int* __restrict__ rows, int m) {
+    float* b = (float*)bufs[2 * (size_t)blockIdx.x];
+    const size_t d = (size_t)bufs[2 * (size_t)blockIdx.x + 1];
+    const size_t c = (size_t)blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    for (int i = 0; i < m; ++i) {
+        const unsigned int src = rows[i];
+        if (src != (unsigned int)i) b[(size_t)i * d + c] = b[(size_t)src * d + c];
+    }
+}

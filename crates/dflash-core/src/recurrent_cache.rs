@@ -357,16 +357,40 @@ impl RecurrentCache {
     /// Keeps rows `base + rows[i]` as positions `base + i` (the accepted path of a verified tree):
     /// they must continue, in order, a root path of the last forward's tree.
     pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
+        if rows.is_empty() {
+            self.check_rows(base, rows)?;
+            self.crop(base);
+            return Ok(());
+        }
+        let (start, nodes) = self.path_nodes(base, rows)?;
+        let Some((_, rec)) = &self.last else {
+            return Err(CoreError::InvalidInput(format!(
+                "keep_rows at {base}: no last forward"
+            )));
+        };
+        let kept = rec.select(&nodes)?;
+        let n = kept.len();
+        self.last = Some((start, kept));
+        self.step_record = false;
+        self.at = At::Replay(n);
+        self.len = base + rows.len();
+        Ok(())
+    }
+
+    fn check_rows(&self, base: usize, rows: &[u32]) -> Result<()> {
         if rows.iter().any(|&r| base + r as usize >= self.len) {
             return Err(CoreError::InvalidInput(format!(
                 "keep_rows: row out of range (base {base}, len {}, rows {rows:?})",
                 self.len
             )));
         }
-        if rows.is_empty() {
-            self.crop(base);
-            return Ok(());
-        }
+        Ok(())
+    }
+
+    /// The last forward's start and the record rows that [`RecurrentCache::keep_rows`]`(base,
+    /// rows)` keeps (the chain before `base`, then the path), or why there are none.
+    fn path_nodes(&self, base: usize, rows: &[u32]) -> Result<(usize, Vec<u32>)> {
+        self.check_rows(base, rows)?;
         let Some((start, rec)) = &self.last else {
             return Err(CoreError::InvalidInput(format!(
                 "keep_rows at {base}: the recurrent layer kept no inputs of its last forward"
@@ -394,12 +418,47 @@ impl RecurrentCache {
             nodes.push(node as u32);
             prev = node as i64;
         }
-        let kept = rec.select(&nodes)?;
-        let n = kept.len();
-        self.last = Some((start, kept));
-        self.step_record = false;
+        Ok((start, nodes))
+    }
+
+    /// The record rows a [`RecurrentCache::keep_rows`]`(base, rows)` keeps when the last forward
+    /// is a device step's own record ([`RecurrentCache::pending_step_chain`]'s condition), for
+    /// the sequence's commit tables to gather in place; `None` where the general path must run.
+    /// Errors as `keep_rows` does.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn step_path(&self, base: usize, rows: &[u32]) -> Result<Option<Vec<u32>>> {
+        let own = matches!((&self.last, &self.step), (Some((_, rec)), Some(b))
+            if self.step_record && b.is_state(&rec.start.ssm));
+        if !own || rows.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(self.path_nodes(base, rows)?.1))
+    }
+
+    /// Counts [`RecurrentCache::keep_rows`]`(base, rows)` as done by the commit tables' gather:
+    /// the record's first `n` rows (`n` = the nodes [`RecurrentCache::step_path`] gave) now hold
+    /// the kept path as a chain, so its replay is a [`RecurrentCache::pending_step_chain`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn path_gathered_in_place(
+        &mut self,
+        base: usize,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let Some((_, rec)) = self.last.as_mut().filter(|_| self.step_record) else {
+            return Err(CoreError::InvalidInput(
+                "path_gathered_in_place: the last forward is not a device step's record".into(),
+            ));
+        };
+        let head = |t: &Tensor| t.narrow(0, 0, n);
+        rec.conv_in = head(&rec.conv_in)?;
+        rec.k = head(&rec.k)?;
+        rec.v = head(&rec.v)?;
+        rec.g = head(&rec.g)?;
+        rec.beta = head(&rec.beta)?;
+        rec.parents = (0..n as i64).map(|i| i - 1).collect();
         self.at = At::Replay(n);
-        self.len = base + rows.len();
+        self.len = base + rows;
         Ok(())
     }
 

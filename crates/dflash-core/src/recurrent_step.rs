@@ -172,6 +172,10 @@ impl RecurrentStepBuffers {
 pub struct CommitTables {
     replay: Tensor,
     windows: Tensor,
+    /// Every layer's record buffers and row widths (the tree path's gather).
+    gather: Tensor,
+    /// The kept path's record rows of the last gather (u32 `[R]`).
+    path: Tensor,
     layers: usize,
     shape: StepShape,
 }
@@ -190,10 +194,18 @@ impl CommitTables {
         let replay = Tensor::zeros(22 * layers.len(), DType::U32, device)?;
         let windows = Tensor::zeros(6 * layers.len(), DType::U32, device)?;
         #[cfg(feature = "cuda")]
-        crate::gated_delta_cuda::upload_commit_tables(&replay, &windows, layers)?;
+        let gather_words = crate::gated_delta_cuda::GATHER_WORDS;
+        #[cfg(not(feature = "cuda"))]
+        let gather_words = 20;
+        let gather = Tensor::zeros(gather_words * layers.len(), DType::U32, device)?;
+        let path = Tensor::zeros(shape.rows, DType::U32, device)?;
+        #[cfg(feature = "cuda")]
+        crate::gated_delta_cuda::upload_commit_tables(&replay, &windows, &gather, layers)?;
         Ok(Some(Self {
             replay,
             windows,
+            gather,
+            path,
             layers: layers.len(),
             shape,
         }))
@@ -224,6 +236,44 @@ impl CommitTables {
         Err(CoreError::InvalidInput(
             "commit tables exist on CUDA only".into(),
         ))
+    }
+
+    /// A verified tree's accepted root path compacted in every layer's step record: record rows
+    /// `nodes` (strictly increasing) moved to rows `0..nodes.len()` in place — one upload of the
+    /// rows, one launch — so that [`CommitTables::commit_chains`] then commits the path.
+    pub fn gather_path(&self, nodes: &[u32]) -> Result<()> {
+        if nodes.is_empty()
+            || nodes.len() > self.shape.rows
+            || nodes.windows(2).any(|w| w[0] >= w[1])
+            || nodes.last().is_some_and(|&r| r as usize >= self.shape.rows)
+        {
+            return Err(CoreError::InvalidInput(format!(
+                "record gather of rows {nodes:?} (records hold {}; rows must increase)",
+                self.shape.rows
+            )));
+        }
+        if nodes.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            return Ok(()); // the path is rows 0..m already
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let LayerHeads { hv, dk, dv, .. } = self.shape.heads;
+            let widest = self.shape.channels.max(hv * dk).max(hv * dv);
+            crate::gated_delta_cuda::gather_records(
+                &self.gather,
+                &self.path,
+                self.layers,
+                widest,
+                nodes,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (&self.gather, &self.path);
+            Err(CoreError::InvalidInput(
+                "commit tables exist on CUDA only".into(),
+            ))
+        }
     }
 }
 
@@ -421,6 +471,34 @@ mod tests {
         );
         cache.load_step_state().unwrap();
         assert_holds(&b, &expected(&b, &before, &[0, 2, 3]), "tree path");
+        // the same tree, its path gathered in the record in place (what the commit tables' gather
+        // does on CUDA, done here on the host): then a chain replay of the step's own record
+        write_record(&b, 50);
+        let before = copy_of(&b);
+        cache.commit_step(&[-1, 0, 0, 2, 1, 3]).unwrap();
+        let base = cache.len() - 6;
+        assert!(
+            cache.step_path(base, &[0, 2, 4]).is_err(),
+            "not a root path"
+        );
+        let nodes = cache.step_path(base, &[0, 2, 3]).unwrap().unwrap();
+        assert_eq!(nodes, vec![0, 2, 3]);
+        let want = expected(&b, &before, &nodes);
+        for t in [&b.conv_in, &b.k, &b.v, &b.g, &b.beta] {
+            for (i, &r) in nodes.iter().enumerate() {
+                let row = t.narrow(0, r as usize, 1).unwrap().copy().unwrap();
+                t.slice_set(&row, 0, i).unwrap();
+            }
+        }
+        cache.path_gathered_in_place(base, 3, nodes.len()).unwrap();
+        assert_eq!(cache.len(), base + 3);
+        assert_eq!(
+            cache.pending_step_chain(),
+            Some(3),
+            "a chain of the step's record"
+        );
+        cache.load_step_state().unwrap();
+        assert_holds(&b, &want, "tree path gathered in place");
         // crop(0) keeps the buffers (graphs bake them in) and zeroes them at the next load
         cache.crop(0);
         assert!(cache.step_buffers().is_some());
