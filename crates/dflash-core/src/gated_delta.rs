@@ -297,12 +297,15 @@ pub fn kernels_enabled() -> bool {
 
 /// The rule's CUDA kernels (`gated_delta_kernels.cu`), all with the same arithmetic per output
 /// (so the same bits): one lane a state column; four lanes a column (the default); four lanes
-/// with each chunk of tokens' inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`, opt-in).
+/// with each chunk of tokens' inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`, opt-in);
+/// the same sized for the state commit's replays (chunks of 8 tokens, more warps an SM;
+/// `DFLASH_GDN_REPLAY=staged`, opt-in).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RuleKernel {
     OneLane,
     FourLanes,
     FourLanesStaged,
+    FourLanesStagedReplay,
 }
 
 /// [`tree_recurrent`] on CUDA through the given rule kernel, whatever the environment says: the

@@ -44,6 +44,9 @@ fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<String> {
                 RuleKernel::OneLane => "",
                 RuleKernel::FourLanes => "#define RULE_LANES4\n",
                 RuleKernel::FourLanesStaged => "#define RULE_LANES4\n#define RULE_STAGED\n",
+                RuleKernel::FourLanesStagedReplay => {
+                    "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n"
+                }
             };
             candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(format!(
                 "#define DK {dk}\n{define}{SOURCE}"
@@ -72,6 +75,19 @@ fn rule_kernel() -> RuleKernel {
             RuleKernel::FourLanesStaged
         } else {
             RuleKernel::FourLanes
+        }
+    })
+}
+
+/// The rule's kernel for the state commit's replays: [`rule_kernel`]'s, or the staged kernel
+/// sized for replays under `DFLASH_GDN_REPLAY=staged` (a documented override, read once; A/B).
+fn replay_kernel() -> RuleKernel {
+    static KERNEL: OnceLock<RuleKernel> = OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        if std::env::var("DFLASH_GDN_REPLAY").is_ok_and(|x| x.trim() == "staged") {
+            RuleKernel::FourLanesStagedReplay
+        } else {
+            rule_kernel()
         }
     })
 }
@@ -157,6 +173,7 @@ fn launch_table_as(
         RuleKernel::OneLane => "",
         RuleKernel::FourLanes => "_l4",
         RuleKernel::FourLanesStaged => "_l4s",
+        RuleKernel::FourLanesStagedReplay => "_l4r",
     };
     let module = format!("dflash_gated_delta_dk{dk}{suffix}");
     let f = dev.get_or_load_custom_func(
@@ -318,7 +335,7 @@ pub(crate) fn advance_layers(jobs: &[crate::gated_delta::AdvanceJob]) -> Result<
     }
     // SAFETY: the upload writes the whole table before the kernel reads it.
     let meta = unsafe { Tensor::empty(22 * jobs.len(), DType::U32, dev_t)? };
-    launch_layers(&meta, &args, &[], (t, h, dk, dv), rule_kernel())?;
+    launch_layers(&meta, &args, &[], (t, h, dk, dv), replay_kernel())?;
     drop(kept);
     Ok(outs)
 }
@@ -721,7 +738,8 @@ pub(crate) fn commit_from_tables(
     shape: crate::recurrent_step::StepShape,
 ) -> Result<()> {
     let heads = shape.heads;
-    launch_table(replay, layers, (n, heads.hv, heads.dk, heads.dv))?;
+    let dims = (n, heads.hv, heads.dk, heads.dv);
+    launch_table_as(replay, layers, dims, replay_kernel())?;
     // the table holds the layers' window and record buffers (fixed for the cache's life,
     // contiguous f32 of the step shape)
     launch_conv_windows(windows, layers, n, shape.conv_kernel - 1, shape.channels)

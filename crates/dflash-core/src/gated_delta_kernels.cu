@@ -163,6 +163,15 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 // then walks the chunk from shared memory — a node's inputs never wait on a global load in the serial walk (the per-node global
 // loads had made a 65-node tree cost 239 µs a layer at Qwen3.6-27B, 3.7 µs a node). The values
 // are the same floats, so the arithmetic (and every bit) is unchanged.
+// RULE_REPLAY (the state commit's replays: few tokens, no outputs, every recurrent layer at once,
+// so many warps): chunks of 8 tokens, queries read from global memory instead of staged (a
+// replay has none to read), at most 80 registers a thread (ptxas, sm_90: 16 bytes spilled) — the
+// shared memory and registers of 24 warps an SM instead of 6 (the staged forward: 156 registers,
+// 34 KB) or 11 (the unstaged four-lane kernel: 180 registers).
+#ifdef RULE_REPLAY
+#define RULE_CHUNK 8
+#define RULE_MIN_BLOCKS 24
+#endif
 #ifndef RULE_CHUNK
 #define RULE_CHUNK ((4096 / DK) < 64 ? (4096 / DK) : 64)
 #endif
@@ -172,7 +181,11 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
     const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
     float* __restrict__ scratch, float* __restrict__ last, int T, int H, int dv, int h, int j,
     int t) {
+#ifdef RULE_REPLAY
+    __shared__ float sk[RULE_CHUNK * DK];
+#else
     __shared__ float sk[RULE_CHUNK * DK], sq[RULE_CHUNK * DK];
+#endif
     __shared__ float sg[RULE_CHUNK], sb[RULE_CHUNK], sv[RULE_CHUNK * 8];
     __shared__ int sp[RULE_CHUNK], skeep[RULE_CHUNK];
     const int lane = threadIdx.x, j0 = j - (lane & 7);
@@ -187,7 +200,9 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
         for (int e = lane; e < cn * DK; e += 32) {
             const size_t src = ((size_t)(c0 + e / DK) * H + h) * DK + e % DK;
             sk[e] = k[src];
+#ifndef RULE_REPLAY
             if (out) sq[e] = q[src];
+#endif
         }
         for (int e = lane; e < cn * 8; e += 32) {
             const int jj = j0 + (e & 7);
@@ -221,7 +236,11 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
                 pred += kk[4 * m + t] * s[m];
             }
             const float d = sb[ii] * (sv[ii * 8 + (lane & 7)] - rule_sum4(pred));
+#ifdef RULE_REPLAY
+            const float* qq = q + th * DK;  // (a replay has no outputs; the tests' forwards do)
+#else
             const float* qq = sq + ii * DK;
+#endif
             float o = 0.0f;
 #pragma unroll
             for (int m = 0; m < DK / 4; ++m) {
@@ -254,7 +273,10 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
 // outputs) from `ptrs` [L][11] at run time, so a forward and a replay run the very same code
 // and a replayed state is the forward's, bit for bit. (Specialised on compile-time nulls, the
 // chain replay spilled 608 bytes at DK 128.)
-extern "C" __global__ void __launch_bounds__(32) gated_delta_tree_layers_f32(
+#ifndef RULE_MIN_BLOCKS
+#define RULE_MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tree_layers_f32(
     const unsigned long long* __restrict__ ptrs, int T, int H, int dv) {
     const unsigned long long* p = ptrs + (size_t)blockIdx.z * 11;
 #ifdef RULE_LANES4

@@ -796,7 +796,11 @@ fn the_rules_kernels_give_the_same_bits() {
                 gated_delta::tree_recurrent_with_kernel(&x, &state, parents, kernel).unwrap()
             };
             let one = run(RuleKernel::OneLane);
-            for kernel in [RuleKernel::FourLanes, RuleKernel::FourLanesStaged] {
+            for kernel in [
+                RuleKernel::FourLanes,
+                RuleKernel::FourLanesStaged,
+                RuleKernel::FourLanesStagedReplay,
+            ] {
                 let other = run(kernel);
                 assert!(
                     bits(&one.0) == bits(&other.0),
