@@ -39,7 +39,9 @@ ROUNDS=${ROUNDS:-30}
 # fewalltiles: few-row calls stream large weights whatever their block count (DFLASH_STREAM_FEW_MIN_TILES=0, the policy before session 22);
 # rule1: one lane a column (DFLASH_GDN_RULE_LANES=1, the kernel before session 22);
 # rulestage: four lanes with each chunk of tokens staged in shared memory (DFLASH_GDN_RULE_STAGE=1; built in session 22, not yet run);
-# replaystaged: the state commit's replays on the staged kernel sized for them (DFLASH_GDN_REPLAY=staged: chunks of 8 tokens, 80 registers, 24 warps an SM; session 23);
+# replaystaged / stagedboth: (session 23, before it became the default) the state commit's replays on the staged kernel sized for them (chunks of 8 tokens, 80 registers, 24 warps an SM) / and the forward's rule staged;
+# replayrule: the state commit's replays on the forward's rule kernel (DFLASH_GDN_REPLAY=rule, the default before session 23);
+# splitvalues: hybrids' device-step attention with the value product split over 64-key chunks (DFLASH_ATTN_VALUES=split; session 23, opt-in until measured);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -75,7 +77,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== the same, and the hybrid reference fixtures, with the rule one lane a column (DFLASH_GDN_RULE_LANES=1)" | tee -a "$LOG"
   DFLASH_GDN_RULE_LANES=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   DFLASH_GDN_RULE_STAGE=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
-  DFLASH_GDN_REPLAY=staged DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
+  DFLASH_GDN_REPLAY=rule DFLASH_ATTN_VALUES=split DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   for dt in f32 bf16; do
     DFLASH_GDN_RULE_LANES=1 DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
       --test-threads 1 --skip smollm2 2>&1 | grep -E "result|FAILED|panicked" | tee -a "$LOG"
@@ -96,7 +98,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    rule="" rstage="" replay="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -122,12 +124,14 @@ for spec in $SHAPES; do
       rulestage) fused=1 graphs=1 rstage=1;;
       replaystaged) fused=1 graphs=1 replay=staged;;
       stagedboth) fused=1 graphs=1 rstage=1 replay=staged;;
+      replayrule) fused=1 graphs=1 replay=rule;;
+      splitvalues) fused=1 graphs=1 avalues=split;;
       fewalltiles) fused=1 graphs=1 fewtiles=0;;
       pathtable) fused=1 graphs=1 keys=position path=1;;
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

@@ -148,6 +148,65 @@ pub fn attention(
     Ok(out.reshape((b, n_heads, q_len, d))?)
 }
 
+/// [`attention`] for the hybrids' device step over a whole cache buffer (`b` = 1): on CUDA without
+/// gradients, the scores' GEMM and the masked softmax kernel as in `attention`'s fused path, then
+/// the value product split over chunks of 64 keys (`gated_delta_cuda::attention_values`: f32
+/// partial sums in key order, added in chunk order — cuBLAS had run it on 32 blocks, 70 µs a layer
+/// at Qwen3.6-27B's shape on an H100); `attention` itself elsewhere, or under
+/// `DFLASH_ATTN_VALUES=cublas` (a documented override, read once).
+pub fn attention_over_buffer(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let split = *SPLIT
+        .get_or_init(|| std::env::var("DFLASH_ATTN_VALUES").is_ok_and(|x| x.trim() == "split"));
+    if split {
+        if let Some(out) = attention_split_values(q, k, v, mask, scale)? {
+            return Ok(out);
+        }
+    }
+    attention(q, k, v, mask, scale, Grad::Off)
+}
+
+/// [`attention_over_buffer`]'s split value product whatever the environment says (`None` where it
+/// cannot run: off CUDA, a batch, gradients, a dtype other than f32 / bf16): the GPU test's entry.
+#[doc(hidden)]
+pub fn attention_split_values(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    {
+        let (b, n_heads, q_len, d) = q.dims4()?;
+        let (_, kv_heads, kv_len, _) = k.dims4()?;
+        if b == 1
+            && n_heads.is_multiple_of(kv_heads)
+            && crate::decode_ops::fused_decode(q.device())
+            && matches!(q.dtype(), DType::F32 | DType::BF16)
+            && !q.track_op()
+        {
+            let rep = n_heads / kv_heads;
+            let qg = q.contiguous()?.reshape((1, kv_heads, rep * q_len, d))?;
+            let raw = qg.matmul(&k.t()?)?;
+            let flat = raw.reshape((1, kv_heads * rep * q_len, kv_len))?;
+            if let Some(p) = crate::decode_ops::softmax_scaled(&flat, mask, q_len, scale as f32)? {
+                let p = p.reshape((1, kv_heads, rep * q_len, kv_len))?;
+                let out = crate::gated_delta_cuda::attention_values(&p, &v.contiguous()?)?;
+                return Ok(Some(out.reshape((1, n_heads, q_len, d))?));
+            }
+        }
+    }
+    let _ = (q, k, v, mask, scale);
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

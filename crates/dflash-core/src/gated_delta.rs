@@ -298,8 +298,8 @@ pub fn kernels_enabled() -> bool {
 /// The rule's CUDA kernels (`gated_delta_kernels.cu`), all with the same arithmetic per output
 /// (so the same bits): one lane a state column; four lanes a column (the default); four lanes
 /// with each chunk of tokens' inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`, opt-in);
-/// the same sized for the state commit's replays (chunks of 8 tokens, more warps an SM;
-/// `DFLASH_GDN_REPLAY=staged`, opt-in).
+/// the same sized for the state commit's replays (chunks of 8 tokens, more warps an SM; the
+/// replays' default, `DFLASH_GDN_REPLAY=rule` gives them the forward's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RuleKernel {
     OneLane,

@@ -163,7 +163,7 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 // then walks the chunk from shared memory — a node's inputs never wait on a global load in the serial walk (the per-node global
 // loads had made a 65-node tree cost 239 µs a layer at Qwen3.6-27B, 3.7 µs a node). The values
 // are the same floats, so the arithmetic (and every bit) is unchanged.
-// RULE_REPLAY (the state commit's replays: few tokens, no outputs, every recurrent layer at once,
+// RULE_REPLAY (the state commit's replays, by default: few tokens, no outputs, every recurrent layer at once,
 // so many warps): chunks of 8 tokens, queries read from global memory instead of staged (a
 // replay has none to read), at most 80 registers a thread (ptxas, sm_90: 16 bytes spilled) — the
 // shared memory and registers of 24 warps an SM instead of 6 (the staged forward: 156 registers,
@@ -474,4 +474,67 @@ extern "C" __global__ void gdn_record_keep_rows(const unsigned long long* __rest
         const unsigned int src = rows[i];
         if (src != (unsigned int)i) b[(size_t)i * d + c] = b[(size_t)src * d + c];
     }
+}
+
+// The value product of the hybrids' gated attention over a long cache, o = p·v per kv head, split
+// over key chunks (cuBLAS ran the one (rows × keys)·(keys × d) product per kv head on 32 blocks: 70 µs
+// a layer at Qwen3.6-27B's 4 kv heads × 2100 keys × 256 channels). Phase one, block (chunk s, kv
+// head h, tile of AV_ROWS rows), a thread per channel: the chunk's probabilities staged in shared
+// memory, each thread sums p[r, j]·v[j, c] over the chunk's keys in key order (f32) into
+// part[h, s, r, c]. Phase two: each output element adds its chunks' partials in chunk order and
+// is rounded once. A fixed order whatever the row count, so a row's output does not depend on the
+// rows beside it. (Phase one's threads share the staged probabilities, so the host emulation of
+// this file does not run it; the GPU test `attention_over_a_buffer_matches_attention` does.)
+#define AV_ROWS 8
+#define AV_KEYS 64
+template <typename T>
+__device__ void gdn_attn_values_part(const T* p, const T* v, int m, int cap, int d, float* part) {
+    __shared__ float sp[AV_ROWS][AV_KEYS];
+    const int s = blockIdx.x, h = blockIdx.y, r0 = blockIdx.z * AV_ROWS;
+    const int j0 = s * AV_KEYS, nj = cap - j0 < AV_KEYS ? cap - j0 : AV_KEYS;
+    const int nr = m - r0 < AV_ROWS ? m - r0 : AV_ROWS;
+    for (int e = threadIdx.x; e < AV_ROWS * AV_KEYS; e += blockDim.x) {
+        const int r = e / AV_KEYS, j = e % AV_KEYS;
+        sp[r][j] = (r < nr && j < nj) ? gd_ld(p, ((size_t)h * m + r0 + r) * cap + j0 + j) : 0.0f;
+    }
+    __syncthreads();
+    const int S = gridDim.x;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc[AV_ROWS];
+#pragma unroll
+        for (int r = 0; r < AV_ROWS; ++r) acc[r] = 0.0f;
+        const T* vc = v + ((size_t)h * cap + j0) * d + c;
+        for (int j = 0; j < nj; ++j) {
+            const float x = gd_ld(vc, (size_t)j * d);
+#pragma unroll
+            for (int r = 0; r < AV_ROWS; ++r) acc[r] = fmaf(sp[r][j], x, acc[r]);
+        }
+        for (int r = 0; r < nr; ++r) part[(((size_t)h * S + s) * m + r0 + r) * d + c] = acc[r];
+    }
+}
+extern "C" __global__ void gdn_attn_values_part_f32(const float* p, const float* v, int m, int cap,
+                                                    int d, float* part) {
+    gdn_attn_values_part(p, v, m, cap, d, part);
+}
+extern "C" __global__ void gdn_attn_values_part_bf16(const bf16_t* p, const bf16_t* v, int m,
+                                                     int cap, int d, float* part) {
+    gdn_attn_values_part(p, v, m, cap, d, part);
+}
+template <typename T>
+__device__ void gdn_attn_values_sum(const float* part, int kv, int S, int m, int d, T* out) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)kv * m * d) return;
+    const size_t h = idx / ((size_t)m * d), rc = idx % ((size_t)m * d);
+    const float* src = part + h * S * m * d + rc;
+    float acc = src[0];
+    for (int s = 1; s < S; ++s) acc += src[(size_t)s * m * d];
+    gd_st(out, idx, acc);
+}
+extern "C" __global__ void gdn_attn_values_sum_f32(const float* part, int kv, int S, int m, int d,
+                                                   float* out) {
+    gdn_attn_values_sum(part, kv, S, m, d, out);
+}
+extern "C" __global__ void gdn_attn_values_sum_bf16(const float* part, int kv, int S, int m, int d,
+                                                    bf16_t* out) {
+    gdn_attn_values_sum(part, kv, S, m, d, out);
 }

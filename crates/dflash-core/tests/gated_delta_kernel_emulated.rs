@@ -27,13 +27,15 @@ const PRELUDE: &str = r#"
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __syncthreads()
 #define RELOAD(p) (*(p))
 #include <string.h>
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 struct Dim3 { unsigned x, y, z; };
-static Dim3 blockIdx, threadIdx, blockDim;
+static Dim3 blockIdx, threadIdx, blockDim, gridDim;
 "#;
 
 const MAIN: &str = r#"

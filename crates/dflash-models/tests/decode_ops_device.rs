@@ -816,3 +816,57 @@ fn the_rules_kernels_give_the_same_bits() {
         }
     }
 }
+
+/// The hybrids' device-step attention over a whole cache buffer (the value product split over key
+/// chunks on CUDA) against `attention` (cuBLAS for the value product), for an AR row and a tree
+/// of 65 rows under a mask, at Qwen3.6-27B's heads (24 query, 4 kv, 256 channels) and a buffer
+/// that is not a multiple of the 64-key chunk: f32 within summation-order rounding, bf16 within
+/// a few bf16 roundings.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_over_a_buffer_matches_attention() {
+    use dflash_core::attention::{attention, attention_split_values};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let (h, kv, d, cap) = (24usize, 4usize, 256usize, 1000usize);
+    for n in [1usize, 65] {
+        let q = Tensor::randn(0f32, 1.0, (1, h, n, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+        // row r sees keys 0..700 + 3r (a prefix) and not the rest
+        let mask: Vec<f32> = (0..n * cap)
+            .map(|i| {
+                if i % cap < 700 + 3 * (i / cap) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, cap), &dev).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-3)] {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let scale = 1.0 / (d as f64).sqrt();
+            let want = attention(
+                &c(&q),
+                &c(&k),
+                &c(&v),
+                Some(&mask),
+                scale,
+                dflash_core::Grad::Off,
+            )
+            .unwrap();
+            let got = attention_split_values(&c(&q), &c(&k), &c(&v), Some(&mask), scale)
+                .unwrap()
+                .expect("the split value product runs on CUDA");
+            assert_eq!(got.dims(), want.dims());
+            let diff = max_abs(
+                &got.to_dtype(DType::F32).unwrap(),
+                &want.to_dtype(DType::F32).unwrap(),
+            );
+            assert!(diff <= tol, "{dtype:?}, {n} rows: differs by {diff}");
+        }
+    }
+}

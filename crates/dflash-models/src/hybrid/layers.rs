@@ -199,11 +199,11 @@ impl GatedAttention {
         let (kb, vb) = cache.buffers_for(self.n_kv_heads, hd, k.dtype(), k.device())?;
         // the partial rotary leaves k strided (rotated and pass-through halves side by side)
         dflash_core::step::kv_append_at(&kb, &vb, &k.contiguous()?, &v.contiguous()?, meta)?;
-        // the host path's attention over the whole buffers: on CUDA its fused-decode GEMMs and
-        // masked softmax (fixed shapes), on the CPU the row-invariant host kernels, where the
-        // masked keys add exactly nothing
+        // attention over the whole buffers (fixed shapes): on CUDA the scores' GEMM, the masked
+        // softmax and the value product split over key chunks, on the CPU the row-invariant host
+        // kernels, where the masked keys add exactly nothing
         let scale = 1.0 / (hd as f64).sqrt();
-        let o = attention(&q, &kb, &vb, Some(mask), scale, Grad::Off)?;
+        let o = dflash_core::attention::attention_over_buffer(&q, &kb, &vb, Some(mask), scale)?;
         self.output(o, gate)
     }
 }
