@@ -148,12 +148,13 @@ pub fn attention(
     Ok(out.reshape((b, n_heads, q_len, d))?)
 }
 
-/// [`attention`] for the hybrids' device step over a whole cache buffer (`b` = 1): on CUDA without
-/// gradients, the scores' GEMM and the masked softmax kernel as in `attention`'s fused path, then
-/// the value product split over chunks of 64 keys (`gated_delta_cuda::attention_values`: f32
-/// partial sums in key order, added in chunk order — cuBLAS had run it on 32 blocks, 70 µs a layer
-/// at Qwen3.6-27B's shape on an H100); `attention` itself elsewhere, or under
-/// `DFLASH_ATTN_VALUES=cublas` (a documented override, read once).
+/// [`attention`] for the hybrids' device step over a whole cache buffer (`b` = 1): `attention`
+/// itself, or under `DFLASH_ATTN_VALUES=split` (opt-in until measured on a GPU; read once) on
+/// CUDA without gradients the scores' GEMM and the masked softmax kernel as in `attention`'s fused
+/// path, then the value product split over chunks of 64 keys
+/// (`gated_delta_cuda::attention_values`: f32 partial sums in key order, added in chunk order —
+/// cuBLAS runs it on 32 blocks, 70 µs a layer at Qwen3.6-27B's shape on an H100, session 23's
+/// profile of the AR step).
 pub fn attention_over_buffer(
     q: &Tensor,
     k: &Tensor,

@@ -26,7 +26,10 @@
 //!   (a crop back into that forward then fails with the reason). A chain replay of a step's own
 //!   record ([`RecurrentCache::pending_step_chain`]) settles for every layer at once through the
 //!   sequence's fixed commit tables on CUDA ([`crate::recurrent_step::CommitTables`]; the same
-//!   kernels), the rest through [`settle_replays`].
+//!   kernels), the rest through [`settle_replays`]. A tree path kept from a device step's own
+//!   record becomes such a chain on CUDA: the commit tables gather the path's rows to the record's
+//!   first rows in place (`RecurrentCache::step_path`, then `path_gathered_in_place`;
+//!   `SequenceCache::keep_rows`).
 
 use crate::gated_delta;
 use crate::recurrent_step::{overwrite, RecurrentStepBuffers};
