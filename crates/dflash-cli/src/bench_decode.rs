@@ -570,10 +570,7 @@ fn state_commit(
 ) -> Result<Option<(Timing, Timing)>> {
     use dflash_core::LayerCache;
     let path = tree.map(accepted_path);
-    let half = match (&path, tree) {
-        (Some(p), _) => p.len(),
-        _ => block.len() / 2,
-    };
+    let half = path.as_ref().map_or(block.len() / 2, Vec::len);
     let rows = tree.map_or(block.len(), |t| t.tokens.len());
     let rounds = a.warmup + a.rounds;
     let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;

@@ -382,6 +382,9 @@ impl SequenceCache {
                 }
             }
         }
+        if let (Some(nodes), Some(tables)) = (&path, &self.recurrent_commit) {
+            tables.check_path(nodes)?; // before anything moves
+        }
         let identity = rows.iter().enumerate().all(|(i, &r)| i as u32 == r);
         if !identity && !buffers.is_empty() {
             crate::step_cuda::keep_rows_all(&buffers, base, rows)?;

@@ -242,16 +242,7 @@ impl CommitTables {
     /// `nodes` (strictly increasing) moved to rows `0..nodes.len()` in place — one upload of the
     /// rows, one launch — so that [`CommitTables::commit_chains`] then commits the path.
     pub fn gather_path(&self, nodes: &[u32]) -> Result<()> {
-        if nodes.is_empty()
-            || nodes.len() > self.shape.rows
-            || nodes.windows(2).any(|w| w[0] >= w[1])
-            || nodes.last().is_some_and(|&r| r as usize >= self.shape.rows)
-        {
-            return Err(CoreError::InvalidInput(format!(
-                "record gather of rows {nodes:?} (records hold {}; rows must increase)",
-                self.shape.rows
-            )));
-        }
+        self.check_path(nodes)?;
         if nodes.iter().enumerate().all(|(i, &r)| r as usize == i) {
             return Ok(()); // the path is rows 0..m already
         }
@@ -274,6 +265,22 @@ impl CommitTables {
                 "commit tables exist on CUDA only".into(),
             ))
         }
+    }
+
+    /// Whether [`CommitTables::gather_path`] takes `nodes` (strictly increasing rows of the
+    /// records): checked before anything moves.
+    pub fn check_path(&self, nodes: &[u32]) -> Result<()> {
+        if nodes.is_empty()
+            || nodes.len() > self.shape.rows
+            || nodes.windows(2).any(|w| w[0] >= w[1])
+            || nodes.last().is_some_and(|&r| r as usize >= self.shape.rows)
+        {
+            return Err(CoreError::InvalidInput(format!(
+                "record gather of rows {nodes:?} (records hold {}; rows must increase)",
+                self.shape.rows
+            )));
+        }
+        Ok(())
     }
 }
 
