@@ -21,6 +21,7 @@
 //!   with code 2 before any model is built.
 
 use crate::bench::{timings, write_report, Timing};
+use crate::bench_commit::state_commit;
 use crate::bench_shapes::{copy_bandwidth, named_shape, step_bytes, target_params, SHAPE_NAMES};
 use crate::exit::UsageError;
 use anyhow::{Context, Result};
@@ -44,7 +45,7 @@ use std::time::Instant;
 /// Committed positions the drafter receives before the timed block (a step's accepted tokens).
 const NEW_CTX: usize = 4;
 /// Prefill chunk (bounds the prefill's attention scores at long contexts).
-const PREFILL_CHUNK: usize = 1024;
+pub(crate) const PREFILL_CHUNK: usize = 1024;
 /// New tokens of each timed decoding loop.
 const LOOP_TOKENS: usize = 48;
 /// Timed decoding loops of each mode (after two untimed ones, which capture the step graphs).
@@ -168,7 +169,7 @@ fn git_commit() -> Option<String> {
 /// A plausible accepted path through `t`: root to the highest-index node at depth
 /// min(3, deepest), so the compaction moves rows (an all-first-children path would be the
 /// identity, which `keep_rows` skips).
-fn accepted_path(t: &DraftTree) -> Vec<u32> {
+pub(crate) fn accepted_path(t: &DraftTree) -> Vec<u32> {
     let depth = t.depths.iter().copied().max().unwrap_or(0).min(3);
     let leaf = (0..t.tokens.len())
         .rev()
@@ -414,7 +415,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
     if let Some((t, submit)) = in_profile("state_commit", || {
-        state_commit(target, &ids, &block, None, &taps, &a)
+        state_commit(target, &ids, &block, None, &taps, (a.warmup, a.rounds))
     })? {
         push(
             &mut ops,
@@ -464,7 +465,14 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     if widths.contains(&64) {
         let tree = tree_from_draft_logits(&draft_logits, bonus, 64)?;
         if let Some((t, submit)) = in_profile("tree_commit", || {
-            state_commit(target, &ids, &block, Some(&tree), &taps, &a)
+            state_commit(
+                target,
+                &ids,
+                &block,
+                Some(&tree),
+                &taps,
+                (a.warmup, a.rounds),
+            )
         })? {
             let kept = accepted_path(&tree).len();
             push(
@@ -547,80 +555,6 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     });
     print_table(&ops, floor, bytes, &bw);
     write_report(&report, a.out.as_deref())
-}
-
-/// For a target with recurrent layers: on a cache of its own holding the context `ids`, per
-/// round, the verify of `block` after the committed positions (untimed), then the crop to half of
-/// it and every recurrent layer's state settled as the next forward settles it
-/// (`SequenceCache::settle_recurrent`; timed, between device synchronisations); the next round
-/// verifies after the kept half. (A state settled in place — the hybrid device step's buffers —
-/// cannot be cropped back into the verify it ended, so the rounds move on instead of returning
-/// to the context.) Also the host's share: the time until `settle_recurrent` returns, its kernels
-/// queued (the rest is the device's). `None` for attention-only targets.
-///
-/// With `tree`, the verify is of that tree instead and the kept rows are `tree`'s accepted path
-/// (`SequenceCache::keep_rows`, then `settle_recurrent`, timed together).
-fn state_commit(
-    target: &dyn TargetModel,
-    ids: &[u32],
-    block: &[u32],
-    tree: Option<&DraftTree>,
-    taps: &[usize],
-    a: &DecodeArgs,
-) -> Result<Option<(Timing, Timing)>> {
-    use dflash_core::LayerCache;
-    let path = tree.map(accepted_path);
-    let half = path.as_ref().map_or(block.len() / 2, Vec::len);
-    let rows = tree.map_or(block.len(), |t| t.tokens.len());
-    let rounds = a.warmup + a.rounds;
-    let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;
-    if !cache
-        .layers
-        .iter()
-        .any(|l| matches!(l, LayerCache::Recurrent(_)))
-    {
-        return Ok(None);
-    }
-    let positions: Vec<u32> = (0..ids.len() as u32).collect();
-    for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
-        let e = (s + PREFILL_CHUNK).min(ids.len());
-        let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
-        target.forward(&req, &mut cache)?;
-    }
-    let dev = cache.device().clone();
-    let (mut v, mut submit) = (vec![], vec![]);
-    for round in 0..rounds {
-        let base = cache.len();
-        let pos: Vec<u32> = match tree {
-            Some(t) => t.positions(base),
-            None => (base as u32..(base + block.len()) as u32).collect(),
-        };
-        let req = match tree {
-            Some(t) => t.verify_request(&pos, taps),
-            None => ForwardRequest {
-                tokens: block,
-                positions: &pos,
-                mask: AttentionMask::Causal,
-                taps,
-                logits: LogitRows::All,
-            },
-        };
-        black_box(target.forward(&req, &mut cache)?);
-        dev.synchronize()?;
-        let t0 = Instant::now();
-        match &path {
-            Some(p) => cache.keep_rows(base, p)?,
-            None => cache.crop(base + half),
-        }
-        cache.settle_recurrent()?;
-        let queued = t0.elapsed().as_secs_f64();
-        dev.synchronize()?;
-        if round >= a.warmup {
-            v.push(t0.elapsed().as_secs_f64());
-            submit.push(queued);
-        }
-    }
-    Ok(Some((Timing::of(v), Timing::of(submit))))
 }
 
 /// The loop rows (see the module invariants): seconds per step of AR, DFlash and DDTree-64

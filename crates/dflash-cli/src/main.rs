@@ -6,6 +6,7 @@
 
 mod auto_memory;
 mod bench;
+mod bench_commit;
 mod bench_decode;
 mod bench_prompts;
 mod bench_shapes;

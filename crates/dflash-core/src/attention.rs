@@ -152,10 +152,9 @@ pub fn attention(
 /// itself, or under `DFLASH_ATTN_VALUES=split` (opt-in: measured in session 23 faster for the
 /// isolated 27B AR step, 23.04 → 22.09 ms, but not in the decoding loops; read once) on
 /// CUDA without gradients the scores' GEMM and the masked softmax kernel as in `attention`'s fused
-/// path, then the value product split over chunks of 64 keys
-/// (`gated_delta_cuda::attention_values`: f32 partial sums in key order, added in chunk order —
-/// cuBLAS runs it on 32 blocks, 70 µs a layer at Qwen3.6-27B's shape on an H100, session 23's
-/// profile of the AR step).
+/// path, then the value product split over chunks of 64 keys (`attention_values_cuda`: f32
+/// partial sums in key order, added in chunk order — cuBLAS runs it on 32 blocks, 70 µs a layer
+/// at Qwen3.6-27B's shape on an H100 at some buffer lengths, session 23's profile of the AR step).
 pub fn attention_over_buffer(
     q: &Tensor,
     k: &Tensor,
@@ -200,7 +199,7 @@ pub fn attention_split_values(
             let flat = raw.reshape((1, kv_heads * rep * q_len, kv_len))?;
             if let Some(p) = crate::decode_ops::softmax_scaled(&flat, mask, q_len, scale as f32)? {
                 let p = p.reshape((1, kv_heads, rep * q_len, kv_len))?;
-                let out = crate::gated_delta_cuda::attention_values(&p, &v.contiguous()?)?;
+                let out = crate::attention_values_cuda::attention_values(&p, &v.contiguous()?)?;
                 return Ok(Some(out.reshape((1, n_heads, q_len, d))?));
             }
         }

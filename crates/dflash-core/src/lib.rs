@@ -5,6 +5,8 @@
 //! differentiable twin, selected by [`Grad`], so training code can never silently lose gradients.
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+mod attention_values_cuda;
 pub mod block_attention;
 pub mod cache;
 pub mod cache_pool;

@@ -1,0 +1,90 @@
+//! `bench decode`'s state-commit timings for targets with recurrent layers (Qwen3.5 / Qwen3.6
+//! hybrids): the commit after a causal block's verify (a crop) and after a tree's (its accepted
+//! path kept).
+//!
+//! Invariants: each timing runs on a cache of its own (a state settled in place cannot return
+//! into the verify it ended); a round is timed between device synchronisations, from the crop or
+//! path compaction to the settled states; `None` for attention-only targets.
+
+use crate::bench::Timing;
+use crate::bench_decode::{accepted_path, PREFILL_CHUNK};
+use anyhow::Result;
+use dflash_core::AttentionMask;
+use dflash_decoding::tree::DraftTree;
+use dflash_models::{ForwardRequest, LogitRows, TargetModel};
+use std::hint::black_box;
+use std::time::Instant;
+
+/// For a target with recurrent layers: on a cache of its own holding the context `ids`, per
+/// round, the verify of `block` after the committed positions (untimed), then the crop to half of
+/// it and every recurrent layer's state settled as the next forward settles it
+/// (`SequenceCache::settle_recurrent`; timed, between device synchronisations); the next round
+/// verifies after the kept half. (A state settled in place — the hybrid device step's buffers —
+/// cannot be cropped back into the verify it ended, so the rounds move on instead of returning
+/// to the context.) Also the host's share: the time until `settle_recurrent` returns, its kernels
+/// queued (the rest is the device's). `None` for attention-only targets.
+///
+/// With `tree`, the verify is of that tree instead and the kept rows are `tree`'s accepted path
+/// (`SequenceCache::keep_rows`, then `settle_recurrent`, timed together).
+pub(crate) fn state_commit(
+    target: &dyn TargetModel,
+    ids: &[u32],
+    block: &[u32],
+    tree: Option<&DraftTree>,
+    taps: &[usize],
+    (warmup, timed): (usize, usize),
+) -> Result<Option<(Timing, Timing)>> {
+    use dflash_core::LayerCache;
+    let path = tree.map(accepted_path);
+    let half = path.as_ref().map_or(block.len() / 2, Vec::len);
+    let rows = tree.map_or(block.len(), |t| t.tokens.len());
+    let rounds = warmup + timed;
+    let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;
+    if !cache
+        .layers
+        .iter()
+        .any(|l| matches!(l, LayerCache::Recurrent(_)))
+    {
+        return Ok(None);
+    }
+    let positions: Vec<u32> = (0..ids.len() as u32).collect();
+    for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
+        let e = (s + PREFILL_CHUNK).min(ids.len());
+        let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
+        target.forward(&req, &mut cache)?;
+    }
+    let dev = cache.device().clone();
+    let (mut v, mut submit) = (vec![], vec![]);
+    for round in 0..rounds {
+        let base = cache.len();
+        let pos: Vec<u32> = match tree {
+            Some(t) => t.positions(base),
+            None => (base as u32..(base + block.len()) as u32).collect(),
+        };
+        let req = match tree {
+            Some(t) => t.verify_request(&pos, taps),
+            None => ForwardRequest {
+                tokens: block,
+                positions: &pos,
+                mask: AttentionMask::Causal,
+                taps,
+                logits: LogitRows::All,
+            },
+        };
+        black_box(target.forward(&req, &mut cache)?);
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        match &path {
+            Some(p) => cache.keep_rows(base, p)?,
+            None => cache.crop(base + half),
+        }
+        cache.settle_recurrent()?;
+        let queued = t0.elapsed().as_secs_f64();
+        dev.synchronize()?;
+        if round >= warmup {
+            v.push(t0.elapsed().as_secs_f64());
+            submit.push(queued);
+        }
+    }
+    Ok(Some((Timing::of(v), Timing::of(submit))))
+}
