@@ -117,17 +117,13 @@ pub fn attention(
         // decoding on the CPU: a row's result does not depend on the rows beside it
         return crate::rowwise::attention(q, k, v, mask, scale);
     }
-    let qg = q.contiguous()?.reshape((b, kv_heads, rep * q_len, d))?;
     if grad == Grad::Off && crate::decode_ops::fused_decode(q.device()) {
-        // one kernel for scale, mask and softmax; V read in place (the cache's strided view)
-        let raw = qg.matmul(&k.t()?)?;
-        let rows = kv_heads * rep * q_len;
-        let flat = raw.reshape((b, rows, kv_len))?;
-        if let Some(p) = crate::decode_ops::softmax_scaled(&flat, mask, q_len, scale as f32)? {
-            let out = p.reshape((b, kv_heads, rep * q_len, kv_len))?.matmul(v)?;
-            return Ok(out.reshape((b, n_heads, q_len, d))?);
+        // V read in place (the cache's strided view)
+        if let Some(p) = fused_probs(q, k, mask, scale)? {
+            return Ok(p.matmul(v)?.reshape((b, n_heads, q_len, d))?);
         }
     }
+    let qg = q.contiguous()?.reshape((b, kv_heads, rep * q_len, d))?;
     let scores = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
     let scores = (scores * scale)?;
     let scores = match mask {
@@ -146,6 +142,27 @@ pub fn attention(
     let probs = softmax_last(&scores, grad)?.to_dtype(dtype)?;
     let out = probs.matmul(&v.contiguous()?)?;
     Ok(out.reshape((b, n_heads, q_len, d))?)
+}
+
+/// The probabilities of [`attention`]'s fused path: the scores' GEMM over grouped query heads,
+/// then scale, mask and softmax as one kernel — `[b, kv_heads, rep·q_len, kv_len]` in `q`'s dtype,
+/// or `None` where that kernel does not run (the caller takes the composite).
+fn fused_probs(
+    q: &Tensor,
+    k: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    let (b, n_heads, q_len, d) = q.dims4()?;
+    let (_, kv_heads, kv_len, _) = k.dims4()?;
+    let rows = n_heads / kv_heads * q_len;
+    let qg = q.contiguous()?.reshape((b, kv_heads, rows, d))?;
+    let flat = qg.matmul(&k.t()?)?.reshape((b, kv_heads * rows, kv_len))?;
+    Ok(
+        crate::decode_ops::softmax_scaled(&flat, mask, q_len, scale as f32)?
+            .map(|p| p.reshape((b, kv_heads, rows, kv_len)))
+            .transpose()?,
+    )
 }
 
 /// [`attention`] for the hybrids' device step over a whole cache buffer (`b` = 1): `attention`
@@ -186,19 +203,14 @@ pub fn attention_split_values(
     #[cfg(feature = "cuda")]
     {
         let (b, n_heads, q_len, d) = q.dims4()?;
-        let (_, kv_heads, kv_len, _) = k.dims4()?;
+        let kv_heads = k.dim(1)?;
         if b == 1
             && n_heads.is_multiple_of(kv_heads)
             && crate::decode_ops::fused_decode(q.device())
             && matches!(q.dtype(), DType::F32 | DType::BF16)
             && !q.track_op()
         {
-            let rep = n_heads / kv_heads;
-            let qg = q.contiguous()?.reshape((1, kv_heads, rep * q_len, d))?;
-            let raw = qg.matmul(&k.t()?)?;
-            let flat = raw.reshape((1, kv_heads * rep * q_len, kv_len))?;
-            if let Some(p) = crate::decode_ops::softmax_scaled(&flat, mask, q_len, scale as f32)? {
-                let p = p.reshape((1, kv_heads, rep * q_len, kv_len))?;
+            if let Some(p) = fused_probs(q, k, mask, scale)? {
                 let out = crate::attention_values_cuda::attention_values(&p, &v.contiguous()?)?;
                 return Ok(Some(out.reshape((1, n_heads, q_len, d))?));
             }

@@ -656,7 +656,7 @@ pub(crate) fn upload_commit_tables(
     let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
     let mut args = Vec::with_capacity(layers.len());
     let mut words = Vec::with_capacity(6 * layers.len());
-    let mut gathered = Vec::with_capacity(GATHER_WORDS * layers.len());
+    let mut gathered = Vec::with_capacity(crate::recurrent_step::GATHER_WORDS * layers.len());
     for b in layers {
         for t in [&b.conv_in, &b.k, &b.v, &b.g, &b.beta] {
             let width = (t.elem_count() / t.dim(0)?) as u64;
@@ -691,14 +691,10 @@ pub(crate) fn upload_commit_tables(
     crate::step_cuda::upload_meta(windows, &words)
 }
 
-/// Words a layer takes in the record gather table of [`upload_commit_tables`]: its five record
-/// buffers (convolution inputs, k, v, g, beta), each an address and a row width (u64 each).
-pub(crate) const GATHER_WORDS: usize = 20;
-
-/// The accepted root path's record rows `rows` (strictly increasing) gathered to rows
-/// `0..rows.len()` of every layer's record in place, through the gather table of
-/// [`upload_commit_tables`] over `layers` layers whose widest record row is `widest` floats:
-/// the rows copied into `path` (a u32 buffer), one launch.
+/// The accepted root path's record rows `rows` (strictly increasing, below the records' row
+/// count: `CommitTables::check_path`) gathered to rows `0..rows.len()` of every layer's record in
+/// place, through the gather table of [`upload_commit_tables`] over `layers` layers whose widest
+/// record row is `widest` floats: the rows copied into `path` (a u32 buffer), one launch.
 pub(crate) fn gather_records(
     gather: &Tensor,
     path: &Tensor,
@@ -706,11 +702,6 @@ pub(crate) fn gather_records(
     widest: usize,
     rows: &[u32],
 ) -> Result<()> {
-    if rows.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(CoreError::InvalidInput(format!(
-            "record gather: rows {rows:?} are not strictly increasing"
-        )));
-    }
     crate::step_cuda::upload_meta(path, rows)?;
     let (gp, dev) = address(gather, "record gather table")?;
     let (pp, _) = address(path, "record gather rows")?;

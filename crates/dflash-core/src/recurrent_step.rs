@@ -162,6 +162,10 @@ impl RecurrentStepBuffers {
     }
 }
 
+/// Words a layer takes in the commit tables' record gather table: its five record buffers
+/// (convolution inputs, k, v, g, beta), each an address and a row width (u64 each).
+pub(crate) const GATHER_WORDS: usize = 20;
+
 /// The fixed pointer tables of a sequence's state commit on CUDA (every recurrent layer, in layer
 /// order; uploaded once with the buffers): a chain commit — the first `n` rows of every layer's
 /// step record kept — is then two launches with no host work per layer
@@ -193,11 +197,7 @@ impl CommitTables {
         }
         let replay = Tensor::zeros(22 * layers.len(), DType::U32, device)?;
         let windows = Tensor::zeros(6 * layers.len(), DType::U32, device)?;
-        #[cfg(feature = "cuda")]
-        let gather_words = crate::gated_delta_cuda::GATHER_WORDS;
-        #[cfg(not(feature = "cuda"))]
-        let gather_words = 20;
-        let gather = Tensor::zeros(gather_words * layers.len(), DType::U32, device)?;
+        let gather = Tensor::zeros(GATHER_WORDS * layers.len(), DType::U32, device)?;
         let path = Tensor::zeros(shape.rows, DType::U32, device)?;
         #[cfg(feature = "cuda")]
         crate::gated_delta_cuda::upload_commit_tables(&replay, &windows, &gather, layers)?;
