@@ -756,22 +756,61 @@ extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* c
 // add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w
 // (f32 math, rounded once), for rows of width W: out = [s ; normed], each [rows, W]. One block per
 // row. add_rms_norm_bf16_wf32: the same with an f32 weight (the hybrids' zero-centred norms keep
-// 1 + w in f32, as transformers computes them).
+// 1 + w in f32, as transformers computes them). A thread keeps its ≤ AN_PER elements (i = tid,
+// tid + blockDim, …) in registers, their loads all in flight at once; wider rows loop over memory.
+// Either way a thread sums its squares in that order and the block reduces them alike: one result
+// whatever the path (the register path replaced a store-then-reload per element, ~8 dependent
+// L2 round trips: 6.1 µs a call at Qwen3-8B's 4096 on an H100, session 24).
+#define AN_PER 8
+__device__ __forceinline__ float rounded(const float*, float v) { return v; }
+__device__ __forceinline__ float rounded(const bf16_t*, float v) {
+  unsigned int u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);  // stv's rounding
+  return __uint_as_float(u & 0xffff0000u);
+}
 template <typename T, typename Wt>
 __device__ void add_rms_norm(const T* x, const T* d, const Wt* w, int rows, int W, float eps,
                              T* out) {
   __shared__ float red[32];
-  const int r = blockIdx.x;
+  const int r = blockIdx.x, bd = blockDim.x;
   const long long off = (long long)r * W;
+  T* nrm = out + (long long)rows * W;
   float sq = 0.0f;
-  for (int i = threadIdx.x; i < W; i += blockDim.x) {
+  if (W <= AN_PER * bd) {
+    float sv[AN_PER], wv[AN_PER];
+#pragma unroll
+    for (int k = 0; k < AN_PER; ++k) {
+      const int i = threadIdx.x + k * bd;
+      sv[k] = wv[k] = 0.0f;
+      if (i < W) {
+        sv[k] = ldv(x, off + i) + ldv(d, off + i);
+        wv[k] = ldv(w, i);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < AN_PER; ++k) {
+      const int i = threadIdx.x + k * bd;
+      if (i < W) {
+        stv(out, off + i, sv[k]);
+        sv[k] = rounded(out, sv[k]);
+        sq += sv[k] * sv[k];
+      }
+    }
+    const float inv = rsqrtf(block_sum(sq, red) / W + eps);
+#pragma unroll
+    for (int k = 0; k < AN_PER; ++k) {
+      const int i = threadIdx.x + k * bd;
+      if (i < W) stv(nrm, off + i, sv[k] * inv * wv[k]);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < W; i += bd) {
     stv(out, off + i, ldv(x, off + i) + ldv(d, off + i));
     const float s = ldv(out, off + i);
     sq += s * s;
   }
   const float inv = rsqrtf(block_sum(sq, red) / W + eps);
-  T* nrm = out + (long long)rows * W;
-  for (int i = threadIdx.x; i < W; i += blockDim.x)
+  for (int i = threadIdx.x; i < W; i += bd)
     stv(nrm, off + i, ldv(out, off + i) * inv * ldv(w, i));
 }
 

@@ -270,6 +270,20 @@ fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
     Ok(owner.same_device(dev).then_some(ptr))
 }
 
+/// The one-row step's tensor-core attention, `decode_attn_mma_bf16_d{64,128}`: the same bits as
+/// `tree_attn_mma_bf16` for one row (so a verified row still equals its AR step), with the tile's
+/// work spread over the block's four warps and compiled per head width (46 KB of code and 61
+/// registers against 232 KB and 215: the general kernel's one busy warp ran ~1,500 dependent
+/// instructions a block, 17.6 µs a layer at SmolLM2 and 26 µs at Qwen3-8B on an H100, session 24).
+/// `DFLASH_DECODE_ATTN=tree` (a documented override for A/B runs) keeps the general kernel.
+fn one_row_kernel(mma: bool, n: usize, rep: usize, d: usize, chunk: usize) -> Option<String> {
+    static GENERAL: OnceLock<bool> = OnceLock::new();
+    let general =
+        *GENERAL.get_or_init(|| std::env::var("DFLASH_DECODE_ATTN").as_deref() == Ok("tree"));
+    (mma && !general && n == 1 && rep <= 16 && chunk == 64 && matches!(d, 64 | 128))
+        .then(|| format!("decode_attn_mma_bf16_d{d}"))
+}
+
 pub(crate) fn tree_attention(
     q: &Tensor,
     kbuf: &Tensor,
@@ -356,10 +370,14 @@ pub(crate) fn tree_attention(
         None
     };
     let cp = counters.unwrap_or(0);
-    launch!(
-        dev, &kernel, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &logical, &ni, &hi, &kvi, &capi,
-        &di, &chi, &gi, &scale, &pp, &cp, &op
-    );
+    if let Some(one_row) = one_row_kernel(mma, n, h / kv, d, chunk) {
+        launch!(dev, &one_row, cfg, &qp, &kbp, &vbp, &mp, &hi, &kvi, &capi, &scale, &pp, &cp, &op);
+    } else {
+        launch!(
+            dev, &kernel, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &logical, &ni, &hi, &kvi, &capi,
+            &di, &chi, &gi, &scale, &pp, &cp, &op
+        );
+    }
     if counters.is_none() {
         let si = splits as i32;
         let cfg = LaunchConfig {

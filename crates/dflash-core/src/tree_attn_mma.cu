@@ -20,7 +20,9 @@
 //   causal block and an AR token never take that path. With keys by step row (`logical` 0) the
 //   ancestor bits mask the step rows in place.
 // - The one-row step merges its splits in the kernel (the last block of a kv head, counted in
-//   `counters`: merge_vector, the combine kernel's arithmetic).
+//   `counters`: merge_vector, the combine kernel's arithmetic). It runs on decode_attn_mma (at the
+//   end of this file): the same arithmetic with the tile's keys and channels spread over the
+//   block's warps, per head width.
 
 #define MK_TK 64                // keys per shared tile
 #define MK_WARPS 4              // warps per block
@@ -380,3 +382,187 @@ extern "C" __global__ void tree_attn_mma_bf16(const bf16_t* q, const bf16_t* kb,
   tree_attn_mma(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
                 part, counters, out);
 }
+
+// The one-row step (an AR token) on tensor cores: bit for bit what tree_attn_mma computes for a
+// step of one row (its rep ≤ 16 vectors are one warp's A rows there, the other warps idle), with
+// the tile's work spread over the block's warps: warp w scores keys 16w .. 16w + 15 (the same
+// mma chain per key), the raw scores meet in shared memory, every warp runs the tile's softmax
+// over all of them in the same order (so every warp holds the same p, max and sum), and warp w
+// accumulates output channels w·D/4 .. (w + 1)·D/4 − 1 (the same mma chain per channel tile).
+// Compiled per head width D (no code for wider heads). Needs chunk == MK_TK (one tile a split).
+template <int D>
+__device__ void decode_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
+                                const unsigned int* meta, int H, int KV, int cap, float scale,
+                                float* part, unsigned int* counters, bf16_t* out) {
+  constexpr int KSTEPS = D / 16, DTILES = D / 8, TPW = DTILES / MK_WARPS, UPR = D / 8;
+  constexpr int UPT = MK_TK * UPR / (MK_WARPS * 32);  // 16-byte units a thread stages
+  __shared__ __align__(16) bf16_t ks[MK_TK * MK_STR];
+  __shared__ __align__(16) bf16_t vs[MK_TK * MK_STR];
+  __shared__ float ss[16][MK_TK + 4];  // raw scores: vector (A row), key of the tile
+  const int rep = H / KV, g = blockIdx.x, s = blockIdx.y, splits = gridDim.y;
+  const int past = (int)meta[0], total = past + 1;
+  const int t0 = s * MK_TK, nt = max(0, min(MK_TK, total - t0));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+  bool ok[2];
+  int head[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    ok[e] = gq + 8 * e < rep;
+    head[e] = g * rep + (ok[e] ? gq + 8 * e : 0);
+  }
+  float acc[TPW][4];
+#pragma unroll
+  for (int t = 0; t < TPW; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+  float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+  if (nt > 0) {
+    {  // stage the tile (zero past the split), every unit's loads in flight at once
+      uint4 kx[UPT], vx[UPT];
+#pragma unroll
+      for (int i = 0; i < UPT; ++i) {
+        const int u = tid + i * MK_WARPS * 32, j = u / UPR, c = (u - j * UPR) * 8;
+        kx[i] = vx[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (j < nt) {
+          const long long off = ((long long)g * cap + t0 + j) * D + c;
+          kx[i] = __ldcg((const uint4*)(kb + off));
+          vx[i] = __ldcg((const uint4*)(vb + off));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < UPT; ++i) {
+        const int u = tid + i * MK_WARPS * 32, j = u / UPR, c = (u - j * UPR) * 8;
+        *(uint4*)(ks + j * MK_STR + c) = kx[i];
+        *(uint4*)(vs + j * MK_STR + c) = vx[i];
+      }
+    }
+    unsigned int qa[KSTEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      const int c = 16 * kk + 2 * tq;
+      const bf16_t* q0 = q + (long long)head[0] * D + c;
+      const bf16_t* q1 = q + (long long)head[1] * D + c;
+      qa[kk][0] = ok[0] ? mk_ld32(q0) : 0u;
+      qa[kk][1] = ok[1] ? mk_ld32(q1) : 0u;
+      qa[kk][2] = ok[0] ? mk_ld32(q0 + 8) : 0u;
+      qa[kk][3] = ok[1] ? mk_ld32(q1 + 8) : 0u;
+    }
+    __syncthreads();
+    // this warp's 16 keys: two 8-key mma columns, channel steps in order
+#pragma unroll
+    for (int h8 = 0; h8 < 2; ++h8) {
+      const int j8 = 2 * warp + h8;
+      float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const bf16_t* kr = ks + (j8 * 8 + gq) * MK_STR + 2 * tq;
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        const unsigned int b0 = *(const unsigned int*)(kr + 16 * kk);
+        const unsigned int b1 = *(const unsigned int*)(kr + 16 * kk + 8);
+        mk_mma(c4, qa[kk], b0, b1);
+      }
+      ss[gq][j8 * 8 + 2 * tq] = c4[0];
+      ss[gq][j8 * 8 + 2 * tq + 1] = c4[1];
+      ss[gq + 8][j8 * 8 + 2 * tq] = c4[2];
+      ss[gq + 8][j8 * 8 + 2 * tq + 1] = c4[3];
+    }
+    __syncthreads();
+    // the tile's softmax, as tree_attn_mma runs it (every warp alike); key past (the token
+    // itself) and every key before it are visible
+    float sc[MK_TK / 8][4];
+    float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1);
+        const float x = (ok[hf] && jr < nt) ? ss[gq + 8 * hf][jr] * scale : NEG_INF;
+        sc[j8][e] = x;
+        tmax[hf] = fmaxf(tmax[hf], x);
+      }
+    }
+    float alpha[2], mnew[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 1));
+      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 2));
+      if (tmax[hf] == NEG_INF) {
+        alpha[hf] = 1.0f;
+        mnew[hf] = mrow[hf];
+      } else {
+        mnew[hf] = fmaxf(mrow[hf], tmax[hf]);
+        alpha[hf] = mrow[hf] == NEG_INF ? 0.0f : __expf(mrow[hf] - mnew[hf]);
+      }
+    }
+    unsigned int pk[MK_TK / 8][2];
+    float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+      unsigned int bits[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1;
+        bits[e] = sc[j8][e] == NEG_INF ? 0u : bf16_bits(__expf(sc[j8][e] - mnew[hf]));
+        psum[hf] += __uint_as_float(bits[e] << 16);
+      }
+      pk[j8][0] = bits[0] | (bits[1] << 16);
+      pk[j8][1] = bits[2] | (bits[3] << 16);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 1);
+      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 2);
+      lrow[hf] = lrow[hf] * alpha[hf] + psum[hf];
+      mrow[hf] = mnew[hf];
+    }
+#pragma unroll
+    for (int t = 0; t < TPW; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[0];
+      acc[t][2] *= alpha[1];
+      acc[t][3] *= alpha[1];
+    }
+    // this warp's channel tiles += p·v, 16 keys a chunk in key order
+#pragma unroll
+    for (int kc = 0; kc < MK_TK / 16; ++kc) {
+      if (kc * 16 >= nt) continue;
+      const unsigned int pa[4] = {pk[2 * kc][0], pk[2 * kc][1], pk[2 * kc + 1][0],
+                                  pk[2 * kc + 1][1]};
+      const bf16_t* vr = vs + (kc * 16 + 2 * tq) * MK_STR + gq;
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        const int t = warp * TPW + i;
+        const unsigned int b0 = (unsigned int)vr[8 * t] | ((unsigned int)vr[MK_STR + 8 * t] << 16);
+        const unsigned int b1 =
+            (unsigned int)vr[8 * MK_STR + 8 * t] | ((unsigned int)vr[9 * MK_STR + 8 * t] << 16);
+        mk_mma(acc[i], pa, b0, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    if (!ok[hf]) continue;
+    float* rec = part + ((long long)head[hf] * splits + s) * (long long)(D + 2);
+    if (warp == 0 && tq == 0) {
+      rec[0] = mrow[hf];
+      rec[1] = lrow[hf];
+    }
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const int t = warp * TPW + i;
+      rec[2 + 8 * t + 2 * tq] = acc[i][2 * hf];
+      rec[3 + 8 * t + 2 * tq] = acc[i][2 * hf + 1];
+    }
+  }
+  if (counters == nullptr || !last_of_column(counters, splits)) return;
+  for (int w = warp; w < rep; w += MK_WARPS) merge_vector(part, g * rep + w, 1, H, D, splits, out);
+  if (tid == 0) counters[blockIdx.x] = 0u;
+}
+
+#define DECODE_ATTN_MMA(D)                                                                      \
+  extern "C" __global__ void decode_attn_mma_bf16_d##D(                                        \
+      const bf16_t* q, const bf16_t* kb, const bf16_t* vb, const unsigned int* meta, int H,     \
+      int KV, int cap, float scale, float* part, unsigned int* counters, bf16_t* out) {         \
+    PDL_ENTRY();                                                                                \
+    decode_attn_mma<D>(q, kb, vb, meta, H, KV, cap, scale, part, counters, out);               \
+  }
+DECODE_ATTN_MMA(64)
+DECODE_ATTN_MMA(128)
