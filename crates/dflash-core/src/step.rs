@@ -300,7 +300,28 @@ pub fn tree_attention(
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale);
+        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale, false);
+    }
+    let _ = (q, kbuf, vbuf, meta, ancestors, scale);
+    Err(CoreError::InvalidInput(
+        "device step: tree_attention needs a CUDA device".into(),
+    ))
+}
+
+/// [`tree_attention`] on the general kernel whatever the step's width (for tests: the kernel for
+/// steps of few query vectors must give its bits).
+#[doc(hidden)]
+pub fn tree_attention_general(
+    q: &Tensor,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+    ancestors: &Tensor,
+    scale: f32,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale, true);
     }
     let _ = (q, kbuf, vbuf, meta, ancestors, scale);
     Err(CoreError::InvalidInput(

@@ -270,18 +270,41 @@ fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
     Ok(owner.same_device(dev).then_some(ptr))
 }
 
-/// The one-row step's tensor-core attention, `decode_attn_mma_bf16_d{64,128}`: the same bits as
-/// `tree_attn_mma_bf16` for one row (so a verified row still equals its AR step), with the tile's
-/// work spread over the block's four warps and compiled per head width (46 KB of code and 61
-/// registers against 232 KB and 215: the general kernel's one busy warp ran ~1,500 dependent
-/// instructions a block, 17.6 µs a layer at SmolLM2 and 26 µs at Qwen3-8B on an H100, session 24).
-/// `DFLASH_DECODE_ATTN=tree` (a documented override for A/B runs) keeps the general kernel.
-fn one_row_kernel(mma: bool, n: usize, rep: usize, d: usize, chunk: usize) -> Option<String> {
+/// The tensor-core attention for steps of few query vectors, `group_attn_mma_bf16_d{64,128}`: the
+/// same bits as `tree_attn_mma_bf16` for every vector (so a verified row still equals its AR
+/// step), with 16 vectors a block and the tile's keys and channels spread over the block's four
+/// warps, compiled per head width (the general kernel leaves one warp with ~1,500 dependent
+/// instructions a tile — for a one-row step 17.6 µs a layer at SmolLM2 and 26 µs at Qwen3-8B on an
+/// H100, session 24 — and three of its four warps idle). Taken when no row reads its keys one by
+/// one (keys by step row, or a one-row step) for up to `DFLASH_GROUP_ATTN_VECTORS` query vectors
+/// (rows × heads per kv head; by default any number for 64-wide heads and 64 for 128-wide ones:
+/// each block stages its own tiles, so wide trees of wide heads keep the general kernel, whose
+/// four warps share them). `DFLASH_DECODE_ATTN=tree` (a documented
+/// override for A/B runs) keeps the general kernel everywhere.
+fn group_kernel(mma: bool, logical: bool, n: usize, rep: usize, d: usize) -> Option<String> {
     static GENERAL: OnceLock<bool> = OnceLock::new();
+    static MAX_VECTORS: OnceLock<usize> = OnceLock::new();
     let general =
         *GENERAL.get_or_init(|| std::env::var("DFLASH_DECODE_ATTN").as_deref() == Ok("tree"));
-    (mma && !general && n == 1 && rep <= 16 && chunk == 64 && matches!(d, 64 | 128))
-        .then(|| format!("decode_attn_mma_bf16_d{d}"))
+    let max_vectors = *MAX_VECTORS.get_or_init(|| {
+        std::env::var("DFLASH_GROUP_ATTN_VECTORS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    });
+    // measured (H100, session 24): 64-wide heads gain at every width (SmolLM2 tree64 1.45 → 1.35
+    // ms, tree256 3.93 → 3.58), 128-wide heads lose past 64 vectors (Qwen3-8B at context 2048:
+    // tree64 11.5 → 11.9 ms, its DDTree loop +7 %)
+    let max_vectors = match (max_vectors, d) {
+        (0, 64) => usize::MAX,
+        (0, _) => 64,
+        (m, _) => m,
+    };
+    (mma && !general
+        && (n == 1 || !logical)
+        && n * rep <= max_vectors.max(rep)
+        && matches!(d, 64 | 128))
+    .then(|| format!("group_attn_mma_bf16_d{d}"))
 }
 
 pub(crate) fn tree_attention(
@@ -291,6 +314,7 @@ pub(crate) fn tree_attention(
     meta: &Tensor,
     ancestors: &Tensor,
     scale: f32,
+    general: bool,
 ) -> Result<Tensor> {
     let (_, h, n, d) = q.dims4()?;
     let (_, kv, cap, db) = kbuf.dims4()?;
@@ -334,6 +358,8 @@ pub(crate) fn tree_attention(
     } else {
         (VECTORS_PER_BLOCK, WARPS)
     };
+    let group = group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general);
+    let per_block = if group.is_some() { 16 } else { per_block };
     let groups = (n * h / kv).div_ceil(per_block);
     // SAFETY: every (vector, split) record is written by exactly one block.
     let part = unsafe { Tensor::empty((h * n, splits, d + 2), DType::F32, q.device())? };
@@ -362,16 +388,20 @@ pub(crate) fn tree_attention(
     let out = unsafe { Tensor::empty((1, n, h * d), dtype, q.device())? };
     let (op, _) = address(&out, "tree_attention output")?;
     // the fused merge runs one block per (kv head, vector group) over every split: a win for the
-    // one-row AR step, a loss for wider steps (a 16-row verify at Qwen3-8B shape took 9.6 ms
-    // against 7.8 with the combine kernel, docs/benchmarks.md session 12)
+    // one-row AR step, a loss for wider steps on the general kernel (a 16-row verify at Qwen3-8B
+    // shape took 9.6 ms against 7.8 with the combine kernel, docs/benchmarks.md session 12), and
+    // on the few-vector kernel too (SmolLM2's 16-row verify 1.29 → 1.45 ms, session 24)
     let counters = if n == 1 {
         merge_counters(&dev, kv * groups)?
     } else {
         None
     };
     let cp = counters.unwrap_or(0);
-    if let Some(one_row) = one_row_kernel(mma, n, h / kv, d, chunk) {
-        launch!(dev, &one_row, cfg, &qp, &kbp, &vbp, &mp, &hi, &kvi, &capi, &scale, &pp, &cp, &op);
+    if let Some(group) = group {
+        launch!(
+            dev, &group, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &ni, &hi, &kvi, &capi, &chi, &gi,
+            &scale, &pp, &cp, &op
+        );
     } else {
         launch!(
             dev, &kernel, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &logical, &ni, &hi, &kvi, &capi,

@@ -20,9 +20,9 @@
 //   causal block and an AR token never take that path. With keys by step row (`logical` 0) the
 //   ancestor bits mask the step rows in place.
 // - The one-row step merges its splits in the kernel (the last block of a kv head, counted in
-//   `counters`: merge_vector, the combine kernel's arithmetic). It runs on decode_attn_mma (at the
-//   end of this file): the same arithmetic with the tile's keys and channels spread over the
-//   block's warps, per head width.
+//   `counters`: merge_vector, the combine kernel's arithmetic). Steps without per-row key reads run on
+//   group_attn_mma (at the end of this file): the same arithmetic with one warp's vectors a block
+//   and the tile's keys and channels spread over the block's warps, per head width.
 
 #define MK_TK 64                // keys per shared tile
 #define MK_WARPS 4              // warps per block
@@ -383,40 +383,60 @@ extern "C" __global__ void tree_attn_mma_bf16(const bf16_t* q, const bf16_t* kb,
                 part, counters, out);
 }
 
-// The one-row step (an AR token) on tensor cores: bit for bit what tree_attn_mma computes for a
-// step of one row (its rep ≤ 16 vectors are one warp's A rows there, the other warps idle), with
-// the tile's work spread over the block's warps: warp w scores keys 16w .. 16w + 15 (the same
-// mma chain per key), the raw scores meet in shared memory, every warp runs the tile's softmax
-// over all of them in the same order (so every warp holds the same p, max and sum), and warp w
-// accumulates output channels w·D/4 .. (w + 1)·D/4 − 1 (the same mma chain per channel tile).
-// Compiled per head width D (no code for wider heads). Needs chunk == MK_TK (one tile a split).
+// group_attn_mma: bit for bit what tree_attn_mma computes for each of its vectors, with one warp's
+// worth of vectors (16, the mma's A rows: tree row first, head second, as there) per block and the
+// tile's work spread over the block's four warps: warp w scores keys 16w .. 16w + 15 (the same mma
+// chain per key), the raw scores meet in shared memory, every warp runs the tile's masks and
+// online softmax over all of them in the same order (so every warp holds the same p, max and sum),
+// and warp w accumulates output channels w·D/4 .. (w + 1)·D/4 − 1 (the same mma chain per channel
+// tile). tree_attn_mma leaves a warp alone with ~1,500 dependent instructions a tile, and three of
+// four warps idle for a one-row step. Compiled per head width D. Masks: the one-row step sees
+// every key up to its own; wider steps read the ancestor bits (keys by step row: `logical` 0 — the
+// host sends keys by position here only for one row, whose path is never bent).
 template <int D>
-__device__ void decode_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
-                                const unsigned int* meta, int H, int KV, int cap, float scale,
-                                float* part, unsigned int* counters, bf16_t* out) {
-  constexpr int KSTEPS = D / 16, DTILES = D / 8, TPW = DTILES / MK_WARPS, UPR = D / 8;
-  constexpr int UPT = MK_TK * UPR / (MK_WARPS * 32);  // 16-byte units a thread stages
+__device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
+                               const unsigned int* meta, const unsigned int* ancestors, int stride,
+                               int n, int H, int KV, int cap, int chunk, int groups, float scale,
+                               float* part, unsigned int* counters, bf16_t* out) {
+  constexpr int KSTEPS = D / 16, TPW = D / 8 / MK_WARPS, UPR = D / 8;
+  constexpr int UPT = MK_TK * UPR / (MK_WARPS * 32);  // 16-byte units a thread stages a tile
   __shared__ __align__(16) bf16_t ks[MK_TK * MK_STR];
   __shared__ __align__(16) bf16_t vs[MK_TK * MK_STR];
   __shared__ float ss[16][MK_TK + 4];  // raw scores: vector (A row), key of the tile
-  const int rep = H / KV, g = blockIdx.x, s = blockIdx.y, splits = gridDim.y;
-  const int past = (int)meta[0], total = past + 1;
-  const int t0 = s * MK_TK, nt = max(0, min(MK_TK, total - t0));
+  const int rep = H / KV, g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
+  const int splits = gridDim.y, nvec = rep * n;
+  const int past = (int)meta[0], total = past + n;
+  const int k0 = s * chunk, k1 = min(total, k0 + chunk);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
   bool ok[2];
-  int head[2];
+  int rr[2], head[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    ok[e] = gq + 8 * e < rep;
-    head[e] = g * rep + (ok[e] ? gq + 8 * e : 0);
+    const int w = grp * 16 + gq + 8 * e;
+    ok[e] = w < nvec;
+    rr[e] = ok[e] ? w / rep : 0;
+    head[e] = g * rep + (ok[e] ? w % rep : 0);
+  }
+  unsigned int qa[KSTEPS][4];
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const int c = 16 * kk + 2 * tq;
+    const bf16_t* q0 = q + ((long long)head[0] * n + rr[0]) * D + c;
+    const bf16_t* q1 = q + ((long long)head[1] * n + rr[1]) * D + c;
+    qa[kk][0] = ok[0] ? mk_ld32(q0) : 0u;
+    qa[kk][1] = ok[1] ? mk_ld32(q1) : 0u;
+    qa[kk][2] = ok[0] ? mk_ld32(q0 + 8) : 0u;
+    qa[kk][3] = ok[1] ? mk_ld32(q1 + 8) : 0u;
   }
   float acc[TPW][4];
 #pragma unroll
   for (int t = 0; t < TPW; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
   float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
-  if (nt > 0) {
-    {  // stage the tile (zero past the split), every unit's loads in flight at once
+  for (int t0 = k0; t0 < k1; t0 += MK_TK) {
+    const int nt = min(MK_TK, k1 - t0);
+    __syncthreads();
+    {  // stage the tile (zero past the split), a thread's loads all in flight at once
       uint4 kx[UPT], vx[UPT];
 #pragma unroll
       for (int i = 0; i < UPT; ++i) {
@@ -434,17 +454,6 @@ __device__ void decode_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t*
         *(uint4*)(ks + j * MK_STR + c) = kx[i];
         *(uint4*)(vs + j * MK_STR + c) = vx[i];
       }
-    }
-    unsigned int qa[KSTEPS][4];
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      const int c = 16 * kk + 2 * tq;
-      const bf16_t* q0 = q + (long long)head[0] * D + c;
-      const bf16_t* q1 = q + (long long)head[1] * D + c;
-      qa[kk][0] = ok[0] ? mk_ld32(q0) : 0u;
-      qa[kk][1] = ok[1] ? mk_ld32(q1) : 0u;
-      qa[kk][2] = ok[0] ? mk_ld32(q0 + 8) : 0u;
-      qa[kk][3] = ok[1] ? mk_ld32(q1 + 8) : 0u;
     }
     __syncthreads();
     // this warp's 16 keys: two 8-key mma columns, channel steps in order
@@ -465,16 +474,20 @@ __device__ void decode_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t*
       ss[gq + 8][j8 * 8 + 2 * tq + 1] = c4[3];
     }
     __syncthreads();
-    // the tile's softmax, as tree_attn_mma runs it (every warp alike); key past (the token
-    // itself) and every key before it are visible
+    // masks and the tile's max per vector, as tree_attn_mma (every warp alike)
     float sc[MK_TK / 8][4];
     float tmax[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1);
-        const float x = (ok[hf] && jr < nt) ? ss[gq + 8 * hf][jr] * scale : NEG_INF;
+        const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1), j = t0 + jr;
+        bool vis = ok[hf] && jr < nt;
+        if (vis && j >= past && n > 1) {
+          const int i = j - past;
+          vis = ((ancestors[(long long)rr[hf] * stride + (i >> 5)] >> (i & 31)) & 1u) != 0u;
+        }
+        const float x = vis ? ss[gq + 8 * hf][jr] * scale : NEG_INF;
         sc[j8][e] = x;
         tmax[hf] = fmaxf(tmax[hf], x);
       }
@@ -540,7 +553,8 @@ __device__ void decode_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t*
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     if (!ok[hf]) continue;
-    float* rec = part + ((long long)head[hf] * splits + s) * (long long)(D + 2);
+    const long long vec = (long long)head[hf] * n + rr[hf];
+    float* rec = part + (vec * splits + s) * (long long)(D + 2);
     if (warp == 0 && tq == 0) {
       rec[0] = mrow[hf];
       rec[1] = lrow[hf];
@@ -553,16 +567,19 @@ __device__ void decode_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t*
     }
   }
   if (counters == nullptr || !last_of_column(counters, splits)) return;
-  for (int w = warp; w < rep; w += MK_WARPS) merge_vector(part, g * rep + w, 1, H, D, splits, out);
+  for (int w = grp * 16 + warp; w < min(nvec, (grp + 1) * 16); w += MK_WARPS)
+    merge_vector(part, (g * rep + w % rep) * n + w / rep, n, H, D, splits, out);
   if (tid == 0) counters[blockIdx.x] = 0u;
 }
 
-#define DECODE_ATTN_MMA(D)                                                                      \
-  extern "C" __global__ void decode_attn_mma_bf16_d##D(                                        \
-      const bf16_t* q, const bf16_t* kb, const bf16_t* vb, const unsigned int* meta, int H,     \
-      int KV, int cap, float scale, float* part, unsigned int* counters, bf16_t* out) {         \
-    PDL_ENTRY();                                                                                \
-    decode_attn_mma<D>(q, kb, vb, meta, H, KV, cap, scale, part, counters, out);               \
+#define GROUP_ATTN_MMA(D)                                                                      \
+  extern "C" __global__ void group_attn_mma_bf16_d##D(                                        \
+      const bf16_t* q, const bf16_t* kb, const bf16_t* vb, const unsigned int* meta,           \
+      const unsigned int* anc, int stride, int n, int H, int KV, int cap, int chunk,           \
+      int groups, float scale, float* part, unsigned int* counters, bf16_t* out) {             \
+    PDL_ENTRY();                                                                               \
+    group_attn_mma<D>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale, part, \
+                      counters, out);                                                          \
   }
-DECODE_ATTN_MMA(64)
-DECODE_ATTN_MMA(128)
+GROUP_ATTN_MMA(64)
+GROUP_ATTN_MMA(128)

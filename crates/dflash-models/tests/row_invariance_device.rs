@@ -158,6 +158,67 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
     }
 }
 
+/// The bf16 attention for steps of few query vectors (`group_attn_mma`, one warp's vectors a block,
+/// the tile's keys and channels over four warps) gives every row the general tensor-core kernel's
+/// bits: one-row steps, 16-row chains and branching 16-row trees, keys by position and by step
+/// row (bits alone, the drafter's layout), 64- and 128-wide heads, contexts inside one split and
+/// across many. CUDA only.
+#[test]
+fn few_vector_attention_gives_the_general_kernels_bits() {
+    use dflash_core::step::{
+        kv_append_at, tree_ancestors, tree_attention, tree_attention_general, StepMeta,
+        MAX_STEP_ROWS,
+    };
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let chain: Vec<i64> = (0..16).map(|i| i - 1).collect();
+    let tree: Vec<i64> = (0..16)
+        .map(|i| if i == 0 { -1 } else { (i - 1) / 3 })
+        .collect();
+    for (d, h, kv) in [(64, 9, 3), (128, 32, 8)] {
+        for past in [5, 61, 700] {
+            for parents in [vec![-1], chain.clone(), tree.clone()] {
+                let n = parents.len();
+                let cap = past + n + 8;
+                let rnd = |shape: (usize, usize, usize, usize)| {
+                    Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::BF16)
+                        .unwrap()
+                        .to_device(&dev)
+                        .unwrap()
+                };
+                let (kb, vb) = (rnd((1, kv, cap, d)), rnd((1, kv, cap, d)));
+                let (k, v, q) = (rnd((1, kv, n, d)), rnd((1, kv, n, d)), rnd((1, h, n, d)));
+                let positions: Vec<u32> = (0..n as u32).collect();
+                let meta =
+                    StepMeta::new(past, &vec![0u32; n], &positions, Some(&parents), 4096).unwrap();
+                let meta = Tensor::from_slice(&meta.words, meta.words.len(), &dev).unwrap();
+                kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+                let scale = 1.0 / (d as f32).sqrt();
+                let by_position = tree_ancestors(&meta, n).unwrap();
+                let bits = by_position
+                    .narrow(1, 0, MAX_STEP_ROWS / 32)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap();
+                for anc in [&by_position, &bits] {
+                    let fast = tree_attention(&q, &kb, &vb, &meta, anc, scale).unwrap();
+                    let general = tree_attention_general(&q, &kb, &vb, &meta, anc, scale).unwrap();
+                    assert_eq!(
+                        max_abs(&fast, &general),
+                        0.0,
+                        "d {d} heads {h}/{kv} past {past} rows {n} ancestors {:?}",
+                        anc.dims()
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Bit-exact bf16 (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): every row of a bf16 tree
 /// verify and of a 16-token causal verify gives, bit for bit, the logits of one-token AR steps over
 /// the same tokens at the same positions (the property that makes speculative output equal AR's in
