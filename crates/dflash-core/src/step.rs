@@ -298,14 +298,7 @@ pub fn tree_attention(
     ancestors: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if q.device().is_cuda() {
-        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale, false);
-    }
-    let _ = (q, kbuf, vbuf, meta, ancestors, scale);
-    Err(CoreError::InvalidInput(
-        "device step: tree_attention needs a CUDA device".into(),
-    ))
+    attention_on(q, kbuf, vbuf, meta, ancestors, scale, false)
 }
 
 /// [`tree_attention`] on the general kernel whatever the step's width (for tests: the kernel for
@@ -319,11 +312,23 @@ pub fn tree_attention_general(
     ancestors: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
+    attention_on(q, kbuf, vbuf, meta, ancestors, scale, true)
+}
+
+fn attention_on(
+    q: &Tensor,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+    ancestors: &Tensor,
+    scale: f32,
+    general: bool,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale, true);
+        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale, general);
     }
-    let _ = (q, kbuf, vbuf, meta, ancestors, scale);
+    let _ = (q, kbuf, vbuf, meta, ancestors, scale, general);
     Err(CoreError::InvalidInput(
         "device step: tree_attention needs a CUDA device".into(),
     ))

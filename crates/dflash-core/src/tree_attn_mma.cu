@@ -70,6 +70,50 @@ __device__ __forceinline__ int mk_depth_of(int r, const int* rr, const int* dep,
   return (int)__ldg(ar + ANC_BITS);
 }
 
+// The online softmax of one tile for a lane's two vectors (A rows gq and gq + 8), given their
+// masked, scaled scores `sc` (−inf where hidden) and the lane's maxima over them `tmax`: the quad's
+// maxima, the running max `mrow` and the rescale `alpha` of what came before, p = exp(s − m)
+// rounded to bf16 and packed as the A operand of the p·v mmas (`pk`), and the running sum `lrow`
+// of the rounded p (each lane's in key order, then the quad's xor butterfly). One arithmetic for
+// tree_attn_mma and group_attn_mma: a vector's bits do not depend on which kernel ran it.
+__device__ __forceinline__ void mk_tile_softmax(const float (*sc)[4], float* tmax, float* mrow,
+                                                float* lrow, float* alpha,
+                                                unsigned int (*pk)[2]) {
+  float mnew[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 1));
+    tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 2));
+    if (tmax[hf] == NEG_INF) {  // nothing visible in this tile: the row is unchanged
+      alpha[hf] = 1.0f;
+      mnew[hf] = mrow[hf];
+    } else {
+      mnew[hf] = fmaxf(mrow[hf], tmax[hf]);
+      alpha[hf] = mrow[hf] == NEG_INF ? 0.0f : __expf(mrow[hf] - mnew[hf]);
+    }
+  }
+  float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+    unsigned int bits[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hf = e >> 1;
+      bits[e] = sc[j8][e] == NEG_INF ? 0u : bf16_bits(__expf(sc[j8][e] - mnew[hf]));
+      psum[hf] += __uint_as_float(bits[e] << 16);
+    }
+    pk[j8][0] = bits[0] | (bits[1] << 16);
+    pk[j8][1] = bits[2] | (bits[3] << 16);
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 1);
+    psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 2);
+    lrow[hf] = lrow[hf] * alpha[hf] + psum[hf];
+    mrow[hf] = mnew[hf];
+  }
+}
+
 __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
                               const unsigned int* meta, const unsigned int* ancestors, int stride,
                               int logical, int n, int H, int KV, int cap, int d, int chunk,
@@ -251,41 +295,9 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
         tmax[hf] = fmaxf(tmax[hf], x);
       }
     }
-    float alpha[2], mnew[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 1));
-      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 2));
-      if (tmax[hf] == NEG_INF) {  // nothing visible in this tile: the row is unchanged
-        alpha[hf] = 1.0f;
-        mnew[hf] = mrow[hf];
-      } else {
-        mnew[hf] = fmaxf(mrow[hf], tmax[hf]);
-        alpha[hf] = mrow[hf] == NEG_INF ? 0.0f : __expf(mrow[hf] - mnew[hf]);
-      }
-    }
-    // p rounded to bf16, packed as the A operand of the p·v mmas; the sum of the rounded p
+    float alpha[2];
     unsigned int pk[MK_TK / 8][2];
-    float psum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
-      unsigned int bits[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hf = e >> 1;
-        bits[e] = sc[j8][e] == NEG_INF ? 0u : bf16_bits(__expf(sc[j8][e] - mnew[hf]));
-        psum[hf] += __uint_as_float(bits[e] << 16);
-      }
-      pk[j8][0] = bits[0] | (bits[1] << 16);
-      pk[j8][1] = bits[2] | (bits[3] << 16);
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 1);
-      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 2);
-      lrow[hf] = lrow[hf] * alpha[hf] + psum[hf];
-      mrow[hf] = mnew[hf];
-    }
+    mk_tile_softmax(sc, tmax, mrow, lrow, alpha, pk);
 #pragma unroll
     for (int t = 0; t < MAX_D / 8; ++t) {
       acc[t][0] *= alpha[0];
@@ -492,40 +504,9 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
         tmax[hf] = fmaxf(tmax[hf], x);
       }
     }
-    float alpha[2], mnew[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 1));
-      tmax[hf] = fmaxf(tmax[hf], __shfl_xor_sync(MK_FULL, tmax[hf], 2));
-      if (tmax[hf] == NEG_INF) {
-        alpha[hf] = 1.0f;
-        mnew[hf] = mrow[hf];
-      } else {
-        mnew[hf] = fmaxf(mrow[hf], tmax[hf]);
-        alpha[hf] = mrow[hf] == NEG_INF ? 0.0f : __expf(mrow[hf] - mnew[hf]);
-      }
-    }
+    float alpha[2];
     unsigned int pk[MK_TK / 8][2];
-    float psum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
-      unsigned int bits[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hf = e >> 1;
-        bits[e] = sc[j8][e] == NEG_INF ? 0u : bf16_bits(__expf(sc[j8][e] - mnew[hf]));
-        psum[hf] += __uint_as_float(bits[e] << 16);
-      }
-      pk[j8][0] = bits[0] | (bits[1] << 16);
-      pk[j8][1] = bits[2] | (bits[3] << 16);
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 1);
-      psum[hf] += __shfl_xor_sync(MK_FULL, psum[hf], 2);
-      lrow[hf] = lrow[hf] * alpha[hf] + psum[hf];
-      mrow[hf] = mnew[hf];
-    }
+    mk_tile_softmax(sc, tmax, mrow, lrow, alpha, pk);
 #pragma unroll
     for (int t = 0; t < TPW; ++t) {
       acc[t][0] *= alpha[0];
