@@ -30,6 +30,10 @@ pub const MAX_STEP_ROWS: usize = 288;
 pub const ANCESTOR_WORDS: usize = MAX_STEP_ROWS / 32 + 1 + MAX_STEP_ROWS;
 /// The largest head dimension the step's attention kernel stages in shared memory.
 pub const MAX_STEP_HEAD_DIM: usize = 128;
+/// The one wider head the device step's bf16 attention takes ([`tree_attention`] with keys by
+/// step row, on the few-vector tensor-core kernel alone): the Qwen3.5 / Qwen3.6 hybrids' gated
+/// attention.
+pub const WIDE_STEP_HEAD_DIM: usize = 256;
 
 /// Whether [`tree_attention`] takes a tree's keys by position (bit-identical to the one-row step
 /// at each row's position: a row whose path is not the step rows 0..depth reads its ancestors'

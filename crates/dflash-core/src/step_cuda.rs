@@ -318,10 +318,12 @@ pub(crate) fn tree_attention(
 ) -> Result<Tensor> {
     let (_, h, n, d) = q.dims4()?;
     let (_, kv, cap, db) = kbuf.dims4()?;
+    // 256-wide heads (the hybrids' gated attention) run on the few-vector kernel alone
+    let wide = d == crate::step::WIDE_STEP_HEAD_DIM && q.dtype() == DType::BF16;
     if d != db
         || !h.is_multiple_of(kv)
         || !d.is_multiple_of(32)
-        || d > crate::step::MAX_STEP_HEAD_DIM
+        || (d > crate::step::MAX_STEP_HEAD_DIM && !wide)
         || n > crate::step::MAX_STEP_ROWS
         || vbuf.dims() != kbuf.dims()
         || kbuf.dtype() != q.dtype()
@@ -358,7 +360,17 @@ pub(crate) fn tree_attention(
     } else {
         (VECTORS_PER_BLOCK, WARPS)
     };
-    let group = group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general);
+    let group = if wide {
+        if general || !mma || (logical != 0 && n > 1) {
+            return Err(CoreError::InvalidInput(
+                "tree_attention: 256-wide heads take the tensor-core kernel with keys by step row"
+                    .into(),
+            ));
+        }
+        Some(format!("group_attn_mma_bf16_d{d}"))
+    } else {
+        group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general)
+    };
     let per_block = if group.is_some() { 16 } else { per_block };
     let groups = (n * h / kv).div_ceil(per_block);
     // SAFETY: every (vector, split) record is written by exactly one block.
@@ -417,7 +429,11 @@ pub(crate) fn tree_attention(
         };
         launch!(
             dev,
-            &format!("tree_attn_combine_{sfx}"),
+            &if wide {
+                format!("tree_attn_combine_d256_{sfx}")
+            } else {
+                format!("tree_attn_combine_{sfx}")
+            },
             cfg,
             &pp,
             &ni,

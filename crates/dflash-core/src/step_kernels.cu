@@ -161,7 +161,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // visible key w = expf(m_s − M), sum = fma(w, l_s, sum), a = fma(w, o_s, a), in split order;
 // out = a / sum. The records' loads are issued 8 splits ahead of the sums (the loop is unrolled);
 // a split's max, weight and sum are read once per warp and shared by shuffles.
-template <typename T>
+template <typename T, int MD = MAX_D>
 __device__ void merge_vector(const float* part, int vec, int n, int H, int d, int splits, T* out) {
   const int lane = threadIdx.x & 31, dpl = d >> 5;
   const int h = vec / n, r = vec % n;
@@ -170,9 +170,9 @@ __device__ void merge_vector(const float* part, int vec, int n, int H, int d, in
   float mx = NEG_INF;
   for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(p + s * rs));
   mx = warp_max(mx);
-  float sum = 0.0f, a[MAX_D / 32];
+  float sum = 0.0f, a[MD / 32];
 #pragma unroll
-  for (int t = 0; t < MAX_D / 32; ++t) a[t] = 0.0f;
+  for (int t = 0; t < MD / 32; ++t) a[t] = 0.0f;
   for (int s0 = 0; s0 < splits; s0 += 32) {
     const int s = s0 + lane;
     const float ms = s < splits ? __ldcg(p + s * rs) : NEG_INF;
@@ -188,12 +188,12 @@ __device__ void merge_vector(const float* part, int vec, int n, int H, int d, in
       sum = fmaf(wj, lj, sum);
       const float* ps = p + (long long)(s0 + j) * rs + 2 + lane;
 #pragma unroll
-      for (int t = 0; t < MAX_D / 32; ++t)
+      for (int t = 0; t < MD / 32; ++t)
         if (t < dpl) a[t] = fmaf(wj, __ldcg(ps + 32 * t), a[t]);
     }
   }
 #pragma unroll
-  for (int t = 0; t < MAX_D / 32; ++t)
+  for (int t = 0; t < MD / 32; ++t)
     if (t < dpl) stv(out, ((long long)r * H + h) * d + lane + 32 * t, sum > 0.0f ? a[t] / sum : 0.0f);
 }
 
@@ -452,6 +452,13 @@ extern "C" __global__ void tree_attn_combine_bf16(const float* part, int n, int 
                                                   int splits, bf16_t* out) {
   PDL_ENTRY();
   tree_attn_combine(part, n, H, d, splits, out);
+}
+// the merge of 256-wide heads (group_attn_mma's, tree_attn_mma.cu)
+extern "C" __global__ void tree_attn_combine_d256_bf16(const float* part, int n, int H, int d,
+                                                       int splits, bf16_t* out) {
+  PDL_ENTRY();
+  const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (vec < H * n) merge_vector<bf16_t, 256>(part, vec, n, H, d, splits, out);
 }
 
 // kv_keep_rows: compaction after a tree verify, every layer at once. bufs[b] is the address of

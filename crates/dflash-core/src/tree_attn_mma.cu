@@ -76,6 +76,7 @@ __device__ __forceinline__ int mk_depth_of(int r, const int* rr, const int* dep,
 // rounded to bf16 and packed as the A operand of the p·v mmas (`pk`), and the running sum `lrow`
 // of the rounded p (each lane's in key order, then the quad's xor butterfly). One arithmetic for
 // tree_attn_mma and group_attn_mma: a vector's bits do not depend on which kernel ran it.
+template <int KT = MK_TK>
 __device__ __forceinline__ void mk_tile_softmax(const float (*sc)[4], float* tmax, float* mrow,
                                                 float* lrow, float* alpha,
                                                 unsigned int (*pk)[2]) {
@@ -94,7 +95,7 @@ __device__ __forceinline__ void mk_tile_softmax(const float (*sc)[4], float* tma
   }
   float psum[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+  for (int j8 = 0; j8 < KT / 8; ++j8) {
     unsigned int bits[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -405,16 +406,18 @@ extern "C" __global__ void tree_attn_mma_bf16(const bf16_t* q, const bf16_t* kb,
 // four warps idle for a one-row step. Compiled per head width D. Masks: the one-row step sees
 // every key up to its own; wider steps read the ancestor bits (keys by step row: `logical` 0 — the
 // host sends keys by position here only for one row, whose path is never bent).
-template <int D>
+template <int D, int KT>
 __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
                                const unsigned int* meta, const unsigned int* ancestors, int stride,
                                int n, int H, int KV, int cap, int chunk, int groups, float scale,
                                float* part, unsigned int* counters, bf16_t* out) {
   constexpr int KSTEPS = D / 16, TPW = D / 8 / MK_WARPS, UPR = D / 8;
-  constexpr int UPT = MK_TK * UPR / (MK_WARPS * 32);  // 16-byte units a thread stages a tile
-  __shared__ __align__(16) bf16_t ks[MK_TK * MK_STR];
-  __shared__ __align__(16) bf16_t vs[MK_TK * MK_STR];
-  __shared__ float ss[16][MK_TK + 4];  // raw scores: vector (A row), key of the tile
+  constexpr int UPT = KT * UPR / (MK_WARPS * 32);  // 16-byte units a thread stages a tile
+  constexpr int STR = D > MAX_D ? D + 8 : MK_STR;  // shared row stride: conflict-free fragments
+  constexpr int J8W = KT / 8 / MK_WARPS;            // 8-key score columns a warp
+  __shared__ __align__(16) bf16_t ks[KT * STR];
+  __shared__ __align__(16) bf16_t vs[KT * STR];
+  __shared__ float ss[16][KT + 4];  // raw scores: vector (A row), key of the tile
   const int rep = H / KV, g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
   const int splits = gridDim.y, nvec = rep * n;
   const int past = (int)meta[0], total = past + n;
@@ -445,8 +448,8 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
 #pragma unroll
   for (int t = 0; t < TPW; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
   float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
-  for (int t0 = k0; t0 < k1; t0 += MK_TK) {
-    const int nt = min(MK_TK, k1 - t0);
+  for (int t0 = k0; t0 < k1; t0 += KT) {
+    const int nt = min(KT, k1 - t0);
     __syncthreads();
     {  // stage the tile (zero past the split), a thread's loads all in flight at once
       uint4 kx[UPT], vx[UPT];
@@ -463,17 +466,17 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
 #pragma unroll
       for (int i = 0; i < UPT; ++i) {
         const int u = tid + i * MK_WARPS * 32, j = u / UPR, c = (u - j * UPR) * 8;
-        *(uint4*)(ks + j * MK_STR + c) = kx[i];
-        *(uint4*)(vs + j * MK_STR + c) = vx[i];
+        *(uint4*)(ks + j * STR + c) = kx[i];
+        *(uint4*)(vs + j * STR + c) = vx[i];
       }
     }
     __syncthreads();
-    // this warp's 16 keys: two 8-key mma columns, channel steps in order
+    // this warp's keys: J8W 8-key mma columns, channel steps in order
 #pragma unroll
-    for (int h8 = 0; h8 < 2; ++h8) {
-      const int j8 = 2 * warp + h8;
+    for (int h8 = 0; h8 < J8W; ++h8) {
+      const int j8 = J8W * warp + h8;
       float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const bf16_t* kr = ks + (j8 * 8 + gq) * MK_STR + 2 * tq;
+      const bf16_t* kr = ks + (j8 * 8 + gq) * STR + 2 * tq;
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         const unsigned int b0 = *(const unsigned int*)(kr + 16 * kk);
@@ -487,10 +490,10 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
     }
     __syncthreads();
     // masks and the tile's max per vector, as tree_attn_mma (every warp alike)
-    float sc[MK_TK / 8][4];
+    float sc[KT / 8][4];
     float tmax[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+    for (int j8 = 0; j8 < KT / 8; ++j8) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1), j = t0 + jr;
@@ -505,8 +508,8 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
       }
     }
     float alpha[2];
-    unsigned int pk[MK_TK / 8][2];
-    mk_tile_softmax(sc, tmax, mrow, lrow, alpha, pk);
+    unsigned int pk[KT / 8][2];
+    mk_tile_softmax<KT>(sc, tmax, mrow, lrow, alpha, pk);
 #pragma unroll
     for (int t = 0; t < TPW; ++t) {
       acc[t][0] *= alpha[0];
@@ -516,17 +519,17 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
     }
     // this warp's channel tiles += p·v, 16 keys a chunk in key order
 #pragma unroll
-    for (int kc = 0; kc < MK_TK / 16; ++kc) {
+    for (int kc = 0; kc < KT / 16; ++kc) {
       if (kc * 16 >= nt) continue;
       const unsigned int pa[4] = {pk[2 * kc][0], pk[2 * kc][1], pk[2 * kc + 1][0],
                                   pk[2 * kc + 1][1]};
-      const bf16_t* vr = vs + (kc * 16 + 2 * tq) * MK_STR + gq;
+      const bf16_t* vr = vs + (kc * 16 + 2 * tq) * STR + gq;
 #pragma unroll
       for (int i = 0; i < TPW; ++i) {
         const int t = warp * TPW + i;
-        const unsigned int b0 = (unsigned int)vr[8 * t] | ((unsigned int)vr[MK_STR + 8 * t] << 16);
+        const unsigned int b0 = (unsigned int)vr[8 * t] | ((unsigned int)vr[STR + 8 * t] << 16);
         const unsigned int b1 =
-            (unsigned int)vr[8 * MK_STR + 8 * t] | ((unsigned int)vr[9 * MK_STR + 8 * t] << 16);
+            (unsigned int)vr[8 * STR + 8 * t] | ((unsigned int)vr[9 * STR + 8 * t] << 16);
         mk_mma(acc[i], pa, b0, b1);
       }
     }
@@ -549,18 +552,22 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   }
   if (counters == nullptr || !last_of_column(counters, splits)) return;
   for (int w = grp * 16 + warp; w < min(nvec, (grp + 1) * 16); w += MK_WARPS)
-    merge_vector(part, (g * rep + w % rep) * n + w / rep, n, H, D, splits, out);
+    merge_vector<bf16_t, (D > MAX_D ? D : MAX_D)>(part, (g * rep + w % rep) * n + w / rep, n, H, D,
+                                                  splits, out);
   if (tid == 0) counters[blockIdx.x] = 0u;
 }
 
-#define GROUP_ATTN_MMA(D)                                                                      \
+#define GROUP_ATTN_MMA(D, KT)                                                                  \
   extern "C" __global__ void group_attn_mma_bf16_d##D(                                        \
       const bf16_t* q, const bf16_t* kb, const bf16_t* vb, const unsigned int* meta,           \
       const unsigned int* anc, int stride, int n, int H, int KV, int cap, int chunk,           \
       int groups, float scale, float* part, unsigned int* counters, bf16_t* out) {             \
     PDL_ENTRY();                                                                               \
-    group_attn_mma<D>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale, part, \
-                      counters, out);                                                          \
+    group_attn_mma<D, KT>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale,   \
+                          part, counters, out);                                                \
   }
-GROUP_ATTN_MMA(64)
-GROUP_ATTN_MMA(128)
+GROUP_ATTN_MMA(64, MK_TK)
+GROUP_ATTN_MMA(128, MK_TK)
+// 256-wide heads (the Qwen3.5 / Qwen3.6 hybrids' gated attention): 32-key tiles (two to a 64-key
+// split) keep the staged tiles in static shared memory; no general kernel to match
+GROUP_ATTN_MMA(256, 32)

@@ -102,6 +102,11 @@ pub struct GatedAttention {
 }
 
 impl GatedAttention {
+    /// The width of a head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     pub fn new(
         hidden: usize,
         (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
@@ -157,7 +162,11 @@ impl GatedAttention {
     /// The attention output `o` (`[b, heads, n, d]`) gated and projected.
     fn output(&self, o: Tensor, gate: Option<Tensor>) -> Result<Tensor> {
         let (b, _, n, hd) = o.dims4()?;
-        let o = o.transpose(1, 2)?.reshape((b, n, self.n_heads * hd))?;
+        self.output_rows(o.transpose(1, 2)?.reshape((b, n, self.n_heads * hd))?, gate)
+    }
+
+    /// The attention output in the o_proj layout (`[b, n, heads·d]`) gated and projected.
+    fn output_rows(&self, o: Tensor, gate: Option<Tensor>) -> Result<Tensor> {
         let o = match gate {
             Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
             None => o,
@@ -183,15 +192,14 @@ impl GatedAttention {
 
     /// The layer in a hybrid device step (one sequence): keys and values written into the
     /// cache buffers at the length `meta` holds ([`dflash_core::step::kv_append_at`]), then
-    /// attention over the whole buffers (GEMMs of fixed shape on CUDA) under `mask` (`[n, capacity]`,
-    /// [`dflash_core::step::step_mask`]: committed keys and each row's own path), so a CUDA graph
-    /// replays it at any cache length. The cache's length is advanced by the caller.
+    /// attention over them under `visibility` (committed keys and each row's own path), so a CUDA
+    /// graph replays it at any cache length. The cache's length is advanced by the caller.
     pub fn forward_device(
         &self,
         x: &Tensor,
         rope: &Rope,
         meta: &Tensor,
-        mask: &Tensor,
+        visibility: StepVisibility,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (q, k, v, gate) = self.heads(x, rope)?;
@@ -199,13 +207,56 @@ impl GatedAttention {
         let (kb, vb) = cache.buffers_for(self.n_kv_heads, hd, k.dtype(), k.device())?;
         // the partial rotary leaves k strided (rotated and pass-through halves side by side)
         dflash_core::step::kv_append_at(&kb, &vb, &k.contiguous()?, &v.contiguous()?, meta)?;
-        // attention over the whole buffers (fixed shapes): on CUDA the scores' GEMM, the masked
-        // softmax and the value product split over key chunks, on the CPU the row-invariant host
-        // kernels, where the masked keys add exactly nothing
         let scale = 1.0 / (hd as f64).sqrt();
-        let o = dflash_core::attention::attention_over_buffer(&q, &kb, &vb, Some(mask), scale)?;
-        self.output(o, gate)
+        match visibility {
+            // attention over the whole buffers (fixed shapes): on CUDA the scores' GEMM, the
+            // masked softmax and the value product split over key chunks, on the CPU the
+            // row-invariant host kernels, where the masked keys add exactly nothing
+            StepVisibility::Mask(mask) => {
+                let o =
+                    dflash_core::attention::attention_over_buffer(&q, &kb, &vb, Some(mask), scale)?;
+                self.output(o, gate)
+            }
+            StepVisibility::AncestorBits(bits) => {
+                let o = dflash_core::step::tree_attention(
+                    &q.contiguous()?,
+                    &kb,
+                    &vb,
+                    meta,
+                    bits,
+                    scale as f32,
+                )?;
+                self.output_rows(o, gate)
+            }
+        }
     }
+}
+
+/// What a hybrid device step's gated attention reads a row's visible keys from: the additive mask
+/// over the whole cache buffers (`[n, capacity]`, [`dflash_core::step::step_mask`]; GEMMs), or the
+/// step rows' ancestor bits (`[n, MAX_STEP_ROWS / 32]`, keys by step row; the bf16 tensor-core
+/// attention, [`tensor_core_gated_attention`]).
+#[derive(Clone, Copy)]
+pub enum StepVisibility<'a> {
+    Mask(&'a Tensor),
+    AncestorBits(&'a Tensor),
+}
+
+/// Whether the hybrids' gated attention runs, in a CUDA device step, on the bf16 tensor-core
+/// attention of the dense targets (`group_attn_mma`, one kernel a layer) instead of the GEMMs over
+/// the whole buffers: `DFLASH_HYBRID_ATTN=mma` (read once; opt-in — built in session 24, not yet
+/// run on a GPU), a bf16 CUDA step and heads the step's attention takes (a multiple of 32 up to
+/// [`dflash_core::step::MAX_STEP_HEAD_DIM`], or 256 on the tensor cores; the tiny test hybrids'
+/// 32-wide heads run the general kernel, which checks the wiring).
+pub fn tensor_core_gated_attention(x: &Tensor, head_dim: usize) -> bool {
+    use dflash_core::step::{tensor_core_attention, MAX_STEP_HEAD_DIM, WIDE_STEP_HEAD_DIM};
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_HYBRID_ATTN").as_deref() == Ok("mma"))
+        && x.device().is_cuda()
+        && x.dtype() == DType::BF16
+        && head_dim.is_multiple_of(32)
+        && (head_dim <= MAX_STEP_HEAD_DIM
+            || (head_dim == WIDE_STEP_HEAD_DIM && tensor_core_attention(DType::BF16, head_dim)))
 }
 
 /// An error for a mask a recurrent layer cannot follow.

@@ -21,7 +21,7 @@
 
 use super::{HybridDecoder, Mixer};
 use crate::decoder::step::{body_outputs, rope_table_in, StepPlan, MAX_DEVICE_ROWS};
-use crate::hybrid::layers::Rope;
+use crate::hybrid::layers::{tensor_core_gated_attention, Rope, StepVisibility};
 use crate::target::{ForwardOutput, ForwardRequest, LogitRows, TargetModel};
 use crate::{ModelError, Result};
 use candle_core::{Module, Tensor};
@@ -112,7 +112,18 @@ impl HybridDecoder {
         let ids = StepMeta::tokens(meta, rows)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
         let ancestors = dflash_core::step::tree_ancestors(meta, rows)?;
-        let mask = dflash_core::step::step_mask(meta, &ancestors, rows, cache.capacity())?;
+        // the gated attention's visibility: ancestor bits for the tensor-core kernel, else the
+        // additive mask over the whole buffers
+        let bits = self.layers.iter().find_map(|l| match &l.mixer {
+            Mixer::Attention(att) if tensor_core_gated_attention(&x, att.head_dim()) => Some(()),
+            _ => None,
+        });
+        let visible = match bits {
+            Some(()) => ancestors
+                .narrow(1, 0, dflash_core::step::MAX_STEP_ROWS / 32)?
+                .contiguous()?,
+            None => dflash_core::step::step_mask(meta, &ancestors, rows, cache.capacity())?,
+        };
         let shared = cache.recurrent_step.clone();
         if let Some(s) = &shared {
             s.load_tree(meta, rows)?;
@@ -127,7 +138,11 @@ impl HybridDecoder {
                 Ok(d.forward_device(&h.squeeze(0)?, bufs, s)?.unsqueeze(0)?)
             }
             (Mixer::Attention(att), LayerCache::Attention(kv), _) => {
-                att.forward_device(h, &rope, meta, &mask, kv)
+                let visibility = match bits {
+                    Some(()) => StepVisibility::AncestorBits(&visible),
+                    None => StepVisibility::Mask(&visible),
+                };
+                att.forward_device(h, &rope, meta, visibility, kv)
             }
             _ => Err(ModelError::InvalidInput(
                 "the cache's layer kind does not match the model's".into(),
