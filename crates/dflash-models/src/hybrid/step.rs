@@ -114,15 +114,16 @@ impl HybridDecoder {
         let ancestors = dflash_core::step::tree_ancestors(meta, rows)?;
         // the gated attention's visibility: ancestor bits for the tensor-core kernel, else the
         // additive mask over the whole buffers
-        let bits = self.layers.iter().find_map(|l| match &l.mixer {
-            Mixer::Attention(att) if tensor_core_gated_attention(&x, att.head_dim()) => Some(()),
-            _ => None,
+        let by_bits = self.layers.iter().any(|l| {
+            matches!(&l.mixer, Mixer::Attention(att)
+                if tensor_core_gated_attention(&x, att.head_dim()))
         });
-        let visible = match bits {
-            Some(()) => ancestors
+        let visible = if by_bits {
+            ancestors
                 .narrow(1, 0, dflash_core::step::MAX_STEP_ROWS / 32)?
-                .contiguous()?,
-            None => dflash_core::step::step_mask(meta, &ancestors, rows, cache.capacity())?,
+                .contiguous()?
+        } else {
+            dflash_core::step::step_mask(meta, &ancestors, rows, cache.capacity())?
         };
         let shared = cache.recurrent_step.clone();
         if let Some(s) = &shared {
@@ -138,9 +139,10 @@ impl HybridDecoder {
                 Ok(d.forward_device(&h.squeeze(0)?, bufs, s)?.unsqueeze(0)?)
             }
             (Mixer::Attention(att), LayerCache::Attention(kv), _) => {
-                let visibility = match bits {
-                    Some(()) => StepVisibility::AncestorBits(&visible),
-                    None => StepVisibility::Mask(&visible),
+                let visibility = if by_bits {
+                    StepVisibility::AncestorBits(&visible)
+                } else {
+                    StepVisibility::Mask(&visible)
                 };
                 att.forward_device(h, &rope, meta, visibility, kv)
             }
