@@ -372,3 +372,60 @@ pub fn forward_logits(
     };
     m.forward(&req, cache).unwrap().logits
 }
+
+/// A random bf16 attention step on `dev` for the device-step attention tests.
+pub struct RandomStep {
+    /// `[1, heads, n, d]`
+    pub q: Tensor,
+    /// the cache buffers `[1, kv, past + n + slack, d]`, the step's keys and values at `past`
+    pub kb: Tensor,
+    pub vb: Tensor,
+    /// the step's metadata (`StepMeta` words on `dev`)
+    pub meta: Tensor,
+    /// `tree_ancestors`' output (`[n, ANCESTOR_WORDS]`: keys by position where the policy says so)
+    pub ancestors: Tensor,
+    /// its ancestor bits alone (`[n, MAX_STEP_ROWS / 32]`: keys by step row)
+    pub bits: Tensor,
+}
+
+/// [`RandomStep`] for heads `(d, heads, kv_heads)`, `past` committed rows and a step tree of
+/// `parents` (−1 for the root).
+pub fn random_attention_step(
+    dev: &Device,
+    (d, h, kv): (usize, usize, usize),
+    past: usize,
+    parents: &[i64],
+    slack: usize,
+) -> RandomStep {
+    use dflash_core::step::{kv_append_at, tree_ancestors, StepMeta, MAX_STEP_ROWS};
+    let n = parents.len();
+    let cap = past + n + slack;
+    let rnd = |shape: (usize, usize, usize, usize)| {
+        Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_device(dev)
+            .unwrap()
+    };
+    let (kb, vb) = (rnd((1, kv, cap, d)), rnd((1, kv, cap, d)));
+    let (k, v, q) = (rnd((1, kv, n, d)), rnd((1, kv, n, d)), rnd((1, h, n, d)));
+    let positions: Vec<u32> = (0..n as u32).collect();
+    let meta = StepMeta::new(past, &vec![0u32; n], &positions, Some(parents), 4096).unwrap();
+    let meta = Tensor::from_slice(&meta.words, meta.words.len(), dev).unwrap();
+    kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+    let ancestors = tree_ancestors(&meta, n).unwrap();
+    let bits = ancestors
+        .narrow(1, 0, MAX_STEP_ROWS / 32)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    RandomStep {
+        q,
+        kb,
+        vb,
+        meta,
+        ancestors,
+        bits,
+    }
+}

@@ -879,9 +879,7 @@ fn attention_over_a_buffer_matches_attention() {
 #[test]
 fn wide_head_tensor_core_attention_matches_the_buffer_attention() {
     use dflash_core::attention::attention_over_buffer;
-    use dflash_core::step::{
-        kv_append_at, step_mask, tree_ancestors, tree_attention, StepMeta, MAX_STEP_ROWS,
-    };
+    use dflash_core::step::{step_mask, tree_attention};
     let dev = device();
     if !dev.is_cuda() {
         return;
@@ -894,35 +892,17 @@ fn wide_head_tensor_core_attention_matches_the_buffer_attention() {
     for past in [5usize, 700] {
         for parents in [vec![-1], chain.clone(), tree.clone()] {
             let n = parents.len();
-            let cap = past + n + 40;
-            let rnd = |shape: (usize, usize, usize, usize)| {
-                Tensor::randn(0f32, 1.0, shape, &dev)
-                    .unwrap()
-                    .to_dtype(DType::BF16)
-                    .unwrap()
-            };
-            let (kb, vb) = (rnd((1, kv, cap, d)), rnd((1, kv, cap, d)));
-            let (k, v, q) = (rnd((1, kv, n, d)), rnd((1, kv, n, d)), rnd((1, h, n, d)));
-            let positions: Vec<u32> = (0..n as u32).collect();
-            let meta =
-                StepMeta::new(past, &vec![0u32; n], &positions, Some(&parents), 4096).unwrap();
-            let meta = Tensor::from_slice(&meta.words, meta.words.len(), &dev).unwrap();
-            kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+            let st = common::random_attention_step(&dev, (d, h, kv), past, &parents, 40);
             let scale = 1.0 / (d as f64).sqrt();
-            let ancestors = tree_ancestors(&meta, n).unwrap();
-            let mask = step_mask(&meta, &ancestors, n, cap).unwrap();
-            let want = attention_over_buffer(&q, &kb, &vb, Some(&mask), scale)
+            let mask = step_mask(&st.meta, &st.ancestors, n, st.kb.dim(2).unwrap()).unwrap();
+            let want = attention_over_buffer(&st.q, &st.kb, &st.vb, Some(&mask), scale)
                 .unwrap()
                 .transpose(1, 2)
                 .unwrap()
                 .reshape((1, n, h * d))
                 .unwrap();
-            let bits = ancestors
-                .narrow(1, 0, MAX_STEP_ROWS / 32)
-                .unwrap()
-                .contiguous()
-                .unwrap();
-            let got = tree_attention(&q, &kb, &vb, &meta, &bits, scale as f32).unwrap();
+            let got =
+                tree_attention(&st.q, &st.kb, &st.vb, &st.meta, &st.bits, scale as f32).unwrap();
             assert_eq!(got.dims(), want.dims());
             let diff = max_abs(
                 &got.to_dtype(DType::F32).unwrap(),

@@ -165,10 +165,7 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
 /// across many. CUDA only.
 #[test]
 fn few_vector_attention_gives_the_general_kernels_bits() {
-    use dflash_core::step::{
-        kv_append_at, tree_ancestors, tree_attention, tree_attention_general, StepMeta,
-        MAX_STEP_ROWS,
-    };
+    use dflash_core::step::{tree_attention, tree_attention_general};
     let dev = device();
     if !dev.is_cuda() {
         return;
@@ -181,32 +178,12 @@ fn few_vector_attention_gives_the_general_kernels_bits() {
         for past in [5, 61, 700] {
             for parents in [vec![-1], chain.clone(), tree.clone()] {
                 let n = parents.len();
-                let cap = past + n + 8;
-                let rnd = |shape: (usize, usize, usize, usize)| {
-                    Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
-                        .unwrap()
-                        .to_dtype(DType::BF16)
-                        .unwrap()
-                        .to_device(&dev)
-                        .unwrap()
-                };
-                let (kb, vb) = (rnd((1, kv, cap, d)), rnd((1, kv, cap, d)));
-                let (k, v, q) = (rnd((1, kv, n, d)), rnd((1, kv, n, d)), rnd((1, h, n, d)));
-                let positions: Vec<u32> = (0..n as u32).collect();
-                let meta =
-                    StepMeta::new(past, &vec![0u32; n], &positions, Some(&parents), 4096).unwrap();
-                let meta = Tensor::from_slice(&meta.words, meta.words.len(), &dev).unwrap();
-                kv_append_at(&kb, &vb, &k, &v, &meta).unwrap();
+                let st = common::random_attention_step(&dev, (d, h, kv), past, &parents, 8);
                 let scale = 1.0 / (d as f32).sqrt();
-                let by_position = tree_ancestors(&meta, n).unwrap();
-                let bits = by_position
-                    .narrow(1, 0, MAX_STEP_ROWS / 32)
-                    .unwrap()
-                    .contiguous()
-                    .unwrap();
-                for anc in [&by_position, &bits] {
-                    let fast = tree_attention(&q, &kb, &vb, &meta, anc, scale).unwrap();
-                    let general = tree_attention_general(&q, &kb, &vb, &meta, anc, scale).unwrap();
+                for anc in [&st.ancestors, &st.bits] {
+                    let (q, kb, vb, meta) = (&st.q, &st.kb, &st.vb, &st.meta);
+                    let fast = tree_attention(q, kb, vb, meta, anc, scale).unwrap();
+                    let general = tree_attention_general(q, kb, vb, meta, anc, scale).unwrap();
                     assert_eq!(
                         max_abs(&fast, &general),
                         0.0,
