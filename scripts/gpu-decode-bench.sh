@@ -44,8 +44,11 @@ ROUNDS=${ROUNDS:-30}
 # splitvalues: hybrids' device-step attention with the value product split over 64-key chunks (DFLASH_ATTN_VALUES=split; session 23, opt-in: faster isolated AR/chain ops, no faster loops);
 # treeattn1: bf16 attention on the general tensor-core kernel everywhere (DFLASH_DECODE_ATTN=tree; session 24 gave steps of up to 64 query vectors a kernel of their own, group_attn_mma);
 # (groupcombine, DFLASH_GROUP_MERGE=0: session 24's A/B of the fused merge for group_attn_mma's steps of several rows — slower, removed);
-# siluapart: the MLP's activation as its own kernel before the down projection instead of the streaming GEMM's silu epilogue (DFLASH_SILU_EPILOGUE=0; the same numbers);
-# hybridmma: hybrids' gated attention on the bf16 tensor-core attention, 256-wide heads included (DFLASH_HYBRID_ATTN=mma; session 24, built, not yet run);
+# siluapart: (session 24's A/B, the default since session 25) the MLP's activation as its own kernel before the down projection;
+# siluepilogue: the activation as the streaming down projection's epilogue (DFLASH_SILU_EPILOGUE=1; the same numbers; the default before session 25);
+# hybridmma / hybridmask: hybrids' gated attention on the bf16 tensor-core attention (256-wide heads included) at every width (DFLASH_HYBRID_ATTN=mma) / never (=mask); by default up to 128 query vectors (session 25);
+# treechunk64 / treechunk128 / treechunk512: trees of more than 16 rows with keys by step row on the tensor cores split their keys in chunks of N (DFLASH_TREE_CHUNK=N; by default since session 25 the widest of 256/128 giving each SM two blocks, 64 before);
+# groupvecN: group_attn_mma for steps of at most N query vectors (DFLASH_GROUP_ATTN_VECTORS=N);
 # groupall: group_attn_mma for every step without per-row key reads, whatever its width (DFLASH_GROUP_ATTN_VECTORS=100000);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -84,6 +87,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   DFLASH_GDN_RULE_STAGE=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   DFLASH_GDN_REPLAY=rule DFLASH_ATTN_VALUES=split DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   DFLASH_HYBRID_ATTN=mma DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
+  DFLASH_HYBRID_ATTN=mask DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | grep -E "result|panicked|differ" | tee -a "$LOG"
   for dt in f32 bf16; do
     DFLASH_GDN_RULE_LANES=1 DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
       --test-threads 1 --skip smollm2 2>&1 | grep -E "result|FAILED|panicked" | tee -a "$LOG"
@@ -104,7 +108,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -134,14 +138,17 @@ for spec in $SHAPES; do
       splitvalues) fused=1 graphs=1 avalues=split;;
       treeattn1) fused=1 graphs=1 dattn=tree;;
       groupall) fused=1 graphs=1 gvec=100000;;
-      siluapart) fused=1 graphs=1 silu=0;;
+      siluepilogue) fused=1 graphs=1 silu=1;;
       hybridmma) fused=1 graphs=1 hattn=mma;;
+      hybridmask) fused=1 graphs=1 hattn=mask;;
+      groupvec*) fused=1 graphs=1 gvec=${variant#groupvec};;
+      treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
       fewalltiles) fused=1 graphs=1 fewtiles=0;;
       pathtable) fused=1 graphs=1 keys=position path=1;;
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

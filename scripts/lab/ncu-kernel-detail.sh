@@ -1,10 +1,12 @@
+# ncu --set full on one launch of each of KERNELS (default: the decode attention and add+norm) inside
+# the bench op OP (default ar_step) at SPECS (shape:context). Lab script: run from the repo root.
 set -uo pipefail
 mkdir -p /tmp/bin; for f in dist/cuda/dflash.xz; do [ -x /tmp/bin/dflash ] || xz -dc $f > /tmp/bin/dflash; done; chmod +x /tmp/bin/*
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-for spec in qwen3-8b:512 smollm2-135m:512; do IFS=: read -r shape ctx <<< "$spec"
-for k in tree_attn_mma_bf16 add_rms_norm_bf16; do
+for spec in ${SPECS:-qwen3-8b:512 smollm2-135m:512}; do IFS=: read -r shape ctx <<< "$spec"
+for k in ${KERNELS:-tree_attn_mma_bf16 add_rms_norm_bf16}; do
 echo "=== $shape $k"
-DFLASH_PROFILE_OP=ar_step timeout 200 $NCU --profile-from-start off --clock-control none --kernel-name $k --launch-skip 40 --launch-count 1 --set full --page details --csv \
+DFLASH_PROFILE_OP=${OP:-ar_step} timeout 300 $NCU --profile-from-start off --clock-control none --kernel-name $k --launch-skip ${SKIP:-40} --launch-count 1 --set full --page details --csv \
   /tmp/bin/dflash bench decode --shape $shape --context $ctx --device cuda --dtype bf16 --rounds 2 --warmup 1 --widths 64 2>/dev/null > $OUT/ncu-$shape-$k.csv
 python3 - $OUT/ncu-$shape-$k.csv <<'PY'
 import csv,sys

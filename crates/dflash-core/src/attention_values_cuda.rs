@@ -56,7 +56,7 @@ pub(crate) fn attention_values(p: &Tensor, v: &Tensor) -> Result<Tensor> {
     let (mi, capi, di, kvi, si) = (m as i32, cap as i32, d as i32, kv as i32, splits as i32);
     let module = "dflash_gated_delta_dk16"; // these kernels do not depend on DK
     let src = ptx(16)?;
-    let f = dev.get_or_load_custom_func(&format!("gdn_attn_values_part_{sfx}"), module, &src)?;
+    let f = dev.get_or_load_custom_func(&format!("gdn_attn_values_part_{sfx}"), module, src)?;
     let mut b1 = f.builder();
     b1.arg(&pp)
         .arg(&vp)
@@ -71,7 +71,7 @@ pub(crate) fn attention_values(p: &Tensor, v: &Tensor) -> Result<Tensor> {
     };
     // SAFETY: contiguous tensors of the sizes checked above, on this stream, in order.
     unsafe { b1.launch(cfg) }.w()?;
-    let f = dev.get_or_load_custom_func(&format!("gdn_attn_values_sum_{sfx}"), module, &src)?;
+    let f = dev.get_or_load_custom_func(&format!("gdn_attn_values_sum_{sfx}"), module, src)?;
     let mut b2 = f.builder();
     b2.arg(&partp).arg(&kvi).arg(&si).arg(&mi).arg(&di).arg(&op);
     let total = kv * m * d;

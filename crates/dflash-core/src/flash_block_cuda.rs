@@ -33,27 +33,28 @@ fn split_backward(d: usize) -> bool {
     d.is_multiple_of(THREADS_PER_ROW) && !row
 }
 
-/// PTX for head dim `d` (compiled on first use).
-fn ptx(d: usize) -> candle_core::Result<String> {
-    static CACHE: Mutex<Option<HashMap<usize, String>>> = Mutex::new(None);
+/// PTX for head dim `d` (compiled on first use and kept for the process: a launch borrows it
+/// instead of copying it).
+fn ptx(d: usize) -> candle_core::Result<&'static str> {
+    static CACHE: Mutex<Option<HashMap<usize, &'static str>>> = Mutex::new(None);
     let mut cache = CACHE.lock().expect("ptx cache poisoned");
     let map = cache.get_or_insert_with(HashMap::new);
     if let Some(p) = map.get(&d) {
-        return Ok(p.clone());
+        return Ok(p);
     }
     let src = format!("#define HD {d}\n{SOURCE}");
     let ptx = candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(src).map_err(|e| {
         candle_core::Error::Msg(format!("flash block attention: NVRTC failed: {e:?}"))
     })?;
-    let p = ptx.to_src();
-    map.insert(d, p.clone());
+    let p: &'static str = Box::leak(ptx.to_src().into_boxed_str());
+    map.insert(d, p);
     Ok(p)
 }
 
 /// Loads kernel `$name` for head dim `$d` on `$dev` (a macro: candle does not export the type).
 macro_rules! func {
     ($dev:expr, $d:expr, $name:expr) => {
-        $dev.get_or_load_custom_func(&$name, &format!("dflash_flash_block_hd{}", $d), &ptx($d)?)
+        $dev.get_or_load_custom_func(&$name, &format!("dflash_flash_block_hd{}", $d), ptx($d)?)
     };
 }
 

@@ -26,13 +26,16 @@ const SOURCE: &str = include_str!("gated_delta_kernels.cu");
 const THREADS: usize = 32;
 
 /// The kernel module compiled for key head dim `dk` (cached per process).
-pub(crate) fn ptx(dk: usize) -> candle_core::Result<String> {
+pub(crate) fn ptx(dk: usize) -> candle_core::Result<&'static str> {
     ptx_variant(dk, RuleKernel::OneLane)
 }
 
 /// The module for `dk` with `kernel` as its rule (the layer kernels are the same in every one).
-fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<String> {
-    type Cache = HashMap<(usize, RuleKernel), std::result::Result<String, String>>;
+fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<&'static str> {
+    // compiled once per (DK, kernel) and kept for the process (a handful of modules): a launch
+    // borrows it instead of copying hundreds of kilobytes of PTX (the state commit's two launches
+    // had spent ~50 µs of host time on the copies)
+    type Cache = HashMap<(usize, RuleKernel), std::result::Result<&'static str, String>>;
     static PTX: OnceLock<Mutex<Cache>> = OnceLock::new();
     let mut map = PTX
         .get_or_init(|| Mutex::new(HashMap::new()))
@@ -51,7 +54,7 @@ fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<String> {
             candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(format!(
                 "#define DK {dk}\n{define}{SOURCE}"
             ))
-            .map(|p| p.to_src())
+            .map(|p| &*Box::leak(p.to_src().into_boxed_str()))
             .map_err(|e| format!("gated delta kernel (DK {dk}): NVRTC failed: {e:?}"))
         })
         .clone()
@@ -182,7 +185,7 @@ fn launch_table_as(
     let f = dev.get_or_load_custom_func(
         "gated_delta_tree_layers_f32",
         &module,
-        &ptx_variant(dk, kernel)?,
+        ptx_variant(dk, kernel)?,
     )?;
     let mut b = f.builder();
     b.arg(&mp).arg(&ti).arg(&hi).arg(&dvi);
@@ -475,7 +478,7 @@ pub(crate) fn conv_and_rule_inputs_into(
     let (ni, ci, ki) = (n as i32, c as i32, k as i32);
     let module = format!("dflash_gated_delta_dk{dk}");
     let src = ptx(dk)?;
-    let f = dev.get_or_load_custom_func(&format!("gdn_conv_silu_{sfx}"), &module, &src)?;
+    let f = dev.get_or_load_custom_func(&format!("gdn_conv_silu_{sfx}"), &module, src)?;
     let mut l = f.builder();
     l.arg(&xp)
         .arg(&csp)
@@ -502,7 +505,7 @@ pub(crate) fn conv_and_rule_inputs_into(
         ptr(&outs.beta, "beta")?,
     );
     let (hki, hvi, dvi) = (hk as i32, hv as i32, dv as i32);
-    let f = dev.get_or_load_custom_func(&format!("gdn_rule_inputs_{sfx}"), &module, &src)?;
+    let f = dev.get_or_load_custom_func(&format!("gdn_rule_inputs_{sfx}"), &module, src)?;
     let mut l = f.builder();
     l.arg(&up)
         .arg(&bp)
@@ -548,7 +551,7 @@ pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result
     let (ni, hvi, dvi, e) = (n as i32, hv as i32, dv as i32, eps as f32);
     let module = format!("dflash_gated_delta_dk{dk_module}");
     let f =
-        dev.get_or_load_custom_func(&format!("gdn_gated_norm_{sfx}"), &module, &ptx(dk_module)?)?;
+        dev.get_or_load_custom_func(&format!("gdn_gated_norm_{sfx}"), &module, ptx(dk_module)?)?;
     let mut l = f.builder();
     l.arg(&op)
         .arg(&zp)
@@ -634,7 +637,7 @@ fn launch_conv_windows(table: &Tensor, layers: usize, n: usize, w: usize, c: usi
         shared_mem_bytes: 0,
     };
     let module = "dflash_gated_delta_dk16"; // the window does not depend on DK
-    let f = dev.get_or_load_custom_func("gdn_conv_window_layers", module, &ptx(16)?)?;
+    let f = dev.get_or_load_custom_func("gdn_conv_window_layers", module, ptx(16)?)?;
     let mut b = f.builder();
     b.arg(&mp).arg(&ni).arg(&wi).arg(&ci);
     // SAFETY: see the function's contract; `table` outlives the launch on this stream.
@@ -712,7 +715,7 @@ pub(crate) fn gather_records(
         shared_mem_bytes: 0,
     };
     let module = "dflash_gated_delta_dk16"; // the gather does not depend on DK
-    let f = dev.get_or_load_custom_func("gdn_record_keep_rows", module, &ptx(16)?)?;
+    let f = dev.get_or_load_custom_func("gdn_record_keep_rows", module, ptx(16)?)?;
     let mut b = f.builder();
     b.arg(&gp).arg(&pp).arg(&m);
     // SAFETY: the table names live f32 record buffers of the cache (fixed for its life) with

@@ -34,6 +34,53 @@ fn chunk_for(rows: usize) -> usize {
         256
     }
 }
+/// Rows above which a bf16 step on the tensor cores with keys by step row (a DDTree verify; not
+/// `--bit-exact`, whose keys by position keep [`chunk_for`]) takes [`tree_chunk`]'s chunks.
+const TREE_CHUNK_FROM_ROWS: usize = 16;
+/// Keys per split of a tree's attention on the tensor cores with keys by step row, over `columns`
+/// blocks a split (kv heads × vector groups) and buffers of `cap` keys: the widest of 256 and 128
+/// that still gives every multiprocessor two blocks, else 64. A block stages its query vectors
+/// once for all its tiles, and the f32 partial records every split writes and the merge reads
+/// shrink with the split count (at Qwen3-8B's shape, a 65-node tree over 2,048 keys wrote 36 MB of
+/// them a layer on 64-key chunks). Measured on an H100 (session 25, fixed chunks): Qwen3-8B's
+/// DDTree-64 verify at context 2048 11.63 ms on 64-key chunks, 10.53 on 128, 10.58 on 256 (its
+/// DDTree loop step 14.88 → 12.92 / 12.55), its 17-row tree 8.46 / 8.01 / 8.33; SmolLM2's 65-row
+/// tree at context 512 1.379 / 1.389 / 1.594 and its 17-row one 1.200 / 1.257 / 1.523 — the rule
+/// picks the best of each. Such a row's bits already differ from the AR step's (keys by row;
+/// cuBLAS GEMMs), so its split boundaries are free; chains of up to 16 rows (a DFlash block) keep
+/// [`chunk_for`]'s, and with it their rows' bits equal to AR steps'. `DFLASH_TREE_CHUNK=N` (a
+/// multiple of 64; read once) fixes the chunk, for A/B runs.
+fn tree_chunk(columns: usize, cap: usize, dev: &CudaDevice) -> usize {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("DFLASH_TREE_CHUNK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|c| *c > 0 && c.is_multiple_of(64))
+    });
+    if let Some(c) = forced {
+        return c;
+    }
+    let blocks = 2 * multiprocessors(dev);
+    [256, 128]
+        .into_iter()
+        .find(|&c| columns * cap.div_ceil(c) >= blocks)
+        .unwrap_or(64)
+}
+
+/// The device's multiprocessor count (read once; 132 on an H100 or H200, and taken as 132 if the
+/// driver will not say).
+fn multiprocessors(dev: &CudaDevice) -> usize {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    static SMS: OnceLock<usize> = OnceLock::new();
+    *SMS.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
+}
+
 /// The attention kernel's K/V staging for a step of `rows` rows: 16-byte loads (`""`), or element
 /// by element (`"wide_"`, fewer registers) for steps wider than 129 rows, where more resident
 /// blocks win (H200, session 14: SmolLM2 bf16 AR step 1.397 → 1.317 ms and Qwen3-8B 5.94 → 5.47
@@ -350,8 +397,6 @@ pub(crate) fn tree_attention(
     let (mp, _) = address(meta, "tree_attention meta")?;
     let (ap, _) = address(ancestors, "tree_attention ancestors")?;
     let stride = ancestors.dim(1)? as i32;
-    let chunk = chunk_for(n);
-    let splits = cap.div_ceil(chunk);
     let mma = crate::step::tensor_core_attention(dtype, d);
     let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
         && crate::step::keys_by_position(mma)) as i32;
@@ -373,6 +418,12 @@ pub(crate) fn tree_attention(
     };
     let per_block = if group.is_some() { 16 } else { per_block };
     let groups = (n * h / kv).div_ceil(per_block);
+    let chunk = if mma && logical == 0 && n > TREE_CHUNK_FROM_ROWS {
+        tree_chunk(kv * groups, cap, &dev)
+    } else {
+        chunk_for(n)
+    };
+    let splits = cap.div_ceil(chunk);
     // SAFETY: every (vector, split) record is written by exactly one block.
     let part = unsafe { Tensor::empty((h * n, splits, d + 2), DType::F32, q.device())? };
     let (pp, _) = address(&part, "tree_attention partials")?;

@@ -660,6 +660,97 @@ fn device_drafts_replay_the_cpu_draft() {
     let _ = (ct.info(), gt.info());
 }
 
+/// A drafter with 256-wide heads (the Qwen3.5 / Qwen3.6 drafters' layout) drafts on the device
+/// in bf16 — its block on the 256-wide tensor-core attention, replayed as CUDA graphs — and its
+/// logits follow the f32 CPU draft on the same random weights up to bf16 rounding, through a
+/// decode whose new-context count varies and whose cache is cropped. CUDA only.
+#[test]
+fn wide_head_drafter_drafts_on_the_device_in_bf16() {
+    use dflash_models::drafter::io::config_for_decoder;
+    use dflash_models::random::{random_drafter_tensors, random_target_tensors};
+    use dflash_models::{DFlashDrafter, Decoder, TargetModel};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let cfg: dflash_models::DecoderConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "vocab_size": 300, "hidden_size": 128, "head_dim": 256,
+        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let arch = cfg.architecture().unwrap();
+    let dcfg = config_for_decoder(&cfg, 2, 8, 299);
+    let tw = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 7).unwrap();
+    let dw = random_drafter_tensors(&dcfg, DType::F32, &Device::Cpu, 8).unwrap();
+    let on = |d: &Device, dtype: DType| {
+        let mv = |w: &std::collections::HashMap<String, Tensor>| {
+            w.iter()
+                .map(|(k, t)| (k.clone(), t.to_dtype(dtype).unwrap().to_device(d).unwrap()))
+                .collect()
+        };
+        let t = Decoder::new(
+            &cfg,
+            arch,
+            candle_nn::VarBuilder::from_tensors(mv(&tw), dtype, d),
+        )
+        .unwrap();
+        let dr = DFlashDrafter::new(
+            &dcfg,
+            candle_nn::VarBuilder::from_tensors(mv(&dw), dtype, d),
+        )
+        .unwrap();
+        (t, dr)
+    };
+    let ((ct, cd), (gt, gd)) = (on(&Device::Cpu, DType::F32), on(&dev, DType::BF16));
+    let (mut cc, mut gc) = (cd.new_cache(300), gd.new_cache(300));
+    let width = dcfg.target_layer_ids().len() * cfg.hidden_size;
+    let mut start = 0usize;
+    for (i, m) in [20usize, 3, 5, 3, 5, 1, 1].into_iter().enumerate() {
+        let ctx = Tensor::randn(0f32, 1.0, (m, width), &Device::Cpu).unwrap();
+        start += m;
+        let a = cd.draft(&ct, &mut cc, &ctx, (i * 7) as u32, start).unwrap();
+        let b = gd
+            .draft(
+                &gt,
+                &mut gc,
+                &ctx.to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap(),
+                (i * 7) as u32,
+                start,
+            )
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        // bf16 weights, activations and logits against f32: a few bf16 ulps of the logits' scale
+        let scale = a
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let d = max_abs(&a, &b);
+        assert!(
+            d <= 0.05 * scale + 0.05,
+            "draft {i} (m {m}): logits differ by {d} (scale {scale})"
+        );
+        assert_eq!(cc.len(), gc.len(), "draft {i}: cache lengths");
+        if i == 3 {
+            cc.crop(start - 2);
+            gc.crop(start - 2);
+            start -= 2;
+        }
+    }
+    if dflash_core::step_graph::cuda_graphs_enabled() {
+        assert!(
+            gc.captured_graphs() > 0,
+            "the 256-wide drafter took the host path: no draft graph was captured"
+        );
+    }
+    let _ = (ct.info(), gt.info());
+}
+
 /// The gated delta rule on the device (one kernel launch on CUDA: `gated_delta_kernels.cu`)
 /// against the host rule on the same inputs — chains and branching trees at the real key head dim
 /// (128) and the tiny fixture's (16) — and its replays (`advance`, and `advance_layers` for

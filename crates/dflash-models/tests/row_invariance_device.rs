@@ -149,10 +149,19 @@ fn a_tree_row_attends_exactly_as_the_one_row_step_at_its_position() {
             )
             .unwrap();
             let row = tree.narrow(1, r, 1).unwrap();
-            assert_eq!(
-                max_abs(&row, &ar),
-                0.0,
-                "{dtype:?} past {past} n {n}: row {r} (depth {depth})"
+            // bf16 trees of more than 16 rows with keys by step row may take wider splits
+            // (step_cuda::tree_chunk: their rows' bits already differ from AR steps' through the
+            // GEMMs), so there the split boundaries differ from the one-row step's: the same
+            // values up to the merge's rounding; everywhere else, the same bits
+            let bound = if dtype == DType::BF16 && !by_position && n > 16 {
+                2e-2
+            } else {
+                0.0
+            };
+            assert!(
+                max_abs(&row, &ar) <= bound,
+                "{dtype:?} past {past} n {n}: row {r} (depth {depth}): {} > {bound}",
+                max_abs(&row, &ar)
             );
         }
     }

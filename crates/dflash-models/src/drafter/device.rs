@@ -16,17 +16,33 @@
 //! - The stacked weights ([`FusedLayer`]) are made on the first device draft, never in training.
 //! - The host cache length advances by the context rows only, after the step succeeded.
 //! - Needs `len + m + B ≤ capacity` (the block's scratch rows); otherwise the host path runs.
+//! - Heads of the dense targets' step, or 256-wide heads in bf16 (the hybrids' drafters; their
+//!   block attends on the 256-wide tensor-core kernel); otherwise the host path runs.
 
 use super::model::{BlockKeys, BlockRows, DFlashDrafter, DraftCache, DraftLayer};
 use crate::projection::project;
 use crate::target::TargetModel;
 use crate::{ModelError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::Linear;
 use dflash_core::step::{
     device_step_supported, qkv_heads_into_cache, tree_attention, StepMeta, MAX_STEP_ROWS,
 };
 use dflash_core::step_graph::StepKey;
+
+/// Whether the device step takes heads of `head_dim`: those of the dense targets' step (a multiple
+/// of 32 up to [`dflash_core::step::MAX_STEP_HEAD_DIM`]), and in bf16 the 256-wide heads of the
+/// Qwen3.5 / Qwen3.6 drafters, whose block attends on the tensor-core kernel for 256-wide heads
+/// (keys by step row: the block's bits) — before session 25 those drafts ran on the host path,
+/// 2.7–4.3 ms a block at the Qwen3.5-4B shape on an H100.
+fn drafter_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
+    use dflash_core::step::{tensor_core_attention, WIDE_STEP_HEAD_DIM};
+    device_step_supported(device, dtype, head_dim)
+        || (device.is_cuda()
+            && dtype == DType::BF16
+            && head_dim == WIDE_STEP_HEAD_DIM
+            && tensor_core_attention(DType::BF16, head_dim))
+}
 
 /// The device step's context keys (see the module invariants).
 pub(crate) struct DeviceKeys<'a> {
@@ -171,7 +187,7 @@ impl DFlashDrafter {
         let capacity = cache.layers.first().map(|c| c.capacity()).unwrap_or(0);
         let table = self.table_positions();
         let supported = dflash_core::decode_ops::fused_decode(&self.device)
-            && device_step_supported(&self.device, self.dtype, self.cfg.head_dim)
+            && drafter_step_supported(&self.device, self.dtype, self.cfg.head_dim)
             && (1..=MAX_STEP_ROWS).contains(&m)
             && bs <= MAX_STEP_ROWS
             && len + m + bs <= capacity

@@ -119,6 +119,12 @@ impl dflash_core::cache_pool::PooledCache for DraftCache {
 }
 
 impl DraftCache {
+    /// How many draft shapes replay from a captured CUDA graph (0 where drafts take the host
+    /// path, or without CUDA).
+    pub fn captured_graphs(&self) -> usize {
+        self.graphs.captured()
+    }
+
     pub fn len(&self) -> usize {
         self.layers.first().map(|c| c.len()).unwrap_or(0)
     }

@@ -242,22 +242,37 @@ pub enum StepVisibility<'a> {
     AncestorBits(&'a Tensor),
 }
 
-/// Whether the hybrids' gated attention runs, in a CUDA device step, on the bf16 tensor-core
-/// attention of the dense targets (`group_attn_mma`, one kernel a layer) instead of the GEMMs over
-/// the whole buffers: `DFLASH_HYBRID_ATTN=mma` (read once; opt-in — built in session 24, not yet
-/// run on a GPU), a bf16 CUDA step and heads the step's attention takes (a multiple of 32 up to
-/// [`dflash_core::step::MAX_STEP_HEAD_DIM`], or 256 on the tensor cores; the tiny test hybrids'
-/// 32-wide heads run the general kernel, which checks the wiring).
-pub fn tensor_core_gated_attention(x: &Tensor, head_dim: usize) -> bool {
+/// Whether the hybrids' gated attention of a `rows`-row CUDA device step runs on the bf16
+/// tensor-core attention of the dense targets (`group_attn_mma`, one kernel a layer) instead of
+/// the GEMMs over the whole buffers: a bf16 CUDA step, heads the step's attention takes (a multiple
+/// of 32 up to [`dflash_core::step::MAX_STEP_HEAD_DIM`], or 256 on the tensor cores; the tiny test
+/// hybrids' 32-wide heads run the general kernel, which checks the wiring), and at most
+/// [`HYBRID_ATTN_VECTORS`] query vectors (`rows ·` query heads a KV head). Measured on an H100
+/// (session 25, random weights, bf16): the Qwen3.6-27B AR step at context 2048 22.20 → 21.07 ms and
+/// its 16-row verify 23.92 → 23.37 (96 vectors), the Qwen3.5-4B ones 4.69 → 4.58 and 5.53 → 5.37
+/// (64), while 64-node trees lose (27B: 30.33 → 31.58 ms, 384 vectors; 4B: even at 256).
+/// Overrides, read once: `DFLASH_HYBRID_ATTN=mma` (every width) or `=mask` (never).
+pub fn tensor_core_gated_attention(x: &Tensor, att: &GatedAttention, rows: usize) -> bool {
     use dflash_core::step::{tensor_core_attention, MAX_STEP_HEAD_DIM, WIDE_STEP_HEAD_DIM};
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_HYBRID_ATTN").as_deref() == Ok("mma"))
+    static CHOICE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *CHOICE.get_or_init(|| match std::env::var("DFLASH_HYBRID_ATTN").as_deref() {
+        Ok("mma") => Some(true),
+        Ok("mask") => Some(false),
+        _ => None,
+    });
+    let head_dim = att.head_dim;
+    let vectors = rows * (att.n_heads / att.n_kv_heads.max(1));
+    forced.unwrap_or(vectors <= HYBRID_ATTN_VECTORS)
         && x.device().is_cuda()
         && x.dtype() == DType::BF16
         && head_dim.is_multiple_of(32)
         && (head_dim <= MAX_STEP_HEAD_DIM
             || (head_dim == WIDE_STEP_HEAD_DIM && tensor_core_attention(DType::BF16, head_dim)))
 }
+
+/// The most query vectors (rows · query heads a KV head) for which a hybrid step's gated attention
+/// takes the tensor-core kernel by default ([`tensor_core_gated_attention`]).
+pub const HYBRID_ATTN_VECTORS: usize = 128;
 
 /// An error for a mask a recurrent layer cannot follow.
 pub fn unsupported_mask(what: &str) -> ModelError {

@@ -116,7 +116,7 @@ impl HybridDecoder {
         // additive mask over the whole buffers
         let by_bits = self.layers.iter().any(|l| {
             matches!(&l.mixer, Mixer::Attention(att)
-                if tensor_core_gated_attention(&x, att.head_dim()))
+                if tensor_core_gated_attention(&x, att, rows))
         });
         let visible = if by_bits {
             ancestors
