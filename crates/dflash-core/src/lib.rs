@@ -40,6 +40,8 @@ pub mod step;
 #[cfg(feature = "cuda")]
 mod step_cuda;
 pub mod step_graph;
+#[cfg(feature = "cuda")]
+mod step_graph_cuda;
 pub mod stream_gemm;
 #[cfg(test)]
 mod test_util;

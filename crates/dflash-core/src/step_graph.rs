@@ -34,7 +34,7 @@ struct Entry {
     runs: u64,
     failed: bool,
     #[cfg(feature = "cuda")]
-    graph: Option<crate::step_cuda::Captured>,
+    graph: Option<crate::step_graph_cuda::Captured>,
 }
 
 /// The step graphs of one sequence cache.
@@ -70,7 +70,7 @@ pub fn cuda_graphs_enabled() -> bool {
 /// kept as captured (empty before any capture and without CUDA).
 pub fn last_graph_report() -> String {
     #[cfg(feature = "cuda")]
-    return crate::step_cuda::last_graph_report();
+    return crate::step_graph_cuda::last_graph_report();
     #[cfg(not(feature = "cuda"))]
     String::new()
 }
@@ -114,7 +114,7 @@ impl StepGraphs {
         device: &Device,
         body: &mut StepBody,
     ) -> Result<Vec<Tensor>> {
-        use crate::step_cuda;
+        use crate::{step_cuda, step_graph_cuda};
         let entry = match self.entries.entry(key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(Entry {
@@ -157,9 +157,9 @@ impl StepGraphs {
             return run_body();
         }
         if entry.runs == 1 {
-            return step_cuda::warm_up(device, &mut run_body);
+            return step_graph_cuda::warm_up(device, &mut run_body);
         }
-        match step_cuda::capture(device, &mut run_body) {
+        match step_graph_cuda::capture(device, &mut run_body) {
             Ok(g) => {
                 g.launch()?;
                 let out = g
