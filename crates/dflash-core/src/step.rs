@@ -77,6 +77,17 @@ pub fn tensor_core_attention(dtype: DType, d: usize) -> bool {
     dtype == DType::BF16 && d.is_multiple_of(16) && forced.unwrap_or(!bit_exact || d >= 128)
 }
 
+/// Keys per split of a tree's attention on the tensor cores with keys by step row, over `columns`
+/// blocks a split (kv heads × vector groups), buffers of `cap` keys and `multiprocessors` SMs: the
+/// widest of 256 and 128 that still gives every multiprocessor two blocks, else 64 (the CUDA
+/// launch's rule; see `step_cuda::tree_chunk` for what it was measured on).
+pub fn wide_tree_chunk(columns: usize, cap: usize, multiprocessors: usize) -> usize {
+    [256, 128]
+        .into_iter()
+        .find(|&c| columns * cap.div_ceil(c) >= 2 * multiprocessors)
+        .unwrap_or(64)
+}
+
 /// Whether the device step can run a model with these heads in `dtype` on `device`.
 pub fn device_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
     device.is_cuda()
@@ -341,6 +352,17 @@ fn attention_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wide_tree_chunks_keep_two_blocks_a_multiprocessor() {
+        // Qwen3-8B's 65-node tree over 2,305 keys (8 kv heads × 5 groups): 256-key splits
+        assert_eq!(wide_tree_chunk(40, 2305, 132), 256);
+        // its 17-row tree (8 × 2 columns): 128 (256 would leave 160 blocks)
+        assert_eq!(wide_tree_chunk(16, 2305, 132), 128);
+        // SmolLM2's 65-node tree at 512 (3 × 13 columns, 769 keys): 128; its 17-row one: 64
+        assert_eq!(wide_tree_chunk(39, 769, 132), 128);
+        assert_eq!(wide_tree_chunk(12, 769, 132), 64);
+    }
 
     #[test]
     fn meta_layout_and_validation() {

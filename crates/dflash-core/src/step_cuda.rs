@@ -61,11 +61,7 @@ fn tree_chunk(columns: usize, cap: usize, dev: &CudaDevice) -> usize {
     if let Some(c) = forced {
         return c;
     }
-    let blocks = 2 * multiprocessors(dev);
-    [256, 128]
-        .into_iter()
-        .find(|&c| columns * cap.div_ceil(c) >= blocks)
-        .unwrap_or(64)
+    crate::step::wide_tree_chunk(columns, cap, multiprocessors(dev))
 }
 
 /// The device's multiprocessor count (read once; 132 on an H100 or H200, and taken as 132 if the
