@@ -280,8 +280,8 @@ pub(crate) enum KeyLayout<'a> {
 }
 
 /// The MLP: gate and up as two GEMMs (the checkpoint's layout), or on CUDA one GEMM over their
-/// rows stacked `[gate; up]` followed by one silu·mul kernel (for bf16 rows on the streaming GEMM, folded into
-/// the down projection's streaming GEMM).
+/// rows stacked `[gate; up]` followed by one silu·mul kernel (under `DFLASH_SILU_EPILOGUE=1`, for
+/// bf16 rows on the streaming GEMM, folded into the down projection's streaming GEMM).
 enum GateUp {
     Separate { gate_proj: Linear, up_proj: Linear },
     Fused(Linear),

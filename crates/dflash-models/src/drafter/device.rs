@@ -11,8 +11,8 @@
 //!   never counted) — and the block attends over both with every block row seeing every block row
 //!   — the standard DFlash layer (non-causal, no window, the z-lab block layout; other layouts
 //!   take the host path). The residual adds, norms and the MLP take the decode step's fused
-//!   kernels (add+norm, gate-up as one GEMM, silu·mul folded into the down projection where the
-//!   streaming GEMM runs).
+//!   kernels (add+norm, gate-up as one GEMM, silu·mul, the down projection; the activation folded
+//!   into the streaming down projection under `DFLASH_SILU_EPILOGUE=1`).
 //! - The stacked weights ([`FusedLayer`]) are made on the first device draft, never in training.
 //! - The host cache length advances by the context rows only, after the step succeeded.
 //! - Needs `len + m + B ≤ capacity` (the block's scratch rows); otherwise the host path runs.
@@ -160,7 +160,8 @@ impl DFlashDrafter {
     }
 
     /// The MLP in the device step: gate and up as one GEMM, then silu·mul and the down
-    /// projection (one streaming kernel where the policy takes the weight).
+    /// projection (one streaming kernel under `DFLASH_SILU_EPILOGUE=1`, where the policy takes the
+    /// weight).
     pub(super) fn device_layer_mlp(&self, li: usize, h: &Tensor) -> Result<Tensor> {
         let gate_up = project(&self.fused_layers()?[li].gate_up, h)?;
         let down = &self.layers[li].down_proj;
