@@ -68,6 +68,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops and bit-exact verify on cuda under session 15's opt-in kernels (fused add+norm, attention variants)" | tee -a "$LOG"
   DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
+  echo "== drafters with causal sliding-window layers on the device step (DFLASH_DRAFT_STEP_WINDOWS=1)" | tee -a "$LOG"
+  DFLASH_DRAFT_STEP_WINDOWS=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   echo "== attention of trees wider than 16 rows on 256-key splits (DFLASH_TREE_CHUNK=256)" | tee -a "$LOG"
   DFLASH_TREE_CHUNK=256 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 attention 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   DFLASH_TREE_CHUNK=256 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | grep -E "result|panicked" | tee -a "$LOG"

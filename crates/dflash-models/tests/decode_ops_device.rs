@@ -605,15 +605,17 @@ fn device_drafts_replay_the_cpu_draft() {
     }
     let cfg = common::tiny_qwen3(4, 96, 300, 512);
     let counts = [20usize, 3, 5, 3, 5, 3, 1, 1, 1, 5];
-    drafts_follow_the_cpu(&cfg, &dev, DType::F32, &counts, 4, |_| 2e-4);
+    drafts_follow_the_cpu(&cfg, |_| {}, &dev, DType::F32, &counts, 4, |_| 2e-4);
 }
 
 /// Drafts on `dev` in `dtype` against the f32 CPU drafts on the same random weights (a target of
-/// `cfg`, a 2-layer drafter of block 8): one draft per entry of `counts` (new context rows), the
-/// caches cropped by 2 rows after draft `crop_after`; each draft's logits within `bound(scale)` of
-/// the CPU's (scale: the largest CPU logit) and the cache lengths equal. Returns the device cache.
+/// `cfg`, a 2-layer drafter of block 8, as `layout` leaves it): one draft per entry of `counts` (new
+/// context rows), the caches cropped by 2 rows after draft `crop_after`; each draft's logits within
+/// `bound(scale)` of the CPU's (scale: the largest CPU logit) and the cache lengths equal. Returns
+/// the device cache.
 fn drafts_follow_the_cpu(
     cfg: &dflash_models::DecoderConfig,
+    layout: impl Fn(&mut dflash_models::DFlashConfig),
     dev: &Device,
     dtype: DType,
     counts: &[usize],
@@ -623,7 +625,8 @@ fn drafts_follow_the_cpu(
     use dflash_models::drafter::io::config_for_decoder;
     use dflash_models::random::{random_drafter_tensors, random_target_tensors};
     use dflash_models::{DFlashDrafter, Decoder, TargetModel};
-    let dcfg = config_for_decoder(cfg, 2, 8, 299);
+    let mut dcfg = config_for_decoder(cfg, 2, 8, 299);
+    layout(&mut dcfg);
     let tw = random_target_tensors(cfg, DType::F32, &Device::Cpu, 5).unwrap();
     let dw = random_drafter_tensors(&dcfg, DType::F32, &Device::Cpu, 6).unwrap();
     let on = |w: &std::collections::HashMap<String, Tensor>, d: &Device, dtype: DType| {
@@ -672,6 +675,32 @@ fn drafts_follow_the_cpu(
     gc
 }
 
+/// A drafter of the z-lab Qwen3.6-27B layout — a causal sliding-window layer, then a full one —
+/// drafts on the device step while its window excludes no key (under `DFLASH_DRAFT_STEP_WINDOWS=1`:
+/// causal block bits), then on the host path once drafts reach past the 40-key window, the two
+/// sharing the cache; every draft follows the CPU's. CUDA only.
+#[test]
+fn causal_window_drafter_drafts_on_the_device_until_its_window_fills() {
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let cfg = common::tiny_qwen3(4, 96, 300, 512);
+    let layout = |d: &mut dflash_models::DFlashConfig| {
+        d.layer_types = Some(vec!["sliding_attention".into(), "full_attention".into()]);
+        d.sliding_window = Some(40);
+    };
+    let counts = [20usize, 3, 5, 3, 5, 3, 1, 1, 1, 5];
+    let gc = drafts_follow_the_cpu(&cfg, layout, &dev, DType::F32, &counts, 4, |_| 2e-4);
+    let windows_on = std::env::var("DFLASH_DRAFT_STEP_WINDOWS").as_deref() == Ok("1");
+    if windows_on && dflash_core::step_graph::cuda_graphs_enabled() {
+        assert!(
+            gc.captured_graphs() > 0,
+            "the causal-window drafter took the host path: no draft graph was captured"
+        );
+    }
+}
+
 /// A drafter with 256-wide heads (the Qwen3.5 / Qwen3.6 drafters' layout) drafts on the device
 /// in bf16 — its block on the 256-wide tensor-core attention, replayed as CUDA graphs — and its
 /// logits follow the f32 CPU draft on the same random weights up to bf16 rounding, through a
@@ -691,7 +720,15 @@ fn wide_head_drafter_drafts_on_the_device_in_bf16() {
     .unwrap();
     // bf16 weights, activations and logits against f32: a few bf16 ulps of the logits' scale
     let counts = [20usize, 3, 5, 3, 5, 1, 1];
-    let gc = drafts_follow_the_cpu(&cfg, &dev, DType::BF16, &counts, 3, |s| 0.05 * s + 0.05);
+    let gc = drafts_follow_the_cpu(
+        &cfg,
+        |_| {},
+        &dev,
+        DType::BF16,
+        &counts,
+        3,
+        |s| 0.05 * s + 0.05,
+    );
     if dflash_core::step_graph::cuda_graphs_enabled() {
         assert!(
             gc.captured_graphs() > 0,

@@ -18,6 +18,8 @@
 //! - Needs `len + m + B ≤ capacity` (the block's scratch rows); otherwise the host path runs.
 //! - Heads of the dense targets' step, or 256-wide heads in bf16 (the hybrids' drafters; their
 //!   block attends on the 256-wide tensor-core kernel); otherwise the host path runs.
+//! - Non-causal layers without a window; under `DFLASH_DRAFT_STEP_WINDOWS=1` also causal layers
+//!   (causal block bits) and windows that exclude no key yet; otherwise the host path runs.
 
 use super::model::{BlockKeys, BlockRows, DFlashDrafter, DraftCache, DraftLayer};
 use crate::projection::project;
@@ -44,6 +46,36 @@ fn drafter_step_supported(device: &candle_core::Device, dtype: DType, head_dim: 
             && tensor_core_attention(DType::BF16, head_dim))
 }
 
+/// Whether drafters with causal or sliding-window layers (the z-lab Qwen3.6-27B drafter: four
+/// causal 2,048-key windows and a full layer) draft on the device step while no window excludes a
+/// key (`start + B ≤ W`; beyond, the host path): `DFLASH_DRAFT_STEP_WINDOWS=1` (read once; opt-in,
+/// built in session 25 and not yet run on a GPU). Causal layers take the causal block bits.
+fn windowed_layers_on_device() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_DRAFT_STEP_WINDOWS").as_deref() == Ok("1"))
+}
+
+/// `[B, MAX_STEP_ROWS / 32]` visibility bits over the block's rows: row r sees rows
+/// `0..visible(r)`.
+fn block_bits(
+    bs: usize,
+    visible: impl Fn(usize) -> usize,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let per_row = MAX_STEP_ROWS / 32;
+    let bits: Vec<u32> = (0..bs * per_row)
+        .map(|i| {
+            let (r, w) = (i / per_row, i % per_row);
+            match visible(r).saturating_sub(32 * w) {
+                0 => 0,
+                n if n >= 32 => u32::MAX,
+                n => (1u32 << n) - 1,
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(bits, (bs, per_row), device)?)
+}
+
 /// The device step's context keys (see the module invariants).
 pub(crate) struct DeviceKeys<'a> {
     /// Word 0: the committed context length (where the new context rows go).
@@ -52,6 +84,8 @@ pub(crate) struct DeviceKeys<'a> {
     meta_blk: Tensor,
     /// Every block row sees every block row (`[B, MAX_STEP_ROWS / 32]` bits).
     full_block: Tensor,
+    /// Block row i sees block rows 0..=i (causal layers; the same layout).
+    causal_block: Tensor,
     /// The new context rows, projected (`[1, m, H]`).
     ctx: Tensor,
     /// cos then sin of the context rows and then the block's rows (`[2·(m + B), d/2]`).
@@ -154,7 +188,11 @@ impl DFlashDrafter {
             &kb,
             &vb,
             &keys.meta_blk,
-            &keys.full_block,
+            if self.cfg.layer_attention(li).causal {
+                &keys.causal_block
+            } else {
+                &keys.full_block
+            },
             scale,
         )?)
     }
@@ -196,7 +234,8 @@ impl DFlashDrafter {
             && self.block_convention() == Default::default()
             && (0..self.layers.len()).all(|i| {
                 let a = self.cfg.layer_attention(i);
-                !a.causal && a.window.is_none()
+                (!a.causal && a.window.is_none())
+                    || (windowed_layers_on_device() && a.window.is_none_or(|w| start + bs <= w))
             });
         if !supported {
             return Ok(None);
@@ -212,23 +251,13 @@ impl DFlashDrafter {
         words.extend(all_pos.clone());
         words.extend(all_pos.map(|p| p + table as u32));
         if cache.full_block.as_ref().map(|t| t.dims()[0]) != Some(bs) {
-            let per_row = MAX_STEP_ROWS / 32;
-            let bits: Vec<u32> = (0..bs * per_row)
-                .map(|i| {
-                    let w = i % per_row;
-                    let lo = 32 * w;
-                    match bs.saturating_sub(lo) {
-                        0 => 0,
-                        n if n >= 32 => u32::MAX,
-                        n => (1u32 << n) - 1,
-                    }
-                })
-                .collect();
-            cache.full_block = Some(Tensor::from_vec(bits, (bs, per_row), &self.device)?);
+            cache.full_block = Some(block_bits(bs, |_| bs, &self.device)?);
+            cache.causal_block = Some(block_bits(bs, |r| r + 1, &self.device)?);
             // graphs bake in the bits' address
             cache.graphs = Default::default();
         }
         let full_block = cache.full_block.clone().expect("made above");
+        let causal_block = cache.causal_block.clone().expect("made above");
         let table_t = self.rope_table()?.clone();
         let key = StepKey {
             rows: m,
@@ -238,7 +267,8 @@ impl DFlashDrafter {
         let device = self.device.clone();
         let mut graphs = std::mem::take(&mut cache.graphs);
         let out = graphs.run(key, &words, &[new_ctx], &device, &mut |meta, inputs| {
-            self.device_draft_body(target, meta, &inputs[0], &table_t, &full_block, cache)
+            let bits = (&full_block, &causal_block);
+            self.device_draft_body(target, meta, &inputs[0], &table_t, bits, cache)
                 .map_err(ModelError::into_core)
         });
         cache.graphs = graphs;
@@ -256,7 +286,7 @@ impl DFlashDrafter {
         meta: &Tensor,
         new_ctx: &Tensor,
         table: &Tensor,
-        full_block: &Tensor,
+        (full_block, causal_block): (&Tensor, &Tensor),
         cache: &mut DraftCache,
     ) -> Result<Vec<Tensor>> {
         let bs = self.cfg.block_size;
@@ -276,6 +306,7 @@ impl DFlashDrafter {
             meta_ctx: meta.narrow(0, 0, 1)?,
             meta_blk: meta.narrow(0, 1, 1)?,
             full_block: full_block.clone(),
+            causal_block: causal_block.clone(),
             ctx,
             cos_sin,
             cache,

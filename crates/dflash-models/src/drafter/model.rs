@@ -107,6 +107,9 @@ pub struct DraftCache {
     pub(super) graphs: dflash_core::step_graph::StepGraphs,
     /// Every block row sees every block row: the tree-attention bits of a full block.
     pub(super) full_block: Option<Tensor>,
+    /// The device step's bits for causal layers: block row i sees block rows 0..=i (`[B,
+    /// MAX_STEP_ROWS / 32]`).
+    pub(super) causal_block: Option<Tensor>,
 }
 
 impl dflash_core::cache_pool::PooledCache for DraftCache {
@@ -335,6 +338,7 @@ impl DFlashDrafter {
             layers: self.layers.iter().map(|_| KvCache::new(capacity)).collect(),
             graphs: Default::default(),
             full_block: None,
+            causal_block: None,
         }
     }
 
