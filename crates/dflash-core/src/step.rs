@@ -96,6 +96,18 @@ pub fn device_step_supported(device: &candle_core::Device, dtype: DType, head_di
         && head_dim <= MAX_STEP_HEAD_DIM
 }
 
+/// Whether the device step's attention ([`tree_attention`]) takes heads of `head_dim` in `dtype`
+/// on `device`: those of [`device_step_supported`], and in bf16 [`WIDE_STEP_HEAD_DIM`]-wide heads
+/// on the tensor cores (keys by step row). What the hybrids' gated attention and the drafters of
+/// hybrid targets check before taking the step's attention.
+pub fn step_attention_takes(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
+    device_step_supported(device, dtype, head_dim)
+        || (device.is_cuda()
+            && dtype == DType::BF16
+            && head_dim == WIDE_STEP_HEAD_DIM
+            && tensor_core_attention(DType::BF16, head_dim))
+}
+
 /// The host side of one step's metadata (see the module invariants).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepMeta {

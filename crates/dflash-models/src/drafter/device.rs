@@ -10,7 +10,7 @@
 //!   — context rows first, the block's right after them (scratch rows past the committed length,
 //!   never counted) — and the block attends over both with every block row seeing every block row
 //!   — the standard DFlash layer (non-causal, no window, the z-lab block layout; other layouts
-//!   take the host path). The residual adds, norms and the MLP take the decode step's fused
+//!   take the host path, but see the last invariant). The residual adds, norms and the MLP take the decode step's fused
 //!   kernels (add+norm, gate-up as one GEMM, silu·mul, the down projection; the activation folded
 //!   into the streaming down projection under `DFLASH_SILU_EPILOGUE=1`).
 //! - The stacked weights ([`FusedLayer`]) are made on the first device draft, never in training.
@@ -25,26 +25,12 @@ use super::model::{BlockKeys, BlockRows, DFlashDrafter, DraftCache, DraftLayer};
 use crate::projection::project;
 use crate::target::TargetModel;
 use crate::{ModelError, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_nn::Linear;
 use dflash_core::step::{
-    device_step_supported, qkv_heads_into_cache, tree_attention, StepMeta, MAX_STEP_ROWS,
+    qkv_heads_into_cache, step_attention_takes, tree_attention, StepMeta, MAX_STEP_ROWS,
 };
 use dflash_core::step_graph::StepKey;
-
-/// Whether the device step takes heads of `head_dim`: those of the dense targets' step (a multiple
-/// of 32 up to [`dflash_core::step::MAX_STEP_HEAD_DIM`]), and in bf16 the 256-wide heads of the
-/// Qwen3.5 / Qwen3.6 drafters, whose block attends on the tensor-core kernel for 256-wide heads
-/// (keys by step row: the block's bits) — before session 25 those drafts ran on the host path,
-/// 2.7–4.3 ms a block at the Qwen3.5-4B shape on an H100.
-fn drafter_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
-    use dflash_core::step::{tensor_core_attention, WIDE_STEP_HEAD_DIM};
-    device_step_supported(device, dtype, head_dim)
-        || (device.is_cuda()
-            && dtype == DType::BF16
-            && head_dim == WIDE_STEP_HEAD_DIM
-            && tensor_core_attention(DType::BF16, head_dim))
-}
 
 /// Whether drafters with causal or sliding-window layers (the z-lab Qwen3.6-27B drafter: four
 /// causal 2,048-key windows and a full layer) draft on the device step while no window excludes a
@@ -226,7 +212,9 @@ impl DFlashDrafter {
         let capacity = cache.layers.first().map(|c| c.capacity()).unwrap_or(0);
         let table = self.table_positions();
         let supported = dflash_core::decode_ops::fused_decode(&self.device)
-            && drafter_step_supported(&self.device, self.dtype, self.cfg.head_dim)
+            // the dense targets' heads, or the hybrids' 256-wide ones in bf16 (their drafts ran on
+            // the host path before session 25: 2.7–4.3 ms a block at Qwen3.5-4B on an H100)
+            && step_attention_takes(&self.device, self.dtype, self.cfg.head_dim)
             && (1..=MAX_STEP_ROWS).contains(&m)
             && bs <= MAX_STEP_ROWS
             && len + m + bs <= capacity

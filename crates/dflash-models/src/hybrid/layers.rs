@@ -253,21 +253,16 @@ pub enum StepVisibility<'a> {
 /// (64), while 64-node trees lose (27B: 30.33 → 31.58 ms, 384 vectors; 4B: even at 256).
 /// Overrides, read once: `DFLASH_HYBRID_ATTN=mma` (every width) or `=mask` (never).
 pub fn tensor_core_gated_attention(x: &Tensor, att: &GatedAttention, rows: usize) -> bool {
-    use dflash_core::step::{tensor_core_attention, MAX_STEP_HEAD_DIM, WIDE_STEP_HEAD_DIM};
     static CHOICE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = *CHOICE.get_or_init(|| match std::env::var("DFLASH_HYBRID_ATTN").as_deref() {
         Ok("mma") => Some(true),
         Ok("mask") => Some(false),
         _ => None,
     });
-    let head_dim = att.head_dim;
     let vectors = rows * (att.n_heads / att.n_kv_heads.max(1));
     forced.unwrap_or(vectors <= HYBRID_ATTN_VECTORS)
-        && x.device().is_cuda()
         && x.dtype() == DType::BF16
-        && head_dim.is_multiple_of(32)
-        && (head_dim <= MAX_STEP_HEAD_DIM
-            || (head_dim == WIDE_STEP_HEAD_DIM && tensor_core_attention(DType::BF16, head_dim)))
+        && dflash_core::step::step_attention_takes(x.device(), DType::BF16, att.head_dim)
 }
 
 /// The most query vectors (rows · query heads a KV head) for which a hybrid step's gated attention
