@@ -32,10 +32,15 @@ def main():
     step = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     starts = [i for i, k in enumerate(ks) if k["name"].startswith("tree_ancestors")]
     print(f"{len(ks)} kernels profiled; device steps start at {starts[:8]}")
-    if len(starts) <= step:
-        print("not enough steps in the trace")
+    if not starts:
+        print("no device step in the trace")
         return
-    seg = ks[starts[step - 1]: starts[step]]
+    if len(starts) == 1:  # one op's range (PROFILE_OP) cut by the launch count: to the end
+        step = 1
+        seg = ks[starts[0]:]
+    else:  # the last whole step when the trace holds fewer than asked
+        step = min(step, len(starts) - 1)
+        seg = ks[starts[step - 1]: starts[step]]
     total = sum(k.get("us", 0) for k in seg)
     tb = sum(k.get("bytes", 0) for k in seg)
     print(f"step {step}: {len(seg)} kernels, {total:.1f} us of kernel time, {tb / 1e9:.3f} GB read "
