@@ -22,7 +22,9 @@
 
 use crate::bench::{timings, write_report, Timing};
 use crate::bench_commit::state_commit;
-use crate::bench_shapes::{copy_bandwidth, named_shape, step_bytes, target_params, SHAPE_NAMES};
+use crate::bench_shapes::{
+    copy_bandwidth, named_shape, step_bytes, target_params, DrafterLayout, SHAPE_NAMES,
+};
 use crate::exit::UsageError;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, DeviceLocation, Tensor};
@@ -37,10 +39,13 @@ use dflash_decoding::{
 use dflash_models::drafter::io::config_for_decoder;
 use dflash_models::drafter::parameter_shapes;
 use dflash_models::{DecoderConfig, ForwardRequest, LogitRows, TargetModel};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Map};
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
+
+mod report;
+use report::{print_table, report, ReportIn};
 
 /// Committed positions the drafter receives before the timed block (a step's accepted tokens).
 const NEW_CTX: usize = 4;
@@ -90,6 +95,11 @@ pub struct DecodeArgs {
     /// Drafter layers.
     #[arg(long, default_value_t = 5)]
     draft_layers: usize,
+    /// The drafter's attention layout: `zlab` (the published drafter's for the shape where it has
+    /// its own — Qwen3.6-27B: 32 / 8 heads of 128, four 2,048-key sliding windows and a full
+    /// layer) or `target` (the target's heads, every layer full: what `draft init` makes).
+    #[arg(long, default_value = "zlab", value_parser = ["zlab", "target"])]
+    drafter_layout: String,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -121,16 +131,24 @@ fn parse_widths(s: &str) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// (name for the report, config, mask token id) of `--shape` / `--target`.
-fn resolve_shape(a: &DecodeArgs) -> Result<(String, DecoderConfig, u32)> {
+/// (name for the report, config, mask token id, the published drafter's layout where it has one
+/// and `--drafter-layout zlab`) of `--shape` / `--target`.
+type Shape = (String, DecoderConfig, u32, Option<DrafterLayout>);
+fn resolve_shape(a: &DecodeArgs) -> Result<Shape> {
     if let Some(dir) = &a.target {
         let cfg = dflash_models::loader::read_config(dir)?;
         let mask = cfg.vocab_size.saturating_sub(1) as u32;
-        return Ok((dir.display().to_string(), cfg, mask));
+        return Ok((dir.display().to_string(), cfg, mask, None));
     }
     let name = a.shape.as_deref().unwrap_or("smollm2-135m");
+    let zlab = a.drafter_layout == "zlab";
     match named_shape(name)? {
-        Some(s) => Ok((s.name.to_string(), s.config, s.mask_token_id)),
+        Some(s) => Ok((
+            s.name.to_string(),
+            s.config,
+            s.mask_token_id,
+            s.zlab_drafter.filter(|_| zlab),
+        )),
         None => Err(usage(format!(
             "unknown --shape '{name}' (expected one of {})",
             SHAPE_NAMES.join(", ")
@@ -242,7 +260,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         None if dev.is_cpu() => DType::F32,
         None => DType::BF16,
     };
-    let (shape, cfg, mask) = resolve_shape(&a)?;
+    let (shape, cfg, mask, layout) = resolve_shape(&a)?;
     let widths = parse_widths(&a.widths)?;
     if a.rounds == 0 || a.warmup == 0 {
         return Err(usage("--rounds and --warmup must be at least 1".into()));
@@ -287,7 +305,10 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let t0 = Instant::now();
     let target = dflash_models::random::random_target_model(&cfg, dtype, &dev, a.seed)?;
     let target = target.as_ref();
-    let dcfg = config_for_decoder(&cfg, a.draft_layers, a.block_size, mask);
+    let mut dcfg = config_for_decoder(&cfg, a.draft_layers, a.block_size, mask);
+    if let Some(l) = &layout {
+        l.apply(&mut dcfg).map_err(|e| usage(e.to_string()))?;
+    }
     let mut drafter = dflash_models::random_drafter(&dcfg, dtype, &dev, a.seed + 1)?;
     drafter.bind_target(target)?;
     dev.synchronize()?;
@@ -552,6 +573,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         ops: &ops,
         trees: tree_info,
         build_s,
+        drafter_layout: format!(
+            "{}: {} / {} heads of {}, layers {:?}, window {:?}",
+            if layout.is_some() { "zlab" } else { "target" },
+            dcfg.num_attention_heads,
+            dcfg.num_key_value_heads,
+            dcfg.head_dim,
+            dcfg.layer_types.as_deref().unwrap_or_default(),
+            dcfg.sliding_window
+        ),
     });
     print_table(&ops, floor, bytes, &bw);
     write_report(&report, a.out.as_deref())
@@ -603,169 +633,6 @@ fn time_loops(
         push(ops, format!("loop.{key}"), label.into(), Timing::of(v));
     }
     Ok(())
-}
-
-struct ReportIn<'a> {
-    a: &'a DecodeArgs,
-    shape: &'a str,
-    cfg: &'a DecoderConfig,
-    devname: &'a str,
-    dtype: DType,
-    widths: &'a [usize],
-    params: (usize, usize),
-    bytes: (usize, usize),
-    bw: &'a crate::bench_shapes::Bandwidth,
-    floor: f64,
-    ops: &'a [Op],
-    trees: Map<String, Value>,
-    build_s: f64,
-}
-
-fn ms(s: f64) -> f64 {
-    s * 1e3
-}
-
-/// Which kernels the run's decode steps took (from the same functions the engine asks, so a
-/// record says what it measured): the projections' streaming-GEMM policy, the attention kernel and
-/// how tree keys are ordered on it.
-fn decode_paths(r: &ReportIn) -> Value {
-    use dflash_core::step::{keys_by_position, tensor_core_attention};
-    let cuda = r.devname.starts_with("cuda");
-    let mma = cuda && tensor_core_attention(r.dtype, r.cfg.head_dim());
-    let attention = match (cuda, mma) {
-        (false, _) => "host (row-invariant CPU kernels)",
-        (true, true) => "tensor cores",
-        (true, false) => "CUDA cores",
-    };
-    json!({
-        "stream_policy": format!("{:?}", dflash_core::stream_gemm::stream_policy()),
-        "stream_tiled": dflash_core::stream_gemm::tiled_wide_calls(),
-        "stream_tiled_from_rows": dflash_core::stream_gemm::tiled_from_rows(),
-        "attention": attention,
-        "tree_keys": if keys_by_position(mma) { "position" } else { "row" },
-        // the hybrids' device step (off with DFLASH_HYBRID_STEP=0, read at load like the model)
-        "hybrid_step": cuda
-            && matches!(r.cfg.architecture(), Ok(dflash_models::Architecture::Qwen35))
-            && std::env::var("DFLASH_HYBRID_STEP").as_deref() != Ok("0"),
-    })
-}
-
-/// The JSON report: headline medians in ms at the top level, every op's min / median / p90 under
-/// `stats`, ratios to the AR step and to the floor.
-fn report(r: &ReportIn) -> Value {
-    let get = |k: &str| r.ops.iter().find(|o| o.key == k).map(|o| o.t.median);
-    let ar = get("ar_step").unwrap_or(f64::NAN);
-    let mut verify = Map::new();
-    let mut by_budget = Map::new();
-    let (mut stats, mut to_ar, mut to_floor) = (Map::new(), Map::new(), Map::new());
-    let mut loops = Map::new();
-    for o in r.ops {
-        if let Some(k) = o.key.strip_prefix("loop.") {
-            loops.insert(k.into(), json!(ms(o.t.median)));
-        }
-        if let Some(k) = o.key.strip_prefix("verify.") {
-            verify.insert(k.into(), json!(ms(o.t.median)));
-        }
-        if let Some(b) = o.key.strip_prefix("tree_build.") {
-            by_budget.insert(b.into(), json!(ms(o.t.median)));
-        }
-        stats.insert(
-            o.key.clone(),
-            json!({"median_ms": ms(o.t.median), "min_ms": ms(o.t.min), "p90_ms": ms(o.t.p90)}),
-        );
-        to_ar.insert(o.key.clone(), json!(o.t.median / ar));
-        to_floor.insert(o.key.clone(), json!(o.t.median / r.floor));
-    }
-    let tree_build = get(&format!("tree_build.{DEFAULT_TREE_BUDGET}")).unwrap_or(f64::NAN);
-    let mut doc = json!({
-        "shape": r.shape,
-        "architecture": r.cfg.architecture().unwrap_or(dflash_models::config::Architecture::Llama).as_str(),
-        "device": r.devname,
-        "dtype": dtype_name(r.dtype),
-        "context": r.a.context,
-        "rounds": r.a.rounds,
-        "warmup": r.a.warmup,
-        "block_size": r.a.block_size,
-        "draft_layers": r.a.draft_layers,
-        "widths": r.widths,
-        "params_target": r.params.0,
-        "params_drafter": r.params.1,
-        "bytes_per_step": r.bytes.0 + r.bytes.1,
-        "bytes_weights": r.bytes.0,
-        "bytes_kv_cache": r.bytes.1,
-        "copy_gbps": r.bw.gbps,
-        "copy_method": r.bw.method,
-        "copy_bytes": r.bw.bytes,
-        "floor_ms": ms(r.floor),
-        "ar_step_ms": ms(ar),
-        "sampled_step_ms": get("sampled_step").map(ms),
-        "verify_ms": verify,
-        "draft_block_ms": get("draft_block").map(ms),
-        "state_commit_ms": get("state_commit").map(ms),
-        "state_commit_submit_ms": get("state_commit_submit").map(ms),
-        "tree_build_ms": ms(tree_build),
-        "tree_build_budget": DEFAULT_TREE_BUDGET,
-        "tree_topk_ms": get(&format!("tree_topk.{DEFAULT_TREE_BUDGET}")).map(ms),
-        "tree_build_ms_by_budget": by_budget,
-        "loop_step_ms": loops,
-        "loop_tokens": LOOP_TOKENS,
-        "trees": r.trees,
-        "stats": stats,
-        "ratio_to_ar_step": to_ar,
-        "ratio_to_floor": to_floor,
-        "setup_seconds": r.build_s,
-        "decode_paths": decode_paths(r),
-        "step_graphs": dflash_core::step_graph::last_graph_report(),
-        "dflash_version": env!("CARGO_PKG_VERSION"),
-        "git": git_commit(),
-    });
-    // (added after: one json! of every field passes the macro's recursion limit)
-    doc["tree_commit_ms"] = json!(get("tree_commit").map(ms));
-    doc["tree_commit_submit_ms"] = json!(get("tree_commit_submit").map(ms));
-    doc
-}
-
-/// The human table on stderr: op, median / min / p90 ms, × AR step, × floor.
-fn print_table(ops: &[Op], floor: f64, bytes: usize, bw: &crate::bench_shapes::Bandwidth) {
-    let ar = ops
-        .iter()
-        .find(|o| o.key == "ar_step")
-        .map(|o| o.t.median)
-        .unwrap_or(f64::NAN);
-    eprintln!(
-        "{:<30} {:>10} {:>10} {:>10} {:>8} {:>8}",
-        "op", "ms", "min ms", "p90 ms", "× AR", "× floor"
-    );
-    for o in ops {
-        eprintln!(
-            "{:<30} {:>10.3} {:>10.3} {:>10.3} {:>8.2} {:>8.2}",
-            o.label,
-            ms(o.t.median),
-            ms(o.t.min),
-            ms(o.t.p90),
-            o.t.median / ar,
-            o.t.median / floor
-        );
-    }
-    eprintln!(
-        "{:<30} {:>10.3} {:>10} {:>10} {:>8.2} {:>8.2}",
-        "floor",
-        ms(floor),
-        "",
-        "",
-        floor / ar,
-        1.0
-    );
-    eprintln!(
-        "floor: {:.1} MB per AR step at {:.1} GB/s ({})",
-        bytes as f64 / 1e6,
-        bw.gbps,
-        bw.method
-    );
-    let graphs = dflash_core::step_graph::last_graph_report();
-    if !graphs.is_empty() {
-        eprintln!("step graphs: {graphs}");
-    }
 }
 
 #[cfg(test)]

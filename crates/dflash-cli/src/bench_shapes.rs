@@ -18,11 +18,45 @@ use dflash_models::config::Architecture;
 use dflash_models::DecoderConfig;
 use std::time::Instant;
 
-/// A named shape: its config and the mask token its z-lab drafter uses.
+/// A named shape: its config, the mask token its z-lab drafter uses and, where z-lab's drafter
+/// for it is published with a layout of its own, that layout.
 pub struct NamedShape {
     pub name: &'static str,
     pub config: DecoderConfig,
     pub mask_token_id: u32,
+    pub zlab_drafter: Option<DrafterLayout>,
+}
+
+/// A published drafter's attention layout where it differs from the target's (what `draft init`
+/// would give): heads, head width, and per-layer `layer_types` with their sliding window.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrafterLayout {
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub layer_types: Vec<&'static str>,
+    pub sliding_window: Option<usize>,
+}
+
+impl DrafterLayout {
+    /// `cfg` with this layout (heads, head width, layer types, window); the drafter must have as
+    /// many layers as the layout names.
+    pub fn apply(&self, cfg: &mut dflash_models::DFlashConfig) -> Result<()> {
+        if cfg.num_hidden_layers != self.layer_types.len() {
+            return Err(anyhow!(
+                "the published drafter layout has {} layers, --draft-layers asks for {} \
+                 (pass --drafter-layout target for another depth)",
+                self.layer_types.len(),
+                cfg.num_hidden_layers
+            ));
+        }
+        cfg.num_attention_heads = self.num_attention_heads;
+        cfg.num_key_value_heads = self.num_key_value_heads;
+        cfg.head_dim = self.head_dim;
+        cfg.layer_types = Some(self.layer_types.iter().map(|t| t.to_string()).collect());
+        cfg.sliding_window = self.sliding_window;
+        Ok(())
+    }
 }
 
 /// The names `--shape` accepts.
@@ -126,6 +160,22 @@ pub fn named_shape(name: &str) -> Result<Option<NamedShape>> {
         ),
         _ => return Ok(None),
     };
+    // z-lab/Qwen3.6-27B-DFlash config.json (../shared/docs/spec.md): 32 / 8 heads of 128, four
+    // sliding-window layers of 2,048 keys (causal within the block: no `is_causal` key) and a
+    // full one; the other shapes' published drafters take the target's heads
+    let zlab_drafter = (name == "qwen3.6-27b").then(|| DrafterLayout {
+        num_attention_heads: 32,
+        num_key_value_heads: 8,
+        head_dim: 128,
+        layer_types: vec![
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        sliding_window: Some(2048),
+    });
     let config: DecoderConfig = serde_json::from_value(json)?;
     config
         .validate()
@@ -138,6 +188,7 @@ pub fn named_shape(name: &str) -> Result<Option<NamedShape>> {
         name,
         config,
         mask_token_id: mask,
+        zlab_drafter,
     }))
 }
 
@@ -297,5 +348,42 @@ mod tests {
         let state = 48 * 48 * 128 * 128 * 4;
         let conv = 48 * 3 * (2 * 16 * 128 + 48 * 128) * 2;
         assert_eq!(cache, kv + state + conv);
+    }
+
+    #[test]
+    fn the_27b_shape_drafts_with_zlabs_layout_and_the_others_with_the_targets() {
+        use dflash_models::drafter::io::config_for_decoder;
+        let s = named_shape("qwen3.6-27b").unwrap().unwrap();
+        let layout = s
+            .zlab_drafter
+            .expect("z-lab's Qwen3.6-27B drafter has its own layout");
+        let mut d = config_for_decoder(&s.config, 5, 16, s.mask_token_id);
+        assert_eq!(
+            (d.num_attention_heads, d.head_dim),
+            (24, 256),
+            "the target's heads"
+        );
+        layout.apply(&mut d).unwrap();
+        d.validate().unwrap();
+        assert_eq!(
+            (d.num_attention_heads, d.num_key_value_heads, d.head_dim),
+            (32, 8, 128)
+        );
+        let types = d.layer_types.clone().unwrap();
+        assert_eq!(
+            types.iter().filter(|t| *t == "sliding_attention").count(),
+            4
+        );
+        assert_eq!(types[4], "full_attention");
+        assert_eq!(d.sliding_window, Some(2048));
+        // another depth is refused, not silently given a made-up layout
+        let mut d4 = config_for_decoder(&s.config, 4, 16, s.mask_token_id);
+        assert!(layout.apply(&mut d4).is_err());
+        for name in ["smollm2-135m", "qwen3-8b", "qwen3.5-4b"] {
+            assert!(
+                named_shape(name).unwrap().unwrap().zlab_drafter.is_none(),
+                "{name}"
+            );
+        }
     }
 }

@@ -972,12 +972,22 @@ fn wide_head_tensor_core_attention_matches_the_buffer_attention() {
         .map(|i| if i == 0 { -1 } else { (i - 1) / 2 })
         .collect();
     for past in [5usize, 700] {
-        for parents in [vec![-1], chain.clone(), tree.clone(), wide_tree.clone()] {
+        for (kind, parents) in [
+            ("one row", vec![-1]),
+            ("chain", chain.clone()),
+            ("tree", tree.clone()),
+            ("wide tree", wide_tree.clone()),
+        ] {
             let n = parents.len();
             let st = common::random_attention_step(&dev, (d, h, kv), past, &parents, 40);
             let scale = 1.0 / (d as f64).sqrt();
             let mask = step_mask(&st.meta, &st.ancestors, n, st.kb.dim(2).unwrap()).unwrap();
-            let want = attention_over_buffer(&st.q, &st.kb, &st.vb, Some(&mask), scale)
+            // the reference in f32 from the same bf16 numbers, so that the bound is the kernel's
+            // own rounding (p and the output in bf16) and not also a bf16 reference's (scores and
+            // probabilities rounded to bf16): against the bf16 reference this test failed its
+            // 2e-2 in two of eight runs on an H100 (session 26), random data each run
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let want = attention_over_buffer(&f(&st.q), &f(&st.kb), &f(&st.vb), Some(&mask), scale)
                 .unwrap()
                 .transpose(1, 2)
                 .unwrap()
@@ -990,7 +1000,10 @@ fn wide_head_tensor_core_attention_matches_the_buffer_attention() {
                 &got.to_dtype(DType::F32).unwrap(),
                 &want.to_dtype(DType::F32).unwrap(),
             );
-            assert!(diff <= 2e-2, "past {past}, {n} rows: differs by {diff}");
+            assert!(
+                diff <= 2e-2,
+                "past {past}, {kind} of {n} rows: differs by {diff}"
+            );
         }
     }
 }
