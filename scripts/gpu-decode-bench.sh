@@ -50,7 +50,7 @@ ROUNDS=${ROUNDS:-30}
 # treechunk64 / treechunk128 / treechunk512: trees of more than 16 rows with keys by step row on the tensor cores split their keys in chunks of N (DFLASH_TREE_CHUNK=N; by default since session 25 the widest of 256/128 giving each SM two blocks, 64 before);
 # groupvecN: group_attn_mma for steps of at most N query vectors (DFLASH_GROUP_ATTN_VECTORS=N);
 # groupall: group_attn_mma for every step without per-row key reads, whatever its width (DFLASH_GROUP_ATTN_VECTORS=100000);
-# draftwindows: drafters with causal / sliding-window layers on the drafter's device step while no window excludes a key (DFLASH_DRAFT_STEP_WINDOWS=1, session 25);
+# hostwindows: drafters with causal / sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; on the device step by default since session 26, windows included);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -69,8 +69,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops and bit-exact verify on cuda under session 15's opt-in kernels (fused add+norm, attention variants)" | tee -a "$LOG"
   DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_PREFETCH=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | grep -E -A2 "result|panicked" | tee -a "$LOG"
   DFLASH_TOPK_SPLIT=0 DFLASH_FUSED_ADD_NORM=1 DFLASH_ATTN_PREFETCH=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
-  echo "== drafters with causal sliding-window layers on the device step (DFLASH_DRAFT_STEP_WINDOWS=1)" | tee -a "$LOG"
-  DFLASH_DRAFT_STEP_WINDOWS=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
+  echo "== drafters with causal sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; the device step is the default)" | tee -a "$LOG"
+  DFLASH_DRAFT_STEP_WINDOWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | grep -E "^test |result|panicked" | tee -a "$LOG"
   echo "== attention of trees wider than 16 rows on 256-key splits (DFLASH_TREE_CHUNK=256)" | tee -a "$LOG"
   DFLASH_TREE_CHUNK=256 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 attention 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
   DFLASH_TREE_CHUNK=256 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | grep -E "result|panicked" | tee -a "$LOG"
@@ -148,7 +148,7 @@ for spec in $SHAPES; do
       hybridmma) fused=1 graphs=1 hattn=mma;;
       hybridmask) fused=1 graphs=1 hattn=mask;;
       groupvec*) fused=1 graphs=1 gvec=${variant#groupvec};;
-      draftwindows) fused=1 graphs=1 dwin=1;;
+      hostwindows) fused=1 graphs=1 dwin=0;;
       treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
       fewalltiles) fused=1 graphs=1 fewtiles=0;;
       pathtable) fused=1 graphs=1 keys=position path=1;;

@@ -325,7 +325,27 @@ pub fn tree_attention(
     ancestors: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
-    attention_on(q, kbuf, vbuf, meta, ancestors, scale, false)
+    attention_on(q, kbuf, vbuf, meta, ancestors, StepAttention::plain(scale))
+}
+
+/// [`tree_attention`] for a drafter's sliding-window layer: the block's `n` rows sit at consecutive
+/// positions `past ..` (`meta` word 0) and step row r sees cached key j < past only when
+/// `past + r − j < window` (the block's own keys, `bits` as for [`tree_attention`], are all inside
+/// a window of at least `n`). Splits skip the tiles no row sees. `window` 0 is no window.
+pub fn tree_attention_in_window(
+    q: &Tensor,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+    bits: &Tensor,
+    scale: f32,
+    window: usize,
+) -> Result<Tensor> {
+    let how = StepAttention {
+        window,
+        ..StepAttention::plain(scale)
+    };
+    attention_on(q, kbuf, vbuf, meta, bits, how)
 }
 
 /// [`tree_attention`] on the general kernel whatever the step's width (for tests: the kernel for
@@ -339,7 +359,31 @@ pub fn tree_attention_general(
     ancestors: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
-    attention_on(q, kbuf, vbuf, meta, ancestors, scale, true)
+    let how = StepAttention {
+        general: true,
+        ..StepAttention::plain(scale)
+    };
+    attention_on(q, kbuf, vbuf, meta, ancestors, how)
+}
+
+/// How a step's attention runs: its scale, the general kernel whatever the width (tests), and a
+/// sliding window (0: none; see [`tree_attention_in_window`]).
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA kernels' launcher alone
+pub(crate) struct StepAttention {
+    pub scale: f32,
+    pub general: bool,
+    pub window: usize,
+}
+
+impl StepAttention {
+    fn plain(scale: f32) -> Self {
+        Self {
+            scale,
+            general: false,
+            window: 0,
+        }
+    }
 }
 
 fn attention_on(
@@ -348,14 +392,13 @@ fn attention_on(
     vbuf: &Tensor,
     meta: &Tensor,
     ancestors: &Tensor,
-    scale: f32,
-    general: bool,
+    how: StepAttention,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, scale, general);
+        return crate::step_cuda::tree_attention(q, kbuf, vbuf, meta, ancestors, how);
     }
-    let _ = (q, kbuf, vbuf, meta, ancestors, scale, general);
+    let _ = (q, kbuf, vbuf, meta, ancestors, how);
     Err(CoreError::InvalidInput(
         "device step: tree_attention needs a CUDA device".into(),
     ))

@@ -356,9 +356,13 @@ pub(crate) fn tree_attention(
     vbuf: &Tensor,
     meta: &Tensor,
     ancestors: &Tensor,
-    scale: f32,
-    general: bool,
+    how: crate::step::StepAttention,
 ) -> Result<Tensor> {
+    let crate::step::StepAttention {
+        scale,
+        general,
+        window,
+    } = how;
     let (_, h, n, d) = q.dims4()?;
     let (_, kv, cap, db) = kbuf.dims4()?;
     // 256-wide heads (the hybrids' gated attention) run on the few-vector kernel alone
@@ -396,6 +400,16 @@ pub(crate) fn tree_attention(
     let mma = crate::step::tensor_core_attention(dtype, d);
     let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
         && crate::step::keys_by_position(mma)) as i32;
+    if window > 0 && (logical != 0 || window < n) {
+        // a window is the drafter's block's: rows at consecutive positions, keys by cache row,
+        // every step row inside every row's window
+        return Err(CoreError::InvalidInput(format!(
+            "tree_attention: a {window}-key window needs keys by cache row and at most {window} rows ({n})"
+        )));
+    }
+    let wi = i32::try_from(window).map_err(|_| {
+        CoreError::InvalidInput(format!("tree_attention: window {window} out of range"))
+    })?;
     let (per_block, warps) = if mma {
         (MMA_VECTORS_PER_BLOCK, MMA_WARPS)
     } else {
@@ -459,12 +473,12 @@ pub(crate) fn tree_attention(
     if let Some(group) = group {
         launch!(
             dev, &group, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &ni, &hi, &kvi, &capi, &chi, &gi,
-            &scale, &pp, &cp, &op
+            &scale, &pp, &cp, &op, &wi
         );
     } else {
         launch!(
             dev, &kernel, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &logical, &ni, &hi, &kvi, &capi,
-            &di, &chi, &gi, &scale, &pp, &cp, &op
+            &di, &chi, &gi, &scale, &pp, &cp, &op, &wi
         );
     }
     if counters.is_none() {

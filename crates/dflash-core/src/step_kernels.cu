@@ -230,6 +230,18 @@ __device__ __forceinline__ void tile_load(const T* kb, const T* vb, int g, int c
   }
 }
 
+// A sliding window (`window` > 0: the drafter's windowed layers; its block's rows sit at consecutive
+// positions past, past + 1, …): step row r sees cached key j < past iff past + r − j < window.
+// Keys before past − window + 1 are hidden from every row, so a split starts at the first of its
+// tiles that holds a visible key (the tiles skipped would add nothing: the same numbers).
+__device__ __forceinline__ bool in_window(int j, int past, int row, int window) {
+  return window <= 0 || j >= past || past + row - j < window;
+}
+__device__ __forceinline__ int window_tile_start(int k0, int past, int window, int tile) {
+  const int lo = past - window + 1;
+  return (window <= 0 || lo <= k0) ? k0 : k0 + (lo - k0) / tile * tile;
+}
+
 // With `counters` (one per block column, zero between launches): the last split of each
 // (kv head, vector group) to finish merges the group's records into `out` (the combine, fused)
 // and resets its counter.
@@ -237,7 +249,8 @@ template <typename T, bool VEC>
 __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const unsigned int* meta,
                                   const unsigned int* ancestors, int stride, int logical, int n,
                                   int H, int KV, int cap, int d, int chunk, int groups,
-                                  float scale, float* part, unsigned int* counters, T* out) {
+                                  float scale, float* part, unsigned int* counters, T* out,
+                                  int window) {
   __shared__ float ks[TK][MAX_D + 1];
   __shared__ float vs[TK][MAX_D];
   __shared__ float qs[VPB][MAX_D];
@@ -248,7 +261,8 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   const int nvec = rep * n, v0 = grp * VPB;
   const int past = (int)meta[0];
   const int total = past + n;
-  const int k0 = s * chunk, k1 = min(total, k0 + chunk);
+  const int k1 = min(total, s * chunk + chunk);
+  const int k0 = window_tile_start(s * chunk, past, window, TK);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int dpl = d >> 5;
   const long long qbase = (long long)g * rep * n;  // q vectors of kv head g are contiguous
@@ -328,7 +342,7 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
       for (int u = 0; u < VPW; ++u) {
         const int i = warp * VPW + u;
         dot[u] = 0.0f;
-        vis[u] = lane < nt && v0 + i < nvec;
+        vis[u] = lane < nt && v0 + i < nvec && in_window(key, past, (v0 + i) % n, window);
         if (vis[u] && key >= past)
           vis[u] = logical ? key - past <= depth[u]
                            : ((anc[i][(key - past) >> 5] >> ((key - past) & 31)) & 1u) != 0u;
@@ -427,9 +441,9 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
                                   const unsigned int* meta, const unsigned int* anc,           \
                                   int stride, int logical, int n, int H, int KV, int cap,      \
                                   int d, int chunk, int groups, float scale, float* part,      \
-                                  unsigned int* counters, TY* out) { PDL_ENTRY();                           \
+                                  unsigned int* counters, TY* out, int window) { PDL_ENTRY();               \
     tree_attn_partial<TY, VEC>(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, \
-                               groups, scale, part, counters, out);                            \
+                               groups, scale, part, counters, out, window);                    \
   }
 TREE_ATTN_PARTIAL(tree_attn_partial_f32, float, true)
 TREE_ATTN_PARTIAL(tree_attn_partial_bf16, bf16_t, true)

@@ -119,7 +119,7 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
                               const unsigned int* meta, const unsigned int* ancestors, int stride,
                               int logical, int n, int H, int KV, int cap, int d, int chunk,
                               int groups, float scale, float* part, unsigned int* counters,
-                              bf16_t* out) {
+                              bf16_t* out, int window) {
   __shared__ __align__(16) bf16_t ks[MK_TK * MK_STR];
   __shared__ __align__(16) bf16_t vs[MK_TK * MK_STR];
 #if defined(DFLASH_PATH_TABLE)
@@ -132,7 +132,8 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
   const int nvec = rep * n;
   const int past = (int)meta[0];
   const int total = past + n;
-  const int k0 = s * chunk, k1 = min(total, k0 + chunk);
+  const int k1 = min(total, s * chunk + chunk);
+  const int k0 = window_tile_start(s * chunk, past, window, MK_TK);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
   const int wbase = grp * MK_VPB + warp * 16;
@@ -285,7 +286,7 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1), j = t0 + jr;
-        bool vis = ok[hf] && jr < nt;
+        bool vis = ok[hf] && jr < nt && in_window(j, past, rr[hf], window);
         if (vis && j >= past) {
           const int i = j - past;
           vis = logical ? i <= dep[hf]
@@ -390,10 +391,10 @@ extern "C" __global__ void tree_attn_mma_bf16(const bf16_t* q, const bf16_t* kb,
                                               const unsigned int* anc, int stride, int logical,
                                               int n, int H, int KV, int cap, int d, int chunk,
                                               int groups, float scale, float* part,
-                                              unsigned int* counters, bf16_t* out) {
+                                              unsigned int* counters, bf16_t* out, int window) {
   PDL_ENTRY();
   tree_attn_mma(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
-                part, counters, out);
+                part, counters, out, window);
 }
 
 // group_attn_mma: bit for bit what tree_attn_mma computes for each of its vectors, with one warp's
@@ -410,7 +411,7 @@ template <int D, int KT>
 __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
                                const unsigned int* meta, const unsigned int* ancestors, int stride,
                                int n, int H, int KV, int cap, int chunk, int groups, float scale,
-                               float* part, unsigned int* counters, bf16_t* out) {
+                               float* part, unsigned int* counters, bf16_t* out, int window) {
   constexpr int KSTEPS = D / 16, TPW = D / 8 / MK_WARPS, UPR = D / 8;
   constexpr int UPT = KT * UPR / (MK_WARPS * 32);  // 16-byte units a thread stages a tile
   constexpr int STR = D > MAX_D ? D + 8 : MK_STR;  // shared row stride: conflict-free fragments
@@ -421,7 +422,8 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   const int rep = H / KV, g = blockIdx.x / groups, grp = blockIdx.x % groups, s = blockIdx.y;
   const int splits = gridDim.y, nvec = rep * n;
   const int past = (int)meta[0], total = past + n;
-  const int k0 = s * chunk, k1 = min(total, k0 + chunk);
+  const int k1 = min(total, s * chunk + chunk);
+  const int k0 = window_tile_start(s * chunk, past, window, KT);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
   bool ok[2];
@@ -497,7 +499,7 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1), j = t0 + jr;
-        bool vis = ok[hf] && jr < nt;
+        bool vis = ok[hf] && jr < nt && in_window(j, past, rr[hf], window);
         if (vis && j >= past && n > 1) {
           const int i = j - past;
           vis = ((ancestors[(long long)rr[hf] * stride + (i >> 5)] >> (i & 31)) & 1u) != 0u;
@@ -561,10 +563,10 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   extern "C" __global__ void group_attn_mma_bf16_d##D(                                        \
       const bf16_t* q, const bf16_t* kb, const bf16_t* vb, const unsigned int* meta,           \
       const unsigned int* anc, int stride, int n, int H, int KV, int cap, int chunk,           \
-      int groups, float scale, float* part, unsigned int* counters, bf16_t* out) {             \
+      int groups, float scale, float* part, unsigned int* counters, bf16_t* out, int window) { \
     PDL_ENTRY();                                                                               \
     group_attn_mma<D, KT>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale,   \
-                          part, counters, out);                                                \
+                          part, counters, out, window);                                        \
   }
 GROUP_ATTN_MMA(64, MK_TK)
 GROUP_ATTN_MMA(128, MK_TK)

@@ -676,11 +676,12 @@ fn drafts_follow_the_cpu(
 }
 
 /// A drafter of the z-lab Qwen3.6-27B layout — a causal sliding-window layer, then a full one —
-/// drafts on the device step while its window excludes no key (under `DFLASH_DRAFT_STEP_WINDOWS=1`:
-/// causal block bits), then on the host path once drafts reach past the 40-key window, the two
-/// sharing the cache; every draft follows the CPU's. CUDA only.
+/// drafts on the device step (causal block bits; the windowed attention once drafts reach past
+/// the 40-key window: each block row sees the cached keys within its own window), in f32 and in
+/// bf16, through a decode whose cache is cropped; every draft follows the CPU's host path.
+/// Under `DFLASH_DRAFT_STEP_WINDOWS=0` the same drafts run on the host path. CUDA only.
 #[test]
-fn causal_window_drafter_drafts_on_the_device_until_its_window_fills() {
+fn causal_window_drafter_drafts_on_the_device_past_its_window() {
     let dev = device();
     if !dev.is_cuda() {
         return;
@@ -690,14 +691,20 @@ fn causal_window_drafter_drafts_on_the_device_until_its_window_fills() {
         d.layer_types = Some(vec!["sliding_attention".into(), "full_attention".into()]);
         d.sliding_window = Some(40);
     };
+    // 47 context positions and 8-row blocks: the later blocks' windows exclude the first keys
     let counts = [20usize, 3, 5, 3, 5, 3, 1, 1, 1, 5];
-    let gc = drafts_follow_the_cpu(&cfg, layout, &dev, DType::F32, &counts, 4, |_| 2e-4);
-    let windows_on = std::env::var("DFLASH_DRAFT_STEP_WINDOWS").as_deref() == Ok("1");
-    if windows_on && dflash_core::step_graph::cuda_graphs_enabled() {
-        assert!(
-            gc.captured_graphs() > 0,
-            "the causal-window drafter took the host path: no draft graph was captured"
-        );
+    let windows_on = std::env::var("DFLASH_DRAFT_STEP_WINDOWS").as_deref() != Ok("0");
+    for (dtype, bound) in [
+        (DType::F32, &(|_: f32| 2e-4f32) as &dyn Fn(f32) -> f32),
+        (DType::BF16, &|s: f32| 0.05 * s + 0.05),
+    ] {
+        let gc = drafts_follow_the_cpu(&cfg, layout, &dev, dtype, &counts, 4, bound);
+        if windows_on && dflash_core::step_graph::cuda_graphs_enabled() {
+            assert!(
+                gc.captured_graphs() > 0,
+                "{dtype:?}: the causal-window drafter took the host path: no draft graph was captured"
+            );
+        }
     }
 }
 
