@@ -131,9 +131,11 @@ fn parse_widths(s: &str) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// (name for the report, config, mask token id, the published drafter's layout where it has one
-/// and `--drafter-layout zlab`) of `--shape` / `--target`.
+/// A resolved shape: name for the report, config, mask token id, and the published drafter's
+/// layout where it has one and `--drafter-layout zlab` asks for it.
 type Shape = (String, DecoderConfig, u32, Option<DrafterLayout>);
+
+/// The [`Shape`] of `--shape` / `--target`.
 fn resolve_shape(a: &DecodeArgs) -> Result<Shape> {
     if let Some(dir) = &a.target {
         let cfg = dflash_models::loader::read_config(dir)?;
