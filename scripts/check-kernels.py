@@ -96,6 +96,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
         ok &= compile_source(src, base, arch)
     if "DFLASH_PATH_TABLE" in src:  # the opt-in tree path table (DFLASH_ATTN_PATH_TABLE=1)
         ok &= compile_source(src, f"{base} (path table)", arch + ["-DDFLASH_PATH_TABLE"])
+    if "DFLASH_ATTN_PIPELINE" in src:  # the opt-in tile pipeline (DFLASH_ATTN_PIPELINE=1)
+        ok &= compile_source(src, f"{base} (tile pipeline)", arch + ["-DDFLASH_ATTN_PIPELINE"])
     if "PDL_ENTRY" in src:  # and as DFLASH_PDL=1 / early compile them (compute 9.0)
         pdl = ["--gpu-architecture=compute_90", "-DDFLASH_PDL"]
         ok &= compile_source(src, f"{base} (PDL)", pdl)

@@ -108,6 +108,13 @@ fn ptx() -> candle_core::Result<&'static str> {
         if std::env::var("DFLASH_ATTN_PREFETCH").as_deref() == Ok("1") {
             opts.options.push("-DDFLASH_TILE_PREFETCH".into());
         }
+        // opt-in (session 26, built and not yet run on a GPU): the general tensor-core attention's
+        // tiles by a cp.async pipeline — values loading while keys are scored, the next keys
+        // while values are summed — instead of register staging between two barriers (the same
+        // numbers) (`DFLASH_ATTN_PIPELINE=1`)
+        if std::env::var("DFLASH_ATTN_PIPELINE").as_deref() == Ok("1") {
+            opts.options.push("-DDFLASH_ATTN_PIPELINE".into());
+        }
         // opt-in (session 21, measured no faster on an H100): the tensor-core kernel keeps each warp's tree
         // paths and depths in shared memory for the per-row reads of keys by position
         // (`DFLASH_ATTN_PATH_TABLE=1`)

@@ -50,6 +50,41 @@ __device__ __forceinline__ unsigned int mk_ldg32(const bf16_t* p) {
   return __ldg((const unsigned int*)p);
 }
 
+// The tile pipeline of tree_attn_mma under DFLASH_ATTN_PIPELINE (opt-in, `DFLASH_ATTN_PIPELINE=1`;
+// built in session 26 after ncu found the kernel latency-bound — one tile staged through registers
+// between two barriers, then scored — and not yet run on a GPU): K and V tiles move into shared
+// memory by cp.async (16 bytes a copy, zero-filled past the split, no staging registers), the V
+// tile of a tile while its keys are scored and the next tile's K while its values are summed —
+// the same numbers in the same places as the register staging.
+__device__ __forceinline__ void mk_cp16(bf16_t* dst, const bf16_t* src, bool valid) {
+  const unsigned int a = (unsigned int)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void mk_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void mk_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+// A warp without vectors skips the tile's work but not its barriers (pipeline); without the
+// pipeline it leaves the tile after the staging barrier.
+#if defined(DFLASH_ATTN_PIPELINE)
+#define MK_PIPE_IDLE (!wactive)
+#else
+#define MK_PIPE_IDLE false
+#endif
+// Rows t0 .. t0 + MK_TK − 1 of kv head g's buffer `src` into `buf` (stride MK_STR), zero past nt.
+__device__ __forceinline__ void mk_stage_async(bf16_t* buf, const bf16_t* src, int g, int cap,
+                                               int d, int t0, int nt, int tid) {
+  const int upr = d >> 3, units = MK_TK * upr, lg = __ffs(upr) - 1;
+  const bool pow2 = (upr & (upr - 1)) == 0;
+  for (int u = tid; u < units; u += MK_WARPS * 32) {
+    const int j = pow2 ? u >> lg : u / upr, c = (u - j * upr) * 8;
+    const bool in = j < nt;
+    mk_cp16(buf + j * MK_STR + c, src + ((long long)g * cap + t0 + (in ? j : 0)) * d + c, in);
+  }
+}
+
 // The cache row holding key `j` for a tree row of depth `dr` whose path is `tab` (shared memory,
 // when the warp keeps its rows' paths there) or the ancestor record `ar` (its path from L2), or −1
 // (a key past the row's depth or past the split: a zero operand).
@@ -197,9 +232,18 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
   for (int t = 0; t < MAX_D / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
   float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
 
+#if defined(DFLASH_ATTN_PIPELINE)
+  if (k0 < k1) mk_stage_async(ks, kb, g, cap, d, k0, min(MK_TK, k1 - k0), tid);
+  mk_cp_commit();
+#endif
   for (int t0 = k0; t0 < k1; t0 += MK_TK) {
     const int nt = min(MK_TK, k1 - t0);
-    __syncthreads();
+    __syncthreads();  // every warp is done with the tile before
+#if defined(DFLASH_ATTN_PIPELINE)
+    mk_stage_async(vs, vb, g, cap, d, t0, nt, tid);  // this tile's values, while its keys are scored
+    mk_cp_commit();
+    mk_cp_wait<1>();  // this tile's keys have landed
+#else
     {  // stage the tile: 16-byte units, zero past the split
       const int upr = d >> 3, units = MK_TK * upr;
       for (int u0 = tid; u0 < units; u0 += 4 * MK_WARPS * 32) {
@@ -224,14 +268,18 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
         }
       }
     }
+#endif
     __syncthreads();
-    if (!wactive) continue;
+#if !defined(DFLASH_ATTN_PIPELINE)
+    if (!wactive) continue;  // (in the pipeline every warp reaches every barrier of the tile)
+#endif
     // tile-relative step keys a bent row reads row by row
     const int glo = past - t0, ghi = past + maxdep - t0;
     const bool gtile = gather && ghi >= 0 && glo < nt;
     float sc[MK_TK / 8][4];
 #pragma unroll
     for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
+      if (MK_PIPE_IDLE) break;
       sc[j8][0] = sc[j8][1] = sc[j8][2] = sc[j8][3] = 0.0f;
       if (j8 * 8 >= nt) continue;
       if (gtile && j8 * 8 + 7 >= glo && j8 * 8 <= ghi) {
@@ -279,7 +327,12 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
         }
       }
     }
-    // masks, the tile's max per vector
+#if defined(DFLASH_ATTN_PIPELINE)
+    __syncthreads();  // every warp has scored the keys: the next tile's keys may come in
+    if (t0 + MK_TK < k1) mk_stage_async(ks, kb, g, cap, d, t0 + MK_TK, min(MK_TK, k1 - t0 - MK_TK), tid);
+    mk_cp_commit();
+#endif
+    // masks, the tile's max per vector (inactive warps: every score hidden)
     float tmax[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
@@ -307,10 +360,14 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
       acc[t][2] *= alpha[1];
       acc[t][3] *= alpha[1];
     }
+#if defined(DFLASH_ATTN_PIPELINE)
+    mk_cp_wait<1>();  // this tile's values have landed (the next keys may still be coming)
+    __syncthreads();
+#endif
     // output += p·v, 16 keys a chunk in key order
 #pragma unroll
     for (int kc = 0; kc < MK_TK / 16; ++kc) {
-      if (kc * 16 >= nt) continue;
+      if (MK_PIPE_IDLE || kc * 16 >= nt) continue;
       const unsigned int pa[4] = {pk[2 * kc][0], pk[2 * kc][1], pk[2 * kc + 1][0],
                                   pk[2 * kc + 1][1]};
       if (gtile && kc * 16 + 15 >= glo && kc * 16 <= ghi) {
@@ -362,6 +419,9 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
       }
     }
   }
+#if defined(DFLASH_ATTN_PIPELINE)
+  mk_cp_wait<0>();
+#endif
   if (wactive) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
