@@ -8,11 +8,12 @@
 //!   new context rows and the block's rows together (one GEMM over the stacked q/k/v weights),
 //!   one kernel norms and rotates the heads and writes their K/V at the cache's device-held length
 //!   — context rows first, the block's right after them (scratch rows past the committed length,
-//!   never counted) — and the block attends over both with every block row seeing every block row
-//!   — the standard DFlash layer (non-causal, no window, the z-lab block layout; other layouts
-//!   take the host path, but see the last invariant). The residual adds, norms and the MLP take the decode step's fused
-//!   kernels (add+norm, gate-up as one GEMM, silu·mul, the down projection; the activation folded
-//!   into the streaming down projection under `DFLASH_SILU_EPILOGUE=1`).
+//!   never counted) — and the block attends over both: every block row sees every block row in
+//!   non-causal layers, the rows before it in causal ones, and the cached keys within its window
+//!   in sliding-window layers (the z-lab block layout; other block layouts take the host path).
+//!   The residual adds, norms and the MLP take the decode step's fused kernels (add+norm, gate-up
+//!   as one GEMM, silu·mul, the down projection; the activation folded into the streaming down
+//!   projection under `DFLASH_SILU_EPILOGUE=1`).
 //! - The stacked weights ([`FusedLayer`]) are made on the first device draft, never in training.
 //! - The host cache length advances by the context rows only, after the step succeeded.
 //! - Needs `len + m + B ≤ capacity` (the block's scratch rows); otherwise the host path runs.
