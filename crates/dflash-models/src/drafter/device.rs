@@ -160,6 +160,9 @@ impl DFlashDrafter {
         let rows = Tensor::cat(&[&keys.ctx, h], 1)?;
         let y = project(&fused.qkv, &rows)?.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
+        // o_proj's weight asked into L2 during the heads and the attention (opt-in,
+        // `dflash_core::l2_prefetch`; joined before the projection, which follows the return)
+        let prefetch = dflash_core::l2_prefetch::start(layer.o_proj.weight())?;
         let q = qkv_heads_into_cache(
             &y,
             &keys.cos_sin,
@@ -174,7 +177,7 @@ impl DFlashDrafter {
         let q = q.narrow(2, m, bs)?.contiguous()?;
         let scale = 1.0 / (hd as f32).sqrt();
         let a = self.cfg.layer_attention(li);
-        Ok(tree_attention_in_window(
+        let o = tree_attention_in_window(
             &q,
             &kb,
             &vb,
@@ -186,7 +189,9 @@ impl DFlashDrafter {
             },
             scale,
             a.window.unwrap_or(0),
-        )?)
+        )?;
+        prefetch.finish()?;
+        Ok(o)
     }
 
     /// The MLP in the device step: gate and up as one GEMM, then silu·mul and the down
@@ -198,7 +203,10 @@ impl DFlashDrafter {
         if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down.weight())? {
             return Ok(y);
         }
-        project(down, &dflash_core::decode_ops::silu_mul(&gate_up)?)
+        let prefetch = dflash_core::l2_prefetch::start(down.weight())?;
+        let h = dflash_core::decode_ops::silu_mul(&gate_up)?;
+        prefetch.finish()?;
+        project(down, &h)
     }
 
     /// [`DFlashDrafter::draft`] as a device step when it can be one (CUDA with the fused decode

@@ -39,7 +39,7 @@ pub(super) struct DraftLayer {
     pub(super) q_proj: Linear,
     pub(super) k_proj: Linear,
     pub(super) v_proj: Linear,
-    o_proj: Linear,
+    pub(super) o_proj: Linear,
     pub(super) q_norm: RmsNorm,
     pub(super) k_norm: RmsNorm,
     input_layernorm: RmsNorm,
