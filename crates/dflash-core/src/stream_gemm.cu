@@ -309,3 +309,108 @@ extern "C" __global__ void stream_gemm_addnorm_m16_bf16(const bf16_t* x, const b
   PDL_ENTRY();
   stream_gemm<2, false, bf16_t, true>(x, w, M, N, K, y, d, nw, eps, sum);
 }
+
+// The wide kernel (`DFLASH_STREAM_WIDE=1`, opt-in; session 27, built, not yet run on a GPU): all
+// of a call's rows, up to 16·G, in one block per 16 output columns. Each warp loads a chunk's w
+// fragments once and multiplies them with every 16-row group's x fragments (read from L2), so the
+// weight is read once for the whole call instead of once per 16-row group (the narrow kernel's
+// grid.y). Per element it is the narrow kernel's arithmetic — the same warps and chunks
+// (KW from N and K alone), the same mma chain per accumulator (half 0 then 1, the .x/.y pair then
+// .z/.w), the same warp-order sum and rounding — so a row's bits equal the narrow kernel's, and
+// with it the AR step's, at any row count.
+template <int G, typename O>
+__device__ void stream_gemm_wide(const bf16_t* x, const bf16_t* w, int M, int N, int K, O* y) {
+  __shared__ float part[SG_MAX_KW][16][16];  // [warp][n][m] of one row group at a time
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = blockDim.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const bf16_t* w0 = w + (long long)min(n0 + g, N - 1) * K + 8 * t4;
+  const bf16_t* w1 = w + (long long)min(n0 + g + 8, N - 1) * K + 8 * t4;
+  float acc[G][2][4];
+#pragma unroll
+  for (int gr = 0; gr < G; ++gr)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[gr][t][i] = 0.0f;
+  const int chunks = K >> 6;
+  for (int c = warp; c < chunks; c += 2 * kw) {
+    // two chunks' w fragments in flight, then each multiplied in chunk order
+    uint4 a0[2][2], a1[2][2];
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      if (c + st * kw >= chunks) continue;
+      const int k = (c + st * kw) << 6;
+      a0[st][0] = sg_load(w0 + k);
+      a0[st][1] = sg_load(w0 + k + 32);
+      a1[st][0] = sg_load(w1 + k);
+      a1[st][1] = sg_load(w1 + k + 32);
+    }
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      if (c + st * kw >= chunks) continue;
+      const int k = (c + st * kw) << 6;
+#pragma unroll
+      for (int gr = 0; gr < G; ++gr) {
+        uint4 xv[2][2];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int m = 16 * gr + 8 * t + g;
+          const bf16_t* xr = x + (long long)(m < M ? m : 0) * K + 8 * t4 + k;
+          xv[t][0] = m < M ? *(const uint4*)xr : make_uint4(0, 0, 0, 0);
+          xv[t][1] = m < M ? *(const uint4*)(xr + 32) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            sg_mma(acc[gr][t], a0[st][h].x, a1[st][h].x, a0[st][h].y, a1[st][h].y, xv[t][h].x,
+                   xv[t][h].y);
+            sg_mma(acc[gr][t], a0[st][h].z, a1[st][h].z, a0[st][h].w, a1[st][h].w, xv[t][h].z,
+                   xv[t][h].w);
+          }
+      }
+    }
+  }
+  // each row group's warp partials meet in shared memory and are added in warp order
+#pragma unroll
+  for (int gr = 0; gr < G; ++gr) {
+    if (16 * gr >= M) break;  // the same for every thread of the block
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int m = 8 * t + 2 * t4;
+      part[warp][g][m] = acc[gr][t][0];
+      part[warp][g][m + 1] = acc[gr][t][1];
+      part[warp][g + 8][m] = acc[gr][t][2];
+      part[warp][g + 8][m + 1] = acc[gr][t][3];
+    }
+    __syncthreads();
+    const int rows = min(16, M - 16 * gr);
+    for (int e = threadIdx.x; e < 16 * rows; e += blockDim.x) {
+      const int m = e >> 4, n = e & 15;
+      if (n0 + n >= N) continue;
+      float s = part[0][n][m];
+      for (int j = 1; j < kw; ++j) s += part[j][n][m];
+      sg_store(y, (long long)(16 * gr + m) * N + n0 + n, s);
+    }
+    __syncthreads();
+  }
+}
+
+#define SG_WIDE(G)                                                                              \
+  extern "C" __global__ void stream_gemm_wide_g##G##_bf16(const bf16_t* x, const bf16_t* w,      \
+                                                          int M, int N, int K, bf16_t* y) {      \
+    sg_prefetch(w, N, K);                                                                       \
+    PDL_ENTRY();                                                                                \
+    stream_gemm_wide<G>(x, w, M, N, K, y);                                                      \
+  }                                                                                             \
+  extern "C" __global__ void stream_gemm_wide_g##G##_f32out(const bf16_t* x, const bf16_t* w,    \
+                                                            int M, int N, int K, float* y) {     \
+    sg_prefetch(w, N, K);                                                                       \
+    PDL_ENTRY();                                                                                \
+    stream_gemm_wide<G>(x, w, M, N, K, y);                                                      \
+  }
+SG_WIDE(2)
+SG_WIDE(3)
+SG_WIDE(4)
+SG_WIDE(5)

@@ -156,7 +156,14 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
                 STREAM_MAX_BYTES
             };
             let tiles = w.dims().first().map_or(0, |n| n.div_ceil(16));
-            (rows <= FAST_MAX_ROWS && bytes <= limit)
+            // with the wide kernel (opt-in), tree verifies' calls up to its rows stream where
+            // 16-row verifies' do
+            let max_rows = if wide_calls() && !logits {
+                WIDE_MAX_ROWS
+            } else {
+                FAST_MAX_ROWS
+            };
+            (rows <= max_rows && bytes <= limit)
                 || (!logits
                     && rows <= FEW_ROWS
                     && bytes <= stream_max_few_rows_bytes()
@@ -203,6 +210,21 @@ pub fn tiled_from_rows() -> Option<usize> {
             .and_then(|v| v.parse::<usize>().ok());
         Some(from.unwrap_or(17).max(1))
     })
+}
+
+/// The most rows a call on the wide kernel takes (16 per row group, five groups: DDTree-64
+/// verifies); calls of 17 up to this many rows take it when [`wide_calls`].
+pub const WIDE_MAX_ROWS: usize = 80;
+
+/// Whether calls of 17 to [`WIDE_MAX_ROWS`] rows (plain or f32-out epilogue) take the wide kernel
+/// (`stream_gemm.cu`'s `stream_gemm_wide`: one block per 16 outputs for every row of the call, so
+/// each weight chunk is read once, not once per 16-row group; the narrow kernel's arithmetic per
+/// element, so the same bits): `DFLASH_STREAM_WIDE=1` (read once; opt-in, session 27, built and
+/// not yet run on a GPU; the GPU test `stream_matmul_matches_and_does_not_depend_on_the_row_count`
+/// checks its bits under it).
+pub fn wide_calls() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_STREAM_WIDE").as_deref() == Ok("1"))
 }
 
 /// What the kernel feeds the tensor cores and writes.
@@ -444,6 +466,28 @@ mod cuda {
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
         let warps = super::k_warps(n, k);
+        if m > 16 && m <= super::WIDE_MAX_ROWS && epilogue != Epilogue::Silu && super::wide_calls()
+        {
+            let groups = m.div_ceil(16);
+            let name = match epilogue {
+                Epilogue::F32 => format!("stream_gemm_wide_g{groups}_f32out"),
+                _ => format!("stream_gemm_wide_g{groups}_bf16"),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(16) as u32, 1, 1),
+                block_dim: (32 * warps as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
+            crate::pdl::mark(&f);
+            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+            let mut b = f.builder();
+            b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
+            // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
+            // tensors of the sizes the kernel reads and writes (m ≤ 16 · groups).
+            unsafe { b.launch(cfg) }.w()?;
+            return Ok(Some(y));
+        }
         if super::tiled_from_rows().is_some_and(|from| m >= from) {
             // one block per 64 × 64 output tile, 8 warps, two shared-memory stages of the weight,
             // x (and up) tiles: 2 · 3 · 64 rows · 128 bytes
