@@ -466,29 +466,12 @@ mod cuda {
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
         let warps = super::k_warps(n, k);
-        if m > 16 && m <= super::WIDE_MAX_ROWS && epilogue != Epilogue::Silu && super::wide_calls()
-        {
-            let groups = m.div_ceil(16);
-            let name = match epilogue {
-                Epilogue::F32 => format!("stream_gemm_wide_g{groups}_f32out"),
-                _ => format!("stream_gemm_wide_g{groups}_bf16"),
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(16) as u32, 1, 1),
-                block_dim: (32 * warps as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
-            crate::pdl::mark(&f);
-            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            let mut b = f.builder();
-            b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
-            // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
-            // tensors of the sizes the kernel reads and writes (m ≤ 16 · groups).
-            unsafe { b.launch(cfg) }.w()?;
-            return Ok(Some(y));
-        }
-        if super::tiled_from_rows().is_some_and(|from| m >= from) {
+        // calls of 17–80 rows on the wide kernel (opt-in): one block per 16 outputs for all rows
+        let wide = m > 16
+            && m <= super::WIDE_MAX_ROWS
+            && epilogue != Epilogue::Silu
+            && super::wide_calls();
+        if !wide && super::tiled_from_rows().is_some_and(|from| m >= from) {
             // one block per 64 × 64 output tile, 8 warps, two shared-memory stages of the weight,
             // x (and up) tiles: 2 · 3 · 64 rows · 128 bytes
             let name = match epilogue {
@@ -519,13 +502,15 @@ mod cuda {
             return Ok(Some(y));
         }
         let tiles = if m <= 8 { 8 } else { 16 };
-        let name = match epilogue {
-            Epilogue::Bf16 => format!("stream_gemm_m{tiles}_bf16"),
-            Epilogue::F32 => format!("stream_gemm_m{tiles}_f32out"),
-            Epilogue::Silu => format!("stream_gemm_silu_m{tiles}_bf16"),
+        let (name, row_groups) = match (wide, epilogue) {
+            (true, Epilogue::F32) => (format!("stream_gemm_wide_g{}_f32out", m.div_ceil(16)), 1),
+            (true, _) => (format!("stream_gemm_wide_g{}_bf16", m.div_ceil(16)), 1),
+            (false, Epilogue::Bf16) => (format!("stream_gemm_m{tiles}_bf16"), m.div_ceil(16)),
+            (false, Epilogue::F32) => (format!("stream_gemm_m{tiles}_f32out"), m.div_ceil(16)),
+            (false, Epilogue::Silu) => (format!("stream_gemm_silu_m{tiles}_bf16"), m.div_ceil(16)),
         };
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+            grid_dim: (n.div_ceil(16) as u32, row_groups as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -535,7 +520,7 @@ mod cuda {
         let mut b = f.builder();
         b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
         // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
-        // tensors of the sizes the kernel reads and writes.
+        // tensors of the sizes the kernel reads and writes (the wide kernel: m ≤ 16 · groups).
         unsafe { b.launch(cfg) }.w()?;
         Ok(Some(y))
     }
