@@ -53,7 +53,7 @@ ROUNDS=${ROUNDS:-30}
 # hostwindows: drafters with causal / sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; on the device step by default since session 26, windows included);
 # pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26, built, not yet run; the same bits);
 # l2pfN: each GEMM's weight asked into L2 during the small kernels before it, at most N MiB a weight (DFLASH_L2_PREFETCH=N; session 27, opt-in);
-# wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1; session 27, opt-in) — with the default policy (tree verifies' small weights stream too) / with every call streamed (--bit-exact's path);
+# wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -178,6 +178,7 @@ for spec in $SHAPES; do
       l2pf*) fused=1 graphs=1 l2pf=${variant#l2pf};;
       wide) fused=1 graphs=1 wide=1;;
       wideexact) fused=1 graphs=1 stream=all wide=1;;
+      exactnarrow) fused=1 graphs=1 stream=all wide=0;;
       treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
       fewalltiles) fused=1 graphs=1 fewtiles=0;;
       pathtable) fused=1 graphs=1 keys=position path=1;;

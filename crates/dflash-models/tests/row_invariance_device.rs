@@ -275,7 +275,7 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
             (5, 33),
             (100, 17),
             (60, 65),
-            // (under DFLASH_STREAM_WIDE=1, 17..=80 rows take the wide kernel: every group count)
+            // (with DFLASH_STREAM_WIDE=1, 17..=80 rows take the wide kernel: every group count)
             (20, 50),
             (40, 80),
             (2, 128),
