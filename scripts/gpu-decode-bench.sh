@@ -51,8 +51,8 @@ ROUNDS=${ROUNDS:-30}
 # groupvecN: group_attn_mma for steps of at most N query vectors (DFLASH_GROUP_ATTN_VECTORS=N);
 # groupall: group_attn_mma for every step without per-row key reads, whatever its width (DFLASH_GROUP_ATTN_VECTORS=100000);
 # hostwindows: drafters with causal / sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; on the device step by default since session 26, windows included);
-# pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26, built, not yet run; the same bits);
-# l2pfN: each GEMM's weight asked into L2 during the small kernels before it, at most N MiB a weight (DFLASH_L2_PREFETCH=N; session 27, opt-in);
+# pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26; the same bits; no faster on an H100, session 27);
+# l2pfN: each GEMM's weight asked into L2 during the small kernels before it, at most N MiB a weight (DFLASH_L2_PREFETCH=N; session 27, opt-in: slower at every shape measured);
 # wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}

@@ -18,9 +18,12 @@
 //! - The side stream is made on the first eager call (never inside a capture: a prefetch asked for
 //!   while a capture runs and before any eager one is skipped), on the first device that asks;
 //!   other devices are skipped.
-//! - Opt-in while unmeasured: `DFLASH_L2_PREFETCH=MB` (read once) asks for at most MB MiB of each
-//!   weight — the first `MB MiB / rows` bytes of every row, or all of a smaller weight; unset or
-//!   `0`: off. Off under PDL (`DFLASH_PDL`), whose graph rebuild takes single-stream chains only.
+//! - Opt-in, measured slower: `DFLASH_L2_PREFETCH=MB` (read once; a documented override for A/B
+//!   runs) asks for at most MB MiB of each weight — the first `MB MiB / rows` bytes of every row,
+//!   or all of a smaller weight; unset or `0`: off. On an H100 (session 27, 32 MiB) every row lost:
+//!   Qwen3-8B's AR step 6.50 → 6.80 ms at context 2048, SmolLM2's 0.90 → 1.08 (the fork, the join
+//!   and the kernel around every GEMM cost more than the early bytes save). Off under PDL
+//!   (`DFLASH_PDL`), whose graph rebuild takes single-stream chains only.
 
 use crate::Result;
 use candle_core::Tensor;
