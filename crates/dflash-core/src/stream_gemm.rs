@@ -227,18 +227,23 @@ pub const WIDE_MAX_ROWS: usize = 80;
 /// verifies' calls of ≤ 16 MiB weights (measured there: SmolLM2's DDTree-64 verify 1.47 → 1.84 ms,
 /// so not by default).
 pub fn wide_calls() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("DFLASH_STREAM_WIDE").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => stream_policy() == StreamPolicy::All,
-    })
+    wide_override().unwrap_or_else(|| stream_policy() == StreamPolicy::All)
 }
 
 /// Whether the fast policy streams tree verifies' calls on the wide kernel (`DFLASH_STREAM_WIDE=1`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn wide_fast_calls() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_STREAM_WIDE").as_deref() == Ok("1"))
+    wide_override() == Some(true)
+}
+
+/// `DFLASH_STREAM_WIDE`: `1` on, `0` off, else unset (read once).
+fn wide_override() -> Option<bool> {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| match std::env::var("DFLASH_STREAM_WIDE").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    })
 }
 
 /// What the kernel feeds the tensor cores and writes.
