@@ -66,7 +66,7 @@ def assemble(ptx, name):
 ok = True
 prelude = open(os.path.join(root, "crates/dflash-core/src/pdl.cuh")).read()
 # files compiled as part of another module (step_cuda.rs: SOURCE), appended to it here too
-APPENDED = {"step_kernels.cu": ["tree_attn_mma.cu"], "stream_gemm.cu": ["stream_gemm_tiled.cu"]}
+APPENDED = {"step_kernels.cu": ["tree_attn_mma.cu", "tree_attn_rows.cu"], "stream_gemm.cu": ["stream_gemm_tiled.cu"]}
 appended = {f for files in APPENDED.values() for f in files}
 for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu"))):
     src = open(path).read()

@@ -53,6 +53,7 @@ ROUNDS=${ROUNDS:-30}
 # hostwindows: drafters with causal / sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; on the device step by default since session 26, windows included);
 # pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26; the same bits; no faster on an H100, session 27);
 # l2pfN: each GEMM's weight asked into L2 during the small kernels before it, at most N MiB a weight (DFLASH_L2_PREFETCH=N; session 27, opt-in: slower at every shape measured);
+# rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for wide bf16 steps of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=1: trees the general kernel would take; =2: also the few-vector kernel's, a DFlash block, on tree splits; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
 # wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -66,19 +67,11 @@ D=/tmp/bin/dflash
 # the test lines matching the pattern, and each panic with the line after it (its message)
 show() { awk -v re="$1" '/panicked/ { print; if ((getline l) > 0) print l; next } $0 ~ re'; }
 if [ "${TESTS:-1}" = new ]; then  # only the tests of the newest opt-ins
-  echo "== decode ops, row invariance, bit-exact verify, drafts and the hybrid step under the L2 prefetch (DFLASH_L2_PREFETCH=32)" | tee -a "$LOG"
-  DFLASH_L2_PREFETCH=32 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_L2_PREFETCH=32 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_L2_PREFETCH=32 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_L2_PREFETCH=32 DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | show "result|panicked|differ" | tee -a "$LOG"
-  echo "== decode ops, tree rows and bit-exact verify under the tile pipeline (DFLASH_ATTN_PIPELINE=1)" | tee -a "$LOG"
-  DFLASH_ATTN_PIPELINE=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_ATTN_PIPELINE=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_ATTN_PIPELINE=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | show "result|panicked" | tee -a "$LOG"
-  echo "== the wide streaming GEMM (DFLASH_STREAM_WIDE=1): its bits against the narrow kernel's, the bit-exact verify on it" | tee -a "$LOG"
-  DFLASH_STREAM_WIDE=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
-  DFLASH_STREAM_WIDE=1 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_STREAM_WIDE=1 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  echo "== the row kernel (tree_attn_rows) against the general kernel, bit for bit; then decode ops and row invariance with it on every wide step (DFLASH_ATTN_ROWS=2)" | tee -a "$LOG"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 row_kernel 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS_BLOCKS=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 row_kernel 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops on cuda" | tee -a "$LOG"
@@ -139,7 +132,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    wide="" l2pf="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    arows="" ablocks="" wide="" l2pf="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -180,12 +173,17 @@ for spec in $SHAPES; do
       wideexact) fused=1 graphs=1 stream=all wide=1;;
       exactnarrow) fused=1 graphs=1 stream=all wide=0;;
       treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
+      rows1) fused=1 graphs=1 arows=1;;
+      rows2) fused=1 graphs=1 arows=2;;
+      rowsb2) fused=1 graphs=1 arows=1 ablocks=2;;
+      rows1c*) fused=1 graphs=1 arows=1 tchunk=${variant#rows1c};;
+      rows2c*) fused=1 graphs=1 arows=2 tchunk=${variant#rows2c};;
       fewalltiles) fused=1 graphs=1 fewtiles=0;;
       pathtable) fused=1 graphs=1 keys=position path=1;;
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_STREAM_WIDE=$wide DFLASH_L2_PREFETCH=$l2pf DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_L2_PREFETCH=$l2pf DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

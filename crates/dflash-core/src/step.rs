@@ -359,29 +359,74 @@ pub fn tree_attention_general(
     ancestors: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
+    tree_attention_on_kernel(
+        q,
+        kbuf,
+        vbuf,
+        meta,
+        ancestors,
+        scale,
+        StepKernel::General,
+        0,
+    )
+}
+
+/// [`tree_attention`] on a named kernel and, with `chunk` > 0 (a multiple of 64), on splits of
+/// `chunk` keys instead of the rule's (for tests: every kernel must give the general one's bits
+/// at the same splits). [`StepKernel::Rows`] takes bf16 steps of 128-wide heads with keys by step
+/// row (`bits`, as for [`tree_attention`]) alone.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn tree_attention_on_kernel(
+    q: &Tensor,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+    ancestors: &Tensor,
+    scale: f32,
+    kernel: StepKernel,
+    chunk: usize,
+) -> Result<Tensor> {
+    if !chunk.is_multiple_of(64) {
+        return Err(CoreError::InvalidInput(format!(
+            "tree_attention: a {chunk}-key split is not a multiple of 64"
+        )));
+    }
     let how = StepAttention {
-        general: true,
+        kernel,
+        chunk,
         ..StepAttention::plain(scale)
     };
     attention_on(q, kbuf, vbuf, meta, ancestors, how)
 }
 
-/// How a step's attention runs: its scale, the general kernel whatever the width (tests), and a
-/// sliding window (0: none; see [`tree_attention_in_window`]).
+/// Which CUDA kernel a step's attention takes: the rule's ([`StepKernel::Auto`]), the general one
+/// whatever the width, or the row kernel for wide steps with keys by step row (tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKernel {
+    Auto,
+    General,
+    Rows,
+}
+
+/// How a step's attention runs: its scale, the kernel (tests), a sliding window (0: none; see
+/// [`tree_attention_in_window`]) and a fixed split (0: the rule's; tests).
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA kernels' launcher alone
 pub(crate) struct StepAttention {
     pub scale: f32,
-    pub general: bool,
+    pub kernel: StepKernel,
     pub window: usize,
+    pub chunk: usize,
 }
 
 impl StepAttention {
     fn plain(scale: f32) -> Self {
         Self {
             scale,
-            general: false,
+            kernel: StepKernel::Auto,
             window: 0,
+            chunk: 0,
         }
     }
 }

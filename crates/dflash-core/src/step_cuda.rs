@@ -15,10 +15,12 @@ use candle_core::{DType, Storage, Tensor};
 use std::sync::OnceLock;
 
 /// The step module: the kernels of `step_kernels.cu`, then the bf16 tensor-core attention of
-/// `tree_attn_mma.cu` (which uses the former's helpers). Compiled for compute 8.0 or later.
+/// `tree_attn_mma.cu` (which uses the former's helpers) and `tree_attn_rows.cu` (which uses
+/// those). Compiled for compute 8.0 or later.
 const SOURCE: &str = concat!(
     include_str!("step_kernels.cu"),
-    include_str!("tree_attn_mma.cu")
+    include_str!("tree_attn_mma.cu"),
+    include_str!("tree_attn_rows.cu")
 );
 const MODULE: &str = "dflash_step_kernels";
 /// Keys per split of the attention. A row's softmax is merged over splits in order, so its
@@ -121,6 +123,13 @@ fn ptx() -> candle_core::Result<&'static str> {
         // (`DFLASH_ATTN_PATH_TABLE=1`)
         if std::env::var("DFLASH_ATTN_PATH_TABLE").as_deref() == Ok("1") {
             opts.options.push("-DDFLASH_PATH_TABLE".into());
+        }
+        // the row kernel's resident blocks an SM asked of the compiler (`DFLASH_ATTN_ROWS_BLOCKS`,
+        // 2 or 3; 3 by default: 168 registers, a few bytes spilled; 2: 209, none)
+        if let Ok(b) = std::env::var("DFLASH_ATTN_ROWS_BLOCKS") {
+            if matches!(b.as_str(), "2" | "3") {
+                opts.options.push(format!("-DRW_MIN_BLOCKS={b}"));
+            }
         }
         candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(
             crate::pdl::with_prelude(SOURCE),
@@ -358,6 +367,48 @@ fn group_kernel(mma: bool, logical: bool, n: usize, rep: usize, d: usize) -> Opt
     .then(|| format!("group_attn_mma_bf16_d{d}"))
 }
 
+/// Dynamic shared memory of `tree_attn_rows_bf16_d128`: two tile buffers of 64 K and 64 V rows of
+/// 128 + 8 bf16 (`tree_attn_rows.cu`).
+const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
+
+/// Lets the row kernel take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default 48
+/// KB) and prefer shared memory over L1, once per process (one device: the step kernels' module
+/// is loaded once).
+fn allow_row_kernel_shared_memory(f: &driver::CudaFunction) -> Result<()> {
+    use sys::CUfunction_attribute_enum as A;
+    static SET: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    SET.get_or_init(|| {
+        f.set_attribute(
+            A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            ROWS_SHARED_BYTES as i32,
+        )
+        .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
+        .map_err(|e| format!("tree_attn_rows: shared memory attribute: {e:?}"))
+    })
+    .clone()
+    .map_err(CoreError::InvalidInput)
+}
+
+/// Whether a wide bf16 step of 128-wide heads with keys by step row takes the row kernel
+/// (`tree_attn_rows.cu`) under `DFLASH_ATTN_ROWS` (read once): `0` (the default until measured)
+/// never; `1` the steps the general kernel would take (more than 64 query vectors a kv head: DDTree
+/// trees); `2` also those the few-vector kernel would take (a DFlash block's 16 rows), on the
+/// tree splits.
+fn rows_kernel_takes(few_vectors: bool) -> bool {
+    static MODE: OnceLock<u8> = OnceLock::new();
+    let mode = *MODE.get_or_init(|| {
+        std::env::var("DFLASH_ATTN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    });
+    match mode {
+        0 => false,
+        1 => !few_vectors,
+        _ => true,
+    }
+}
+
 pub(crate) fn tree_attention(
     q: &Tensor,
     kbuf: &Tensor,
@@ -368,9 +419,11 @@ pub(crate) fn tree_attention(
 ) -> Result<Tensor> {
     let crate::step::StepAttention {
         scale,
-        general,
+        kernel: choice,
         window,
+        chunk: fixed_chunk,
     } = how;
+    let general = choice == crate::step::StepKernel::General;
     let (_, h, n, d) = q.dims4()?;
     let (_, kv, cap, db) = kbuf.dims4()?;
     // 256-wide heads (the hybrids' gated attention) run on the few-vector kernel alone
@@ -434,9 +487,27 @@ pub(crate) fn tree_attention(
     } else {
         group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general)
     };
+    // the row kernel (tree_attn_rows.cu): wide bf16 steps of 128-wide heads with keys by step row
+    let rows = mma
+        && logical == 0
+        && n > 1
+        && d == 128
+        && !general
+        && match choice {
+            crate::step::StepKernel::Rows => true,
+            _ => rows_kernel_takes(group.is_some()),
+        };
+    if choice == crate::step::StepKernel::Rows && !rows {
+        return Err(CoreError::InvalidInput(format!(
+            "tree_attention: the row kernel takes bf16 steps of 2+ rows, 128-wide heads, keys by step row (rows {n}, width {d}, {dtype:?})"
+        )));
+    }
+    let group = group.filter(|_| !rows);
     let per_block = if group.is_some() { 16 } else { per_block };
     let groups = (n * h / kv).div_ceil(per_block);
-    let chunk = if mma && logical == 0 && n > TREE_CHUNK_FROM_ROWS {
+    let chunk = if fixed_chunk > 0 {
+        fixed_chunk
+    } else if mma && logical == 0 && (n > TREE_CHUNK_FROM_ROWS || rows) {
         tree_chunk(kv * groups, cap, &dev)
     } else {
         chunk_for(n)
@@ -478,7 +549,28 @@ pub(crate) fn tree_attention(
         None
     };
     let cp = counters.unwrap_or(0);
-    if let Some(group) = group {
+    if rows {
+        let f = dev.get_or_load_custom_func("tree_attn_rows_bf16_d128", MODULE, ptx()?)?;
+        crate::pdl::mark(&f);
+        allow_row_kernel_shared_memory(&f)?;
+        let cfg = LaunchConfig {
+            shared_mem_bytes: ROWS_SHARED_BYTES as u32,
+            ..cfg
+        };
+        let mut b = f.builder();
+        for arg in [&qp, &kbp, &vbp, &mp, &ap] {
+            b.arg(arg);
+        }
+        for arg in [&stride, &ni, &hi, &kvi, &capi, &chi, &gi] {
+            b.arg(arg);
+        }
+        b.arg(&scale);
+        b.arg(&pp);
+        b.arg(&wi);
+        // SAFETY: the arguments in tree_attn_rows_bf16_d128's order and types: device addresses of
+        // live tensors of the sizes it reads and writes (one record per vector and split).
+        unsafe { b.launch(cfg) }.w()?;
+    } else if let Some(group) = group {
         launch!(
             dev, &group, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &ni, &hi, &kvi, &capi, &chi, &gi,
             &scale, &pp, &cp, &op, &wi

@@ -205,6 +205,75 @@ fn few_vector_attention_gives_the_general_kernels_bits() {
     }
 }
 
+/// The row kernel (`tree_attn_rows.cu`, wide bf16 steps of 128-wide heads with keys by step row)
+/// gives the general tensor-core kernel's bits at the same splits: chains and branching trees of
+/// 16 to 257 rows, contexts whose tiles fall inside, across and past the step's keys, splits of
+/// 64 to 448 keys and the rule's, one to four query heads a kv head. CUDA only.
+#[test]
+fn row_kernel_gives_the_general_kernels_bits() {
+    use dflash_core::step::{tree_attention_on_kernel, StepKernel};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    // a branching tree: each node's parent drawn from the nodes before it (SplitMix-style mixing)
+    let tree = |n: usize| -> Vec<i64> {
+        (0..n as i64)
+            .map(|i| {
+                if i == 0 {
+                    return -1;
+                }
+                let mut z = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                (z >> 33) as i64 % i
+            })
+            .collect()
+    };
+    let chain = |n: usize| -> Vec<i64> { (0..n as i64).map(|i| i - 1).collect() };
+    let mut cases = 0;
+    for (h, kv) in [(32, 8), (8, 8), (16, 4)] {
+        for (past, parents) in [
+            (5, chain(16)),
+            (700, chain(16)),
+            (61, tree(65)),
+            (2000, tree(65)),
+            (2047, chain(65)),
+            (300, tree(130)),
+            (1100, tree(257)),
+        ] {
+            if h == 16 && parents.len() > 65 {
+                continue; // (fewer cases for the third head layout)
+            }
+            let n = parents.len();
+            let st = common::random_attention_step(&dev, (128, h, kv), past, &parents, 8);
+            let scale = 1.0 / (128f32).sqrt();
+            for chunk in [0, 64, 256, 448] {
+                let (q, kb, vb, meta, bits) = (&st.q, &st.kb, &st.vb, &st.meta, &st.bits);
+                let rows =
+                    tree_attention_on_kernel(q, kb, vb, meta, bits, scale, StepKernel::Rows, chunk)
+                        .unwrap();
+                let general = tree_attention_on_kernel(
+                    q,
+                    kb,
+                    vb,
+                    meta,
+                    bits,
+                    scale,
+                    StepKernel::General,
+                    chunk,
+                )
+                .unwrap();
+                let what = format!("heads {h}/{kv} past {past} rows {n} chunk {chunk}");
+                assert!(common::max_abs(&general).is_finite(), "{what}");
+                assert!(common::max_abs(&rows).is_finite(), "{what}");
+                assert_eq!(max_abs(&rows, &general), 0.0, "{what}");
+                cases += 1;
+            }
+        }
+    }
+    assert!(cases >= 60);
+}
+
 /// Bit-exact bf16 (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): every row of a bf16 tree
 /// verify and of a 16-token causal verify gives, bit for bit, the logits of one-token AR steps over
 /// the same tokens at the same positions (the property that makes speculative output equal AR's in
