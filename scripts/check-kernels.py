@@ -90,9 +90,6 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
     elif "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")
-    elif "cp.async.bulk.prefetch" in src:  # l2_prefetch.cu: compute_90 on Hopper, compute_80 before
-        ok &= compile_source(src, f"{base} (compute_90)", ["--gpu-architecture=compute_90"])
-        ok &= compile_source(src, f"{base} (compute_80)", ["--gpu-architecture=compute_80"])
     elif "mma.sync" in src:  # tensor-core kernels: compiled for compute_80 at run time
         ok &= compile_source(src, base, ["--gpu-architecture=compute_80"])
     else:

@@ -29,7 +29,6 @@ pub mod gated_delta_layer;
 mod graph_arena;
 #[cfg(feature = "cuda")]
 mod graph_rebuild;
-pub mod l2_prefetch;
 pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod pdl;

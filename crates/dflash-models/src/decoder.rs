@@ -259,11 +259,8 @@ impl Attention {
             &vb,
             meta,
         )?;
-        // o_proj's weight asked into L2 while the heads and the attention read almost nothing
-        let prefetch = dflash_core::l2_prefetch::start(self.o_proj.weight())?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let o = dflash_core::step::tree_attention(&q, &kb, &vb, meta, ancestors, scale)?;
-        prefetch.finish()?;
         project(&self.o_proj, &o)
     }
 }
@@ -329,15 +326,14 @@ impl Mlp {
         if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down)? {
             return Ok(y);
         }
-        // the first bytes of down_proj's rows asked into L2 during the activation
-        let prefetch = dflash_core::l2_prefetch::start(down)?;
-        let h = dflash_core::decode_ops::silu_mul(&gate_up)?;
-        prefetch.finish()?;
-        project(&self.down_proj, &h)
+        project(
+            &self.down_proj,
+            &dflash_core::decode_ops::silu_mul(&gate_up)?,
+        )
     }
 
     /// The fused gate-up projection's weight, if the MLP has one.
-    pub(crate) fn fused_gate_up_weight(&self) -> Option<&Tensor> {
+    fn fused_gate_up_weight(&self) -> Option<&Tensor> {
         match &self.gate_up {
             GateUp::Fused(w) => Some(w.weight()),
             GateUp::Separate { .. } => None,
@@ -498,21 +494,6 @@ impl Decoder {
             _ => None,
         };
         let mut pending: Option<Tensor> = None;
-        // in device steps, each GEMM's weight is asked into L2 during the small kernels before
-        // it (`dflash_core::l2_prefetch`; opt-in): the q/k/v projection's during the add + norm
-        // in front of it, the gate-up projection's during the one after the attention
-        let step = matches!(keys, KeyLayout::Device { .. });
-        let prefetch = |w: Option<&Tensor>| -> Result<Option<dflash_core::l2_prefetch::Prefetch>> {
-            match w {
-                Some(w) if step => Ok(Some(dflash_core::l2_prefetch::start(w)?)),
-                _ => Ok(None),
-            }
-        };
-        let mut qkv_prefetch = prefetch(
-            self.layers
-                .first()
-                .and_then(|l| l.self_attn.fused_qkv_weight(rope)),
-        )?;
         for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let LayerCache::Attention(kv) = lc else {
                 return Err(ModelError::InvalidInput(
@@ -548,9 +529,6 @@ impl Decoder {
                         (None, Some(d)) => add_then_norm(&mut x, &d, &layer.input_layernorm)?,
                         (None, None) => layer.input_layernorm.forward(&x, Grad::Off)?,
                     };
-                    if let Some(p) = qkv_prefetch.take() {
-                        p.finish()?;
-                    }
                     layer.self_attn.forward(&h, rope, keys, kv)?
                 }
             };
@@ -573,11 +551,7 @@ impl Decoder {
                     layer.mlp.forward_from_gate_up(gate_up)?
                 }
                 None => {
-                    let gate_up_prefetch = prefetch(layer.mlp.fused_gate_up_weight())?;
                     let h = add_then_norm(&mut x, &a, &layer.post_attention_layernorm)?;
-                    if let Some(p) = gate_up_prefetch {
-                        p.finish()?;
-                    }
                     layer.mlp.forward(&h)?
                 }
             };
@@ -587,10 +561,7 @@ impl Decoder {
                 continue;
             }
             let fused_next = match self.layers.get(i + 1) {
-                Some(nl) => {
-                    qkv_prefetch = prefetch(nl.self_attn.fused_qkv_weight(rope))?;
-                    add_norm(&x, &m, &nl.input_layernorm)?
-                }
+                Some(nl) => add_norm(&x, &m, &nl.input_layernorm)?,
                 None => None,
             };
             match fused_next {

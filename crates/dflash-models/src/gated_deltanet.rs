@@ -448,8 +448,6 @@ impl GatedDeltaNet {
             return self.forward_device_emulated(x, bufs, shared);
         }
         let proj = self.in_proj.forward(x)?;
-        // out_proj's weight asked into L2 while the layer's core kernels read almost nothing
-        let prefetch = dflash_core::l2_prefetch::start(self.out_proj.weight())?;
         gated_delta_layer::conv_and_rule_inputs_into(
             &proj.qkv,
             &bufs.conv,
@@ -464,7 +462,6 @@ impl GatedDeltaNet {
         gated_delta_layer::rule_from_table(&bufs.table, rows, shape.heads)?;
         let o = shared.out.narrow(0, 0, rows)?;
         let y = gated_delta_layer::gated_norm(&o, &proj.z, &self.norm, self.eps)?;
-        prefetch.finish()?;
         project(&self.out_proj, &y)
     }
 

@@ -160,9 +160,6 @@ impl DFlashDrafter {
         let rows = Tensor::cat(&[&keys.ctx, h], 1)?;
         let y = project(&fused.qkv, &rows)?.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
-        // o_proj's weight asked into L2 during the heads and the attention (opt-in,
-        // `dflash_core::l2_prefetch`; joined before the projection, which follows the return)
-        let prefetch = dflash_core::l2_prefetch::start(layer.o_proj.weight())?;
         let q = qkv_heads_into_cache(
             &y,
             &keys.cos_sin,
@@ -190,7 +187,6 @@ impl DFlashDrafter {
             scale,
             a.window.unwrap_or(0),
         )?;
-        prefetch.finish()?;
         Ok(o)
     }
 
@@ -203,10 +199,7 @@ impl DFlashDrafter {
         if let Some(y) = dflash_core::stream_gemm::stream_silu_matmul(&gate_up, down.weight())? {
             return Ok(y);
         }
-        let prefetch = dflash_core::l2_prefetch::start(down.weight())?;
-        let h = dflash_core::decode_ops::silu_mul(&gate_up)?;
-        prefetch.finish()?;
-        project(down, &h)
+        project(down, &dflash_core::decode_ops::silu_mul(&gate_up)?)
     }
 
     /// [`DFlashDrafter::draft`] as a device step when it can be one (CUDA with the fused decode

@@ -201,20 +201,9 @@ impl HybridDecoder {
                 ModelError::InvalidInput(m) => ModelError::InvalidInput(format!("layer {i}: {m}")),
                 e => e,
             })?;
-            // in steps, the gate-up weight asked into L2 during the add + norm (opt-in,
-            // `dflash_core::l2_prefetch`)
-            let prefetch = match layer.mlp.fused_gate_up_weight() {
-                Some(w) if x.dim(1)? <= dflash_core::step::MAX_STEP_ROWS => {
-                    Some(dflash_core::l2_prefetch::start(w)?)
-                }
-                _ => None,
-            };
             let h = layer
                 .post_attention_layernorm
                 .add_then_forward(&mut x, &a)?;
-            if let Some(p) = prefetch {
-                p.finish()?;
-            }
             let m = layer.mlp.forward(&h)?;
             match self.layers.get(i + 1) {
                 Some(nl) => next = Some(nl.input_layernorm.add_then_forward(&mut x, &m)?),
