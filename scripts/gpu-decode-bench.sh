@@ -52,7 +52,7 @@ ROUNDS=${ROUNDS:-30}
 # groupall: group_attn_mma for every step without per-row key reads, whatever its width (DFLASH_GROUP_ATTN_VECTORS=100000);
 # hostwindows: drafters with causal / sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; on the device step by default since session 26, windows included);
 # pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26; the same bits; no faster on an H100, session 27);
-# rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for wide bf16 steps of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=1: trees the general kernel would take; =2: also the few-vector kernel's, a DFlash block, on tree splits; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
+# rows0 / rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for bf16 steps of 2+ rows of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=0: never, session 27's kernels; =1: the trees the general kernel would take; =2, the default: also the few-vector kernel's, a DFlash block, the drafter's; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
 # wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -66,11 +66,15 @@ D=/tmp/bin/dflash
 # the test lines matching the pattern, and each panic with the line after it (its message)
 show() { awk -v re="$1" '/panicked/ { print; if ((getline l) > 0) print l; next } $0 ~ re'; }
 if [ "${TESTS:-1}" = new ]; then  # only the tests of the newest opt-ins
-  echo "== the row kernel (tree_attn_rows) against the general kernel, bit for bit; then decode ops and row invariance with it on every wide step (DFLASH_ATTN_ROWS=2)" | tee -a "$LOG"
-  DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 row_kernel 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
-  DFLASH_ATTN_ROWS_BLOCKS=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 row_kernel 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
-  DFLASH_ATTN_ROWS=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
-  DFLASH_ATTN_ROWS=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  echo "== the row kernel (tree_attn_rows, the default): decode ops and row invariance; then under DFLASH_ATTN_ROWS=0 (session 27's kernels)" | tee -a "$LOG"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  for dt in f32 bf16; do
+    DFLASH_FIXTURES=$PWD/fixtures DFLASH_TEST_DEVICE=cuda DFLASH_TEST_DTYPE=$dt /tmp/bin/reference_fixtures \
+      --test-threads 1 --skip smollm2 2>&1 | show "result|FAILED|panicked" | tee -a "$LOG"
+  done
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== decode ops on cuda" | tee -a "$LOG"
@@ -91,6 +95,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "== attention of trees wider than 16 rows on 256-key splits (DFLASH_TREE_CHUNK=256)" | tee -a "$LOG"
   DFLASH_TREE_CHUNK=256 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 attention 2>&1 | show "result|panicked" | tee -a "$LOG"
   DFLASH_TREE_CHUNK=256 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | show "result|panicked" | tee -a "$LOG"
+  echo "== decode ops and row invariance under DFLASH_ATTN_ROWS=0 (no row kernel: session 27's attention kernels)" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  DFLASH_ATTN_ROWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
   echo "== row invariance on cuda (then under DFLASH_STREAM_GEMM=all: verify rows against AR steps)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
   DFLASH_TREE_KEYS=position DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
@@ -171,6 +178,7 @@ for spec in $SHAPES; do
       wideexact) fused=1 graphs=1 stream=all wide=1;;
       exactnarrow) fused=1 graphs=1 stream=all wide=0;;
       treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
+      rows0) fused=1 graphs=1 arows=0;;
       rows1) fused=1 graphs=1 arows=1;;
       rows2) fused=1 graphs=1 arows=2;;
       rowsb2) fused=1 graphs=1 arows=1 ablocks=2;;

@@ -88,6 +88,23 @@ pub fn wide_tree_chunk(columns: usize, cap: usize, multiprocessors: usize) -> us
         .unwrap_or(64)
 }
 
+/// Keys per split for the row kernel (`tree_attn_rows.cu`: three blocks an SM, tiles two ahead),
+/// over `columns` blocks a split, buffers of `cap` keys and `multiprocessors` SMs: 256 where that
+/// still gives every multiprocessor two blocks, else 128 where it gives each one, else 64.
+/// Measured on an H100 (session 28, Qwen3-8B at context 2048): the 65-node tree 8.74 ms on 256-key
+/// splits (360 blocks), 9.45 on 128, 8.93 on 448; the 16-row chain 7.54 on 128 (144 blocks), 7.82
+/// on 64, 7.65 on 256; the 17-node tree 7.65 on 128 (288 blocks), 7.75 on 256.
+pub fn row_kernel_chunk(columns: usize, cap: usize, multiprocessors: usize) -> usize {
+    let blocks = |c: usize| columns * cap.div_ceil(c);
+    if blocks(256) >= 2 * multiprocessors {
+        256
+    } else if blocks(128) >= multiprocessors {
+        128
+    } else {
+        64
+    }
+}
+
 /// Whether the device step can run a model with these heads in `dtype` on `device`.
 pub fn device_step_supported(device: &candle_core::Device, dtype: DType, head_dim: usize) -> bool {
     device.is_cuda()
@@ -452,6 +469,18 @@ fn attention_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_kernel_chunks_follow_the_measured_splits() {
+        // Qwen3-8B at context 2048 (2,305-key buffers): the 65-node tree (8 kv heads × 5 groups)
+        // on 256, the 17-node one (8 × 2) and the 16-row chain (8 × 1) on 128
+        assert_eq!(row_kernel_chunk(40, 2305, 132), 256);
+        assert_eq!(row_kernel_chunk(16, 2305, 132), 128);
+        assert_eq!(row_kernel_chunk(8, 2305, 132), 128);
+        // at context 512 (769 keys): the tree on 128, the chain on 64
+        assert_eq!(row_kernel_chunk(40, 769, 132), 128);
+        assert_eq!(row_kernel_chunk(8, 769, 132), 64);
+    }
 
     #[test]
     fn wide_tree_chunks_keep_two_blocks_a_multiprocessor() {

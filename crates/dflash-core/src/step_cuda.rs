@@ -52,7 +52,7 @@ const TREE_CHUNK_FROM_ROWS: usize = 16;
 /// cuBLAS GEMMs), so its split boundaries are free; chains of up to 16 rows (a DFlash block) keep
 /// [`chunk_for`]'s, and with it their rows' bits equal to AR steps'. `DFLASH_TREE_CHUNK=N` (a
 /// multiple of 64; read once) fixes the chunk, for A/B runs.
-fn tree_chunk(columns: usize, cap: usize, dev: &CudaDevice) -> usize {
+fn tree_chunk(columns: usize, cap: usize, rows: bool, dev: &CudaDevice) -> usize {
     static FORCED: OnceLock<Option<usize>> = OnceLock::new();
     let forced = *FORCED.get_or_init(|| {
         std::env::var("DFLASH_TREE_CHUNK")
@@ -63,7 +63,11 @@ fn tree_chunk(columns: usize, cap: usize, dev: &CudaDevice) -> usize {
     if let Some(c) = forced {
         return c;
     }
-    crate::step::wide_tree_chunk(columns, cap, multiprocessors(dev))
+    if rows {
+        crate::step::row_kernel_chunk(columns, cap, multiprocessors(dev))
+    } else {
+        crate::step::wide_tree_chunk(columns, cap, multiprocessors(dev))
+    }
 }
 
 /// The device's multiprocessor count (read once; 132 on an H100 or H200, and taken as 132 if the
@@ -372,35 +376,49 @@ fn group_kernel(mma: bool, logical: bool, n: usize, rep: usize, d: usize) -> Opt
 const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
 
 /// Lets the row kernel take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default 48
-/// KB) and prefer shared memory over L1, once per process (one device: the step kernels' module
-/// is loaded once).
-fn allow_row_kernel_shared_memory(f: &driver::CudaFunction) -> Result<()> {
+/// KB) and prefer shared memory over L1, once per candle device (each loads its own module: a
+/// launch on a device whose function lacks the attribute fails with an invalid argument).
+fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::DeviceId;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
     use sys::CUfunction_attribute_enum as A;
-    static SET: OnceLock<std::result::Result<(), String>> = OnceLock::new();
-    SET.get_or_init(|| {
-        f.set_attribute(
-            A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            ROWS_SHARED_BYTES as i32,
-        )
-        .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
-        .map_err(|e| format!("tree_attn_rows: shared memory attribute: {e:?}"))
-    })
-    .clone()
-    .map_err(CoreError::InvalidInput)
+    static SET: OnceLock<Mutex<HashSet<DeviceId>>> = OnceLock::new();
+    let mut set = SET
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if set.contains(&dev.id()) {
+        return Ok(());
+    }
+    f.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        ROWS_SHARED_BYTES as i32,
+    )
+    .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
+    .map_err(|e| {
+        CoreError::InvalidInput(format!("tree_attn_rows: shared memory attribute: {e:?}"))
+    })?;
+    set.insert(dev.id());
+    Ok(())
 }
 
-/// Whether a wide bf16 step of 128-wide heads with keys by step row takes the row kernel
-/// (`tree_attn_rows.cu`) under `DFLASH_ATTN_ROWS` (read once): `0` (the default until measured)
-/// never; `1` the steps the general kernel would take (more than 64 query vectors a kv head: DDTree
-/// trees); `2` also those the few-vector kernel would take (a DFlash block's 16 rows), on the
-/// tree splits.
+/// Whether a bf16 step of 2+ rows of 128-wide heads with keys by step row takes the row kernel
+/// (`tree_attn_rows.cu`, on [`crate::step::row_kernel_chunk`]'s splits). `DFLASH_ATTN_ROWS` (read
+/// once; a documented override for A/B runs): `2` (the default since session 28) every such step —
+/// DDTree trees, DFlash blocks, the drafter's block; `1` the steps the general kernel would take
+/// (more than 64 query vectors a kv head); `0` none (the general and few-vector kernels, session
+/// 27's path). Measured on an H100 (session 28, Qwen3-8B, same call): at context 2048 the DDTree-64
+/// verify 10.99 → 8.74 ms, the 16-row verify 8.22 → 7.54 (128-key splits), the drafter's block
+/// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. The few-vector kernel's steps keep its
+/// bits only at its own splits, so `--bit-exact` (keys by position) never takes the row kernel.
 fn rows_kernel_takes(few_vectors: bool) -> bool {
     static MODE: OnceLock<u8> = OnceLock::new();
     let mode = *MODE.get_or_init(|| {
         std::env::var("DFLASH_ATTN_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
+            .unwrap_or(2)
     });
     match mode {
         0 => false,
@@ -508,7 +526,7 @@ pub(crate) fn tree_attention(
     let chunk = if fixed_chunk > 0 {
         fixed_chunk
     } else if mma && logical == 0 && (n > TREE_CHUNK_FROM_ROWS || rows) {
-        tree_chunk(kv * groups, cap, &dev)
+        tree_chunk(kv * groups, cap, rows, &dev)
     } else {
         chunk_for(n)
     };
@@ -552,7 +570,7 @@ pub(crate) fn tree_attention(
     if rows {
         let f = dev.get_or_load_custom_func("tree_attn_rows_bf16_d128", MODULE, ptx()?)?;
         crate::pdl::mark(&f);
-        allow_row_kernel_shared_memory(&f)?;
+        allow_row_kernel_shared_memory(&f, &dev)?;
         let cfg = LaunchConfig {
             shared_mem_bytes: ROWS_SHARED_BYTES as u32,
             ..cfg
