@@ -69,6 +69,10 @@ if [ "${TESTS:-1}" = new ]; then  # only the tests of the newest opt-ins
   echo "== the row kernel (tree_attn_rows, the default): decode ops and row invariance; then under DFLASH_ATTN_ROWS=0 (session 27's kernels)" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
+  echo "== keys by position: the row kernel on the cached splits (row kernel test, tree rows, bit-exact verify = AR steps)" | tee -a "$LOG"
+  DFLASH_TREE_KEYS=position DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 row_kernel 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_TREE_KEYS=position DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
+  DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | show "^test |result|panicked" | tee -a "$LOG"
   DFLASH_ATTN_ROWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
   DFLASH_ATTN_ROWS=0 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "result|panicked" | tee -a "$LOG"
   for dt in f32 bf16; do
@@ -179,6 +183,7 @@ for spec in $SHAPES; do
       exactnarrow) fused=1 graphs=1 stream=all wide=0;;
       treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
       rows0) fused=1 graphs=1 arows=0;;
+      exactrows0) fused=1 graphs=1 stream=all arows=0;;
       rows1) fused=1 graphs=1 arows=1;;
       rows2) fused=1 graphs=1 arows=2;;
       rowsb2) fused=1 graphs=1 arows=1 ablocks=2;;

@@ -506,20 +506,25 @@ pub(crate) fn tree_attention(
         group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general)
     };
     // the row kernel (tree_attn_rows.cu): wide bf16 steps of 128-wide heads with keys by step row
-    let rows = mma
-        && logical == 0
+    // with keys by position (`--bit-exact`), the row kernel takes the splits of cached keys alone
+    // and the general kernel those holding step keys (which bent rows read one by one): the same
+    // bits as the general kernel's everywhere
+    let rows_ok = mma
         && n > 1
         && d == 128
         && !general
+        && !wide
         && match choice {
             crate::step::StepKernel::Rows => true,
             _ => rows_kernel_takes(group.is_some()),
         };
-    if choice == crate::step::StepKernel::Rows && !rows {
+    if choice == crate::step::StepKernel::Rows && !rows_ok {
         return Err(CoreError::InvalidInput(format!(
-            "tree_attention: the row kernel takes bf16 steps of 2+ rows, 128-wide heads, keys by step row (rows {n}, width {d}, {dtype:?})"
+            "tree_attention: the row kernel takes bf16 steps of 2+ rows of 128-wide heads (rows {n}, width {d}, {dtype:?})"
         )));
     }
+    let rows = rows_ok && logical == 0;
+    let rows_cached = rows_ok && logical != 0;
     let group = group.filter(|_| !rows);
     let per_block = if group.is_some() { 16 } else { per_block };
     let groups = (n * h / kv).div_ceil(per_block);
@@ -567,7 +572,7 @@ pub(crate) fn tree_attention(
         None
     };
     let cp = counters.unwrap_or(0);
-    if rows {
+    if rows || rows_cached {
         let f = dev.get_or_load_custom_func("tree_attn_rows_bf16_d128", MODULE, ptx()?)?;
         crate::pdl::mark(&f);
         allow_row_kernel_shared_memory(&f, &dev)?;
@@ -585,15 +590,20 @@ pub(crate) fn tree_attention(
         b.arg(&scale);
         b.arg(&pp);
         b.arg(&wi);
+        b.arg(&logical);
         // SAFETY: the arguments in tree_attn_rows_bf16_d128's order and types: device addresses of
         // live tensors of the sizes it reads and writes (one record per vector and split).
         unsafe { b.launch(cfg) }.w()?;
-    } else if let Some(group) = group {
+    }
+    if let (false, Some(group)) = (rows, &group) {
         launch!(
-            dev, &group, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &ni, &hi, &kvi, &capi, &chi, &gi,
+            dev, group, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &ni, &hi, &kvi, &capi, &chi, &gi,
             &scale, &pp, &cp, &op, &wi
         );
-    } else {
+    } else if !rows {
+        // with the row kernel before it (keys by position), the splits holding step keys alone
+        // (`logical` bit 1)
+        let logical = if rows_cached { logical | 2 } else { logical };
         launch!(
             dev, &kernel, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &logical, &ni, &hi, &kvi, &capi,
             &di, &chi, &gi, &scale, &pp, &cp, &op, &wi

@@ -453,7 +453,9 @@ extern "C" __global__ void tree_attn_mma_bf16(const bf16_t* q, const bf16_t* kb,
                                               int groups, float scale, float* part,
                                               unsigned int* counters, bf16_t* out, int window) {
   PDL_ENTRY();
-  tree_attn_mma(q, kb, vb, meta, anc, stride, logical, n, H, KV, cap, d, chunk, groups, scale,
+  // `logical` bit 1: the row kernel (tree_attn_rows.cu) took the splits of cached keys alone
+  if ((logical & 2) && ((int)blockIdx.y + 1) * chunk <= (int)meta[0]) return;
+  tree_attn_mma(q, kb, vb, meta, anc, stride, logical & 1, n, H, KV, cap, d, chunk, groups, scale,
                 part, counters, out, window);
 }
 

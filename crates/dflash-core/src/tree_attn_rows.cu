@@ -21,7 +21,10 @@
 // - K and V operands come by ldmatrix (.trans for V), the same values in the same registers as
 //   tree_attn_mma's element loads;
 // - __launch_bounds__ asks for three blocks an SM.
-// Never the one-row step (no fused merge: the combine kernel merges the splits).
+// Never the one-row step (no fused merge: the combine kernel merges the splits). With keys by
+// position (`logical`, `--bit-exact`) it takes the splits of cached keys alone — where every row
+// sees the same keys and tree_attn_mma reads none row by row — and leaves the splits holding step
+// keys to tree_attn_mma (launched after it with `logical` bit 1).
 
 #define RW_STAGES 2  // tile buffers (each: K then V, MK_TK rows of D + 8)
 #ifndef RW_MIN_BLOCKS
@@ -61,7 +64,7 @@ template <int D>
 __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
                                const unsigned int* meta, const unsigned int* ancestors, int stride,
                                int n, int H, int KV, int cap, int chunk, int groups, float scale,
-                               float* part, int window) {
+                               float* part, int window, int logical) {
   constexpr int KSTEPS = D / 16, DT = D / 8, STR = D + 8, TILE = MK_TK * STR;
   extern __shared__ __align__(16) bf16_t rw_smem[];  // RW_STAGES × (K tile, V tile)
   const int rep = H / KV;
@@ -72,6 +75,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   const int total = past + n;
   const int k1 = min(total, s * chunk + chunk);
   const int k0 = window_tile_start(s * chunk, past, window, MK_TK);
+  if (logical && s * chunk + chunk > past) return;  // tree_attn_mma's split (keys by position)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
   const int wbase = grp * MK_VPB + warp * 16;
@@ -224,9 +228,9 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   extern "C" __global__ void __launch_bounds__(MK_WARPS * 32, RW_MIN_BLOCKS) tree_attn_rows_bf16_d##D(      \
       const bf16_t* q, const bf16_t* kb, const bf16_t* vb, const unsigned int* meta,            \
       const unsigned int* anc, int stride, int n, int H, int KV, int cap, int chunk,            \
-      int groups, float scale, float* part, int window) {                                       \
+      int groups, float scale, float* part, int window, int logical) {                          \
     PDL_ENTRY();                                                                                \
     tree_attn_rows<D>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale, part, \
-                      window);                                                                  \
+                      window, logical);                                                         \
   }
 TREE_ATTN_ROWS(128)

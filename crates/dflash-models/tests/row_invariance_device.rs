@@ -208,7 +208,9 @@ fn few_vector_attention_gives_the_general_kernels_bits() {
 /// The row kernel (`tree_attn_rows.cu`, wide bf16 steps of 128-wide heads with keys by step row)
 /// gives the general tensor-core kernel's bits at the same splits: chains and branching trees of
 /// 16 to 257 rows, contexts whose tiles fall inside, across and past the step's keys, splits of
-/// 64 to 448 keys and the rule's, one to four query heads a kv head. CUDA only.
+/// 64 to 448 keys and the rule's, one to four query heads a kv head; with keys by position
+/// (`DFLASH_TREE_KEYS=position`), the row kernel on the cached splits and the general kernel on the
+/// rest. CUDA only.
 #[test]
 fn row_kernel_gives_the_general_kernels_bits() {
     use dflash_core::step::{tree_attention_on_kernel, StepKernel};
@@ -247,23 +249,36 @@ fn row_kernel_gives_the_general_kernels_bits() {
             let n = parents.len();
             let st = common::random_attention_step(&dev, (128, h, kv), past, &parents, 8);
             let scale = 1.0 / (128f32).sqrt();
-            for chunk in [0, 64, 256, 448] {
-                let (q, kb, vb, meta, bits) = (&st.q, &st.kb, &st.vb, &st.meta, &st.bits);
+            // the ancestor bits (keys by step row), and the full records (keys by position under
+            // DFLASH_TREE_KEYS=position or --bit-exact: the row kernel takes the splits of cached
+            // keys alone, the general kernel the rest)
+            for (anc, chunk) in [
+                (&st.bits, 0),
+                (&st.bits, 64),
+                (&st.bits, 256),
+                (&st.bits, 448),
+                (&st.ancestors, 0),
+                (&st.ancestors, 64),
+            ] {
+                let (q, kb, vb, meta) = (&st.q, &st.kb, &st.vb, &st.meta);
                 let rows =
-                    tree_attention_on_kernel(q, kb, vb, meta, bits, scale, StepKernel::Rows, chunk)
+                    tree_attention_on_kernel(q, kb, vb, meta, anc, scale, StepKernel::Rows, chunk)
                         .unwrap();
                 let general = tree_attention_on_kernel(
                     q,
                     kb,
                     vb,
                     meta,
-                    bits,
+                    anc,
                     scale,
                     StepKernel::General,
                     chunk,
                 )
                 .unwrap();
-                let what = format!("heads {h}/{kv} past {past} rows {n} chunk {chunk}");
+                let what = format!(
+                    "heads {h}/{kv} past {past} rows {n} chunk {chunk} ancestors {:?}",
+                    anc.dims()
+                );
                 assert!(common::max_abs(&general).is_finite(), "{what}");
                 assert!(common::max_abs(&rows).is_finite(), "{what}");
                 assert_eq!(max_abs(&rows, &general), 0.0, "{what}");
@@ -271,7 +286,7 @@ fn row_kernel_gives_the_general_kernels_bits() {
             }
         }
     }
-    assert!(cases >= 60);
+    assert!(cases >= 100);
 }
 
 /// Bit-exact bf16 (`DFLASH_STREAM_GEMM=all`, the CLI's `--bit-exact`): every row of a bf16 tree
