@@ -45,6 +45,8 @@ mod step_graph_cuda;
 pub mod stream_gemm;
 #[cfg(test)]
 mod test_util;
+#[cfg(feature = "cuda")]
+mod tree_attn_rows_cuda;
 
 pub use attention::{attention, AttentionMask};
 pub use block_attention::block_attention;

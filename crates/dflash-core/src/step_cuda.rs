@@ -22,7 +22,7 @@ const SOURCE: &str = concat!(
     include_str!("tree_attn_mma.cu"),
     include_str!("tree_attn_rows.cu")
 );
-const MODULE: &str = "dflash_step_kernels";
+pub(crate) const MODULE: &str = "dflash_step_kernels";
 /// Keys per split of the attention. A row's softmax is merged over splits in order, so its
 /// result depends on the split boundaries: one chunk size for every step of up to 129 rows (an
 /// AR token, a DFlash block, DDTree trees of budget ≤ 128) keeps a verified row bit-identical to
@@ -104,7 +104,7 @@ const VECTORS_PER_BLOCK: usize = 16;
 const MMA_WARPS: usize = 4;
 const MMA_VECTORS_PER_BLOCK: usize = 16 * MMA_WARPS;
 
-fn ptx() -> candle_core::Result<&'static str> {
+pub(crate) fn ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
         let mut opts = crate::pdl::nvrtc_options(Some("compute_80"));
@@ -371,62 +371,6 @@ fn group_kernel(mma: bool, logical: bool, n: usize, rep: usize, d: usize) -> Opt
     .then(|| format!("group_attn_mma_bf16_d{d}"))
 }
 
-/// Dynamic shared memory of `tree_attn_rows_bf16_d128`: two tile buffers of 64 K and 64 V rows of
-/// 128 + 8 bf16 (`tree_attn_rows.cu`).
-const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
-
-/// Lets the row kernel take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default 48
-/// KB) and prefer shared memory over L1, once per candle device (each loads its own module: a
-/// launch on a device whose function lacks the attribute fails with an invalid argument).
-fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) -> Result<()> {
-    use candle_core::cuda_backend::DeviceId;
-    use std::collections::HashSet;
-    use std::sync::Mutex;
-    use sys::CUfunction_attribute_enum as A;
-    static SET: OnceLock<Mutex<HashSet<DeviceId>>> = OnceLock::new();
-    let mut set = SET
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if set.contains(&dev.id()) {
-        return Ok(());
-    }
-    f.set_attribute(
-        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        ROWS_SHARED_BYTES as i32,
-    )
-    .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
-    .map_err(|e| {
-        CoreError::InvalidInput(format!("tree_attn_rows: shared memory attribute: {e:?}"))
-    })?;
-    set.insert(dev.id());
-    Ok(())
-}
-
-/// Whether a bf16 step of 2+ rows of 128-wide heads with keys by step row takes the row kernel
-/// (`tree_attn_rows.cu`, on [`crate::step::row_kernel_chunk`]'s splits). `DFLASH_ATTN_ROWS` (read
-/// once; a documented override for A/B runs): `2` (the default since session 28) every such step —
-/// DDTree trees, DFlash blocks, the drafter's block; `1` the steps the general kernel would take
-/// (more than 64 query vectors a kv head); `0` none (the general and few-vector kernels, session
-/// 27's path). Measured on an H100 (session 28, Qwen3-8B, same call): at context 2048 the DDTree-64
-/// verify 10.99 → 8.74 ms, the 16-row verify 8.22 → 7.54 (128-key splits), the drafter's block
-/// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. The few-vector kernel's steps keep its
-/// bits only at its own splits, so `--bit-exact` (keys by position) never takes the row kernel.
-fn rows_kernel_takes(few_vectors: bool) -> bool {
-    static MODE: OnceLock<u8> = OnceLock::new();
-    let mode = *MODE.get_or_init(|| {
-        std::env::var("DFLASH_ATTN_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2)
-    });
-    match mode {
-        0 => false,
-        1 => !few_vectors,
-        _ => true,
-    }
-}
-
 pub(crate) fn tree_attention(
     q: &Tensor,
     kbuf: &Tensor,
@@ -516,7 +460,7 @@ pub(crate) fn tree_attention(
         && !wide
         && match choice {
             crate::step::StepKernel::Rows => true,
-            _ => rows_kernel_takes(group.is_some()),
+            _ => crate::tree_attn_rows_cuda::takes(group.is_some()),
         };
     if choice == crate::step::StepKernel::Rows && !rows_ok {
         return Err(CoreError::InvalidInput(format!(
@@ -573,27 +517,12 @@ pub(crate) fn tree_attention(
     };
     let cp = counters.unwrap_or(0);
     if rows || rows_cached {
-        let f = dev.get_or_load_custom_func("tree_attn_rows_bf16_d128", MODULE, ptx()?)?;
-        crate::pdl::mark(&f);
-        allow_row_kernel_shared_memory(&f, &dev)?;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: ROWS_SHARED_BYTES as u32,
-            ..cfg
+        let args = crate::tree_attn_rows_cuda::RowKernelArgs {
+            pointers: [qp, kbp, vbp, mp, ap, pp],
+            ints: [stride, ni, hi, kvi, capi, chi, gi, wi, logical],
+            scale,
         };
-        let mut b = f.builder();
-        for arg in [&qp, &kbp, &vbp, &mp, &ap] {
-            b.arg(arg);
-        }
-        for arg in [&stride, &ni, &hi, &kvi, &capi, &chi, &gi] {
-            b.arg(arg);
-        }
-        b.arg(&scale);
-        b.arg(&pp);
-        b.arg(&wi);
-        b.arg(&logical);
-        // SAFETY: the arguments in tree_attn_rows_bf16_d128's order and types: device addresses of
-        // live tensors of the sizes it reads and writes (one record per vector and split).
-        unsafe { b.launch(cfg) }.w()?;
+        crate::tree_attn_rows_cuda::launch(&dev, cfg, &args)?;
     }
     if let (false, Some(group)) = (rows, &group) {
         launch!(

@@ -1,0 +1,107 @@
+//! The row kernel's launch (`tree_attn_rows.cu`, compiled into the step module of
+//! [`crate::step_cuda`]): which steps take it, its dynamic shared memory, its arguments.
+//!
+//! Invariants: it runs on candle's stream like every step kernel; a launch on a device whose
+//! function lacks the shared-memory attribute is never made (the attribute is set per device
+//! first); its arguments are the step attention's, in the kernel's order.
+
+use crate::step_cuda::{ptx, MODULE};
+use crate::{CoreError, Result};
+use candle_core::cuda_backend::cudarc::driver::{self, sys, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use std::sync::OnceLock;
+
+/// Dynamic shared memory of `tree_attn_rows_bf16_d128`: two tile buffers of 64 K and 64 V rows of
+/// 128 + 8 bf16 (`tree_attn_rows.cu`).
+const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
+
+/// Lets the row kernel take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default 48
+/// KB) and prefer shared memory over L1, once per candle device (each loads its own module: a
+/// launch on a device whose function lacks the attribute fails with an invalid argument).
+fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::DeviceId;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    use sys::CUfunction_attribute_enum as A;
+    static SET: OnceLock<Mutex<HashSet<DeviceId>>> = OnceLock::new();
+    let mut set = SET
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if set.contains(&dev.id()) {
+        return Ok(());
+    }
+    f.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        ROWS_SHARED_BYTES as i32,
+    )
+    .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
+    .map_err(|e| {
+        CoreError::InvalidInput(format!("tree_attn_rows: shared memory attribute: {e:?}"))
+    })?;
+    set.insert(dev.id());
+    Ok(())
+}
+
+/// Whether a bf16 step of 2+ rows of 128-wide heads with keys by step row takes the row kernel
+/// (`tree_attn_rows.cu`, on [`crate::step::row_kernel_chunk`]'s splits). `DFLASH_ATTN_ROWS` (read
+/// once; a documented override for A/B runs): `2` (the default since session 28) every such step —
+/// DDTree trees, DFlash blocks, the drafter's block; `1` the steps the general kernel would take
+/// (more than 64 query vectors a kv head); `0` none (the general and few-vector kernels, session
+/// 27's path). Measured on an H100 (session 28, Qwen3-8B, same call): at context 2048 the DDTree-64
+/// verify 10.99 → 8.74 ms, the 16-row verify 8.22 → 7.54 (128-key splits), the drafter's block
+/// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. The few-vector kernel's steps keep its
+/// bits only at its own splits, so `--bit-exact` (keys by position) never takes the row kernel.
+pub(crate) fn takes(few_vectors: bool) -> bool {
+    static MODE: OnceLock<u8> = OnceLock::new();
+    let mode = *MODE.get_or_init(|| {
+        std::env::var("DFLASH_ATTN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2)
+    });
+    match mode {
+        0 => false,
+        1 => !few_vectors,
+        _ => true,
+    }
+}
+
+/// One launch's arguments: the device addresses of q, the K and V buffers, the step metadata, the
+/// ancestor records and the partial records; then stride, rows, heads, kv heads, buffer length,
+/// chunk, vector groups, window and `logical` (keys by position: the cached splits alone); the
+/// scale.
+pub(crate) struct RowKernelArgs {
+    pub pointers: [u64; 6],
+    pub ints: [i32; 9],
+    pub scale: f32,
+}
+
+/// Launches `tree_attn_rows_bf16_d128` over `cfg`'s grid with [`ROWS_SHARED_BYTES`] of dynamic
+/// shared memory.
+pub(crate) fn launch(dev: &CudaDevice, cfg: LaunchConfig, args: &RowKernelArgs) -> Result<()> {
+    let f = dev.get_or_load_custom_func("tree_attn_rows_bf16_d128", MODULE, ptx()?)?;
+    crate::pdl::mark(&f);
+    allow_row_kernel_shared_memory(&f, dev)?;
+    let cfg = LaunchConfig {
+        shared_mem_bytes: ROWS_SHARED_BYTES as u32,
+        ..cfg
+    };
+    let [q, k, v, meta, anc, part] = &args.pointers;
+    let [stride, n, h, kv, cap, chunk, groups, window, logical] = &args.ints;
+    let mut b = f.builder();
+    for p in [q, k, v, meta, anc] {
+        b.arg(p);
+    }
+    for i in [stride, n, h, kv, cap, chunk, groups] {
+        b.arg(i);
+    }
+    b.arg(&args.scale);
+    b.arg(part);
+    b.arg(window);
+    b.arg(logical);
+    // SAFETY: the arguments in tree_attn_rows_bf16_d128's order and types: device addresses of
+    // live tensors of the sizes it reads and writes (one record per vector and split).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
