@@ -36,6 +36,9 @@ fn chunk_for(rows: usize) -> usize {
         256
     }
 }
+/// Rows above which a step with keys by position (`--bit-exact`) lets the row kernel take its
+/// splits of cached keys alone (see [`tree_attention`]).
+const BIT_EXACT_ROWS_FROM: usize = 64;
 /// Rows above which a bf16 step on the tensor cores with keys by step row (a DDTree verify; not
 /// `--bit-exact`, whose keys by position keep [`chunk_for`]) takes [`tree_chunk`]'s chunks.
 const TREE_CHUNK_FROM_ROWS: usize = 16;
@@ -468,7 +471,12 @@ pub(crate) fn tree_attention(
         )));
     }
     let rows = rows_ok && logical == 0;
-    let rows_cached = rows_ok && logical != 0;
+    // (measured on an H100, session 28, Qwen3-8B at 2048 under --bit-exact: the 65-node tree's
+    // verify 16.71 → 16.42 ms this way, but the 16-row chain's 7.99 → 8.35 and the 17-node tree's
+    // 13.37 → 13.81 — the second launch costs more than the row kernel saves on few vectors)
+    let rows_cached = rows_ok
+        && logical != 0
+        && (n > BIT_EXACT_ROWS_FROM || choice == crate::step::StepKernel::Rows);
     let group = group.filter(|_| !rows);
     let per_block = if group.is_some() { 16 } else { per_block };
     let groups = (n * h / kv).div_ceil(per_block);
