@@ -12,7 +12,11 @@ from collections import OrderedDict
 
 def rows(path):
     lines = open(path, errors="replace").read().splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith('"ID"'))
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:  # ncu wrote no kernel table (it failed, or profiled nothing): say what it wrote
+        print(f"no kernel table in {path}; its last lines:")
+        print("\n".join(lines[-8:]))
+        sys.exit(1)
     kernels = OrderedDict()
     for r in csv.DictReader(lines[start:]):
         k = kernels.setdefault(r["ID"], {"name": r["Kernel Name"], "grid": r.get("Grid Size", ""),
