@@ -36,6 +36,22 @@ fn chunk_for(rows: usize) -> usize {
         256
     }
 }
+/// `DFLASH_STEP_CHUNK=N` (a multiple of 64; read once; a documented override for A/B runs): the
+/// one-row step's splits of N keys instead of [`chunk_for`]'s 64, outside `--bit-exact` (where a
+/// verified row's bits equal the AR step's only at the same splits). Built in session 28 for the
+/// 8B AR step at context 2048 (36 one-tile splits a kv head, then one block's merge of 36
+/// records a vector); not yet measured.
+fn one_row_chunk(n: usize) -> Option<usize> {
+    static CHUNK: OnceLock<Option<usize>> = OnceLock::new();
+    let chunk = *CHUNK.get_or_init(|| {
+        std::env::var("DFLASH_STEP_CHUNK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|c| *c > 0 && c.is_multiple_of(64))
+    });
+    let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
+    chunk.filter(|_| n == 1 && !bit_exact)
+}
 /// Rows above which a step with keys by position (`--bit-exact`) lets the row kernel take its
 /// splits of cached keys alone (see [`tree_attention`]).
 const BIT_EXACT_ROWS_FROM: usize = 64;
@@ -484,6 +500,8 @@ pub(crate) fn tree_attention(
         fixed_chunk
     } else if mma && logical == 0 && (n > TREE_CHUNK_FROM_ROWS || rows) {
         tree_chunk(kv * groups, cap, rows, &dev)
+    } else if let Some(c) = one_row_chunk(n) {
+        c
     } else {
         chunk_for(n)
     };
