@@ -390,8 +390,9 @@ pub fn tree_attention_general(
 
 /// [`tree_attention`] on a named kernel and, with `chunk` > 0 (a multiple of 64), on splits of
 /// `chunk` keys instead of the rule's (for tests: every kernel must give the general one's bits
-/// at the same splits). [`StepKernel::Rows`] takes bf16 steps of 128-wide heads with keys by step
-/// row (`bits`, as for [`tree_attention`]) alone.
+/// at the same splits). [`StepKernel::Rows`] takes bf16 steps of 2+ rows of 128-wide heads: every
+/// split with keys by step row (`bits`, as for [`tree_attention`]); with keys by position the
+/// splits of cached keys alone, the general kernel the rest.
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
 pub fn tree_attention_on_kernel(

@@ -68,9 +68,11 @@ const TREE_CHUNK_FROM_ROWS: usize = 16;
 /// DDTree loop step 14.88 → 12.92 / 12.55), its 17-row tree 8.46 / 8.01 / 8.33; SmolLM2's 65-row
 /// tree at context 512 1.379 / 1.389 / 1.594 and its 17-row one 1.200 / 1.257 / 1.523 — the rule
 /// picks the best of each. Such a row's bits already differ from the AR step's (keys by row;
-/// cuBLAS GEMMs), so its split boundaries are free; chains of up to 16 rows (a DFlash block) keep
-/// [`chunk_for`]'s, and with it their rows' bits equal to AR steps'. `DFLASH_TREE_CHUNK=N` (a
-/// multiple of 64; read once) fixes the chunk, for A/B runs.
+/// cuBLAS GEMMs), so its split boundaries are free. On the row kernel (`rows`; since session 28
+/// every bf16 step of 2+ rows of 128-wide heads with keys by step row, DFlash blocks included)
+/// the chunk is [`crate::step::row_kernel_chunk`]'s; chains of up to 16 rows on the other kernels
+/// keep [`chunk_for`]'s. `DFLASH_TREE_CHUNK=N` (a multiple of 64; read once) fixes the chunk, for
+/// A/B runs.
 fn tree_chunk(columns: usize, cap: usize, rows: bool, dev: &CudaDevice) -> usize {
     static FORCED: OnceLock<Option<usize>> = OnceLock::new();
     let forced = *FORCED.get_or_init(|| {
@@ -362,8 +364,10 @@ fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
 /// one (keys by step row, or a one-row step) for up to `DFLASH_GROUP_ATTN_VECTORS` query vectors
 /// (rows × heads per kv head; by default any number for 64-wide heads and 64 for 128-wide ones:
 /// each block stages its own tiles, so wide trees of wide heads keep the general kernel, whose
-/// four warps share them). `DFLASH_DECODE_ATTN=tree` (a documented
-/// override for A/B runs) keeps the general kernel everywhere.
+/// four warps share them). With the row kernel's default (`DFLASH_ATTN_ROWS=2`, session 28) the
+/// steps of 2+ rows of 128-wide heads with keys by step row leave it for the row kernel.
+/// `DFLASH_DECODE_ATTN=tree` (a documented override for A/B runs) keeps the general kernel
+/// everywhere.
 fn group_kernel(mma: bool, logical: bool, n: usize, rep: usize, d: usize) -> Option<String> {
     static GENERAL: OnceLock<bool> = OnceLock::new();
     static MAX_VECTORS: OnceLock<usize> = OnceLock::new();
@@ -468,10 +472,10 @@ pub(crate) fn tree_attention(
     } else {
         group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general)
     };
-    // the row kernel (tree_attn_rows.cu): wide bf16 steps of 128-wide heads with keys by step row
-    // with keys by position (`--bit-exact`), the row kernel takes the splits of cached keys alone
-    // and the general kernel those holding step keys (which bent rows read one by one): the same
-    // bits as the general kernel's everywhere
+    // the row kernel (tree_attn_rows.cu) for bf16 steps of 2+ rows of 128-wide heads: every split
+    // with keys by step row; with keys by position (`--bit-exact`) the splits of cached keys alone,
+    // the general kernel taking those holding step keys (which bent rows read one by one) — the
+    // general kernel's bits everywhere
     let rows_ok = mma
         && n > 1
         && d == 128
@@ -550,7 +554,7 @@ pub(crate) fn tree_attention(
         };
         crate::tree_attn_rows_cuda::launch(&dev, cfg, &args)?;
     }
-    if let (false, Some(group)) = (rows, &group) {
+    if let Some(group) = &group {
         launch!(
             dev, group, cfg, &qp, &kbp, &vbp, &mp, &ap, &stride, &ni, &hi, &kvi, &capi, &chi, &gi,
             &scale, &pp, &cp, &op, &wi

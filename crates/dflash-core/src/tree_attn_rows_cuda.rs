@@ -50,8 +50,9 @@ fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) ->
 /// (more than 64 query vectors a kv head); `0` none (the general and few-vector kernels, session
 /// 27's path). Measured on an H100 (session 28, Qwen3-8B, same call): at context 2048 the DDTree-64
 /// verify 10.99 → 8.74 ms, the 16-row verify 8.22 → 7.54 (128-key splits), the drafter's block
-/// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. The few-vector kernel's steps keep its
-/// bits only at its own splits, so `--bit-exact` (keys by position) never takes the row kernel.
+/// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. With keys by position (`--bit-exact`)
+/// only the splits of cached keys alone of steps of more than 64 rows take it (the general
+/// kernel's bits there; see `step_cuda::tree_attention`).
 pub(crate) fn takes(few_vectors: bool) -> bool {
     static MODE: OnceLock<u8> = OnceLock::new();
     let mode = *MODE.get_or_init(|| {
