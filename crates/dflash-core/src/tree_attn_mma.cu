@@ -97,6 +97,48 @@ __device__ __forceinline__ int mk_row_of(const unsigned short* tab, const unsign
   return past + (tab != nullptr ? (int)tab[i] : (int)__ldg(ar + ANC_BITS + 1 + i));
 }
 
+// A lane's two query vectors, A rows gq and gq + 8 of the warp's 16 from vector `wbase` on
+// (vectors tree row first, head second): whether each exists, its tree row and its head.
+__device__ __forceinline__ void mk_lane_vectors(int wbase, int gq, int nvec, int rep, int g,
+                                                bool* ok, int* rr, int* head) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int w = wbase + gq + 8 * e;
+    ok[e] = w < nvec;
+    rr[e] = ok[e] ? w / rep : 0;
+    head[e] = g * rep + (ok[e] ? w % rep : 0);
+  }
+}
+
+// The output accumulators of a lane's two vectors (T channel tiles) rescaled by the tile's alpha.
+template <int T>
+__device__ __forceinline__ void mk_rescale(float (*acc)[4], const float* alpha) {
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    acc[t][0] *= alpha[0];
+    acc[t][1] *= alpha[0];
+    acc[t][2] *= alpha[1];
+    acc[t][3] *= alpha[1];
+  }
+}
+
+// The mma A fragments of a lane's two vectors (rows of D channels of q [H, n, D]) for every
+// 16-channel step; zero for a vector that does not exist.
+template <int D>
+__device__ __forceinline__ void mk_load_q(unsigned int (*qa)[4], const bf16_t* q, const bool* ok,
+                                          const int* rr, const int* head, int n, int tq) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = 16 * kk + 2 * tq;
+    const bf16_t* q0 = q + ((long long)head[0] * n + rr[0]) * D + c;
+    const bf16_t* q1 = q + ((long long)head[1] * n + rr[1]) * D + c;
+    qa[kk][0] = ok[0] ? mk_ld32(q0) : 0u;
+    qa[kk][1] = ok[1] ? mk_ld32(q1) : 0u;
+    qa[kk][2] = ok[0] ? mk_ld32(q0 + 8) : 0u;
+    qa[kk][3] = ok[1] ? mk_ld32(q1 + 8) : 0u;
+  }
+}
+
 // Tree row r's depth: a lane's own rows' depths are in registers; any other row's from L1/L2.
 __device__ __forceinline__ int mk_depth_of(int r, const int* rr, const int* dep,
                                            const unsigned int* ar) {
@@ -353,13 +395,7 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
     float alpha[2];
     unsigned int pk[MK_TK / 8][2];
     mk_tile_softmax(sc, tmax, mrow, lrow, alpha, pk);
-#pragma unroll
-    for (int t = 0; t < MAX_D / 8; ++t) {
-      acc[t][0] *= alpha[0];
-      acc[t][1] *= alpha[0];
-      acc[t][2] *= alpha[1];
-      acc[t][3] *= alpha[1];
-    }
+    mk_rescale<MAX_D / 8>(acc, alpha);
 #if defined(DFLASH_ATTN_PIPELINE)
     mk_cp_wait<1>();  // this tile's values have landed (the next keys may still be coming)
     __syncthreads();
@@ -490,24 +526,9 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   const int gq = lane >> 2, tq = lane & 3;
   bool ok[2];
   int rr[2], head[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int w = grp * 16 + gq + 8 * e;
-    ok[e] = w < nvec;
-    rr[e] = ok[e] ? w / rep : 0;
-    head[e] = g * rep + (ok[e] ? w % rep : 0);
-  }
+  mk_lane_vectors(grp * 16, gq, nvec, rep, g, ok, rr, head);
   unsigned int qa[KSTEPS][4];
-#pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-    const int c = 16 * kk + 2 * tq;
-    const bf16_t* q0 = q + ((long long)head[0] * n + rr[0]) * D + c;
-    const bf16_t* q1 = q + ((long long)head[1] * n + rr[1]) * D + c;
-    qa[kk][0] = ok[0] ? mk_ld32(q0) : 0u;
-    qa[kk][1] = ok[1] ? mk_ld32(q1) : 0u;
-    qa[kk][2] = ok[0] ? mk_ld32(q0 + 8) : 0u;
-    qa[kk][3] = ok[1] ? mk_ld32(q1 + 8) : 0u;
-  }
+  mk_load_q<D>(qa, q, ok, rr, head, n, tq);
   float acc[TPW][4];
 #pragma unroll
   for (int t = 0; t < TPW; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
@@ -574,13 +595,7 @@ __device__ void group_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* 
     float alpha[2];
     unsigned int pk[KT / 8][2];
     mk_tile_softmax<KT>(sc, tmax, mrow, lrow, alpha, pk);
-#pragma unroll
-    for (int t = 0; t < TPW; ++t) {
-      acc[t][0] *= alpha[0];
-      acc[t][1] *= alpha[0];
-      acc[t][2] *= alpha[1];
-      acc[t][3] *= alpha[1];
-    }
+    mk_rescale<TPW>(acc, alpha);
     // this warp's channel tiles += p·v, 16 keys a chunk in key order
 #pragma unroll
     for (int kc = 0; kc < KT / 16; ++kc) {

@@ -31,17 +31,18 @@
 #define RW_MIN_BLOCKS 3  // resident blocks an SM asked of the compiler (DFLASH_ATTN_ROWS_BLOCKS)
 #endif
 
+// Four 8×8 bf16 matrices from shared memory (each lane names one row), transposed for V.
+template <bool TRANS>
 __device__ __forceinline__ void rw_ldsm4(unsigned int* r, const bf16_t* p) {
   const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void rw_ldsm4_t(unsigned int* r, const bf16_t* p) {
-  const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
 }
 
 // Keys t0 .. t0 + nt − 1 of kv head g (K and V) into one tile buffer, zero past nt.
@@ -82,13 +83,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   const bool wactive = wbase < nvec;
   bool ok[2];
   int rr[2], head[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int w = wbase + gq + 8 * e;
-    ok[e] = w < nvec;
-    rr[e] = ok[e] ? w / rep : 0;
-    head[e] = g * rep + (ok[e] ? w % rep : 0);
-  }
+  mk_lane_vectors(wbase, gq, nvec, rep, g, ok, rr, head);
   const int ntiles = k0 < k1 ? (k1 - k0 + MK_TK - 1) / MK_TK : 0;
   // the first tiles' copies go out before q is loaded
 #pragma unroll
@@ -101,16 +96,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
     mk_cp_commit();
   }
   unsigned int qa[KSTEPS][4];
-#pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-    const int c = 16 * kk + 2 * tq;
-    const bf16_t* q0 = q + ((long long)head[0] * n + rr[0]) * D + c;
-    const bf16_t* q1 = q + ((long long)head[1] * n + rr[1]) * D + c;
-    qa[kk][0] = ok[0] ? mk_ld32(q0) : 0u;
-    qa[kk][1] = ok[1] ? mk_ld32(q1) : 0u;
-    qa[kk][2] = ok[0] ? mk_ld32(q0 + 8) : 0u;
-    qa[kk][3] = ok[1] ? mk_ld32(q1 + 8) : 0u;
-  }
+  mk_load_q<D>(qa, q, ok, rr, head, n, tq);
   float acc[DT][4];
 #pragma unroll
   for (int t = 0; t < DT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
@@ -137,7 +123,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
         for (int j8 = 0; j8 < MK_TK / 8; ++j8) {
           if (!plain && j8 * 8 >= nt) continue;  // tree_attn_mma leaves such columns 0
           unsigned int b[4];
-          rw_ldsm4(b, krow + j8 * 8 * STR + 16 * kk);
+          rw_ldsm4<false>(b, krow + j8 * 8 * STR + 16 * kk);
           mk_mma(sc[j8], qa[kk], b[0], b[1]);
           mk_mma(sc[j8], qa[kk + 1], b[2], b[3]);
         }
@@ -173,13 +159,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
       float alpha[2];
       unsigned int pk[MK_TK / 8][2];
       mk_tile_softmax(sc, tmax, mrow, lrow, alpha, pk);
-#pragma unroll
-      for (int t = 0; t < DT; ++t) {
-        acc[t][0] *= alpha[0];
-        acc[t][1] *= alpha[0];
-        acc[t][2] *= alpha[1];
-        acc[t][3] *= alpha[1];
-      }
+      mk_rescale<DT>(acc, alpha);
       // output += p·v, 16 keys a chunk in key order; ldmatrix.trans gives a lane keys
       // kc·16 + 2·tq (+1, +8, +9) of channel 8·t + gq for channel tiles t and t + 1
       const bf16_t* vrow = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * STR + 8 * (lane >> 4);
@@ -191,7 +171,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
 #pragma unroll
         for (int t = 0; t < DT; t += 2) {
           unsigned int b[4];
-          rw_ldsm4_t(b, vrow + kc * 16 * STR + 8 * t);
+          rw_ldsm4<true>(b, vrow + kc * 16 * STR + 8 * t);
           mk_mma(acc[t], pa, b[0], b[1]);
           mk_mma(acc[t + 1], pa, b[2], b[3]);
         }
