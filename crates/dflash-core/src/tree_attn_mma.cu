@@ -122,6 +122,31 @@ __device__ __forceinline__ void mk_rescale(float (*acc)[4], const float* alpha) 
   }
 }
 
+// A lane's share of its two vectors' records for split s of `splits` (vector v = head·n + row:
+// running max, sum, then the first `dtiles` of T channel tiles of unnormalised output).
+template <int T>
+__device__ __forceinline__ void mk_write_records(float* part, const bool* ok, const int* rr,
+                                                 const int* head, int n, int splits, int s, int d,
+                                                 int dtiles, int tq, const float* mrow,
+                                                 const float* lrow, const float (*acc)[4]) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    if (!ok[hf]) continue;
+    const long long vec = (long long)head[hf] * n + rr[hf];
+    float* rec = part + (vec * splits + s) * (long long)(d + 2);
+    if (tq == 0) {
+      rec[0] = mrow[hf];
+      rec[1] = lrow[hf];
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      if (t >= dtiles) continue;
+      rec[2 + 8 * t + 2 * tq] = acc[t][2 * hf];
+      rec[3 + 8 * t + 2 * tq] = acc[t][2 * hf + 1];
+    }
+  }
+}
+
 // The mma A fragments of a lane's two vectors (rows of D channels of q [H, n, D]) for every
 // 16-channel step; zero for a vector that does not exist.
 template <int D>
@@ -458,24 +483,8 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
 #if defined(DFLASH_ATTN_PIPELINE)
   mk_cp_wait<0>();
 #endif
-  if (wactive) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      if (!ok[hf]) continue;
-      const long long vec = (long long)head[hf] * n + rr[hf];
-      float* rec = part + (vec * splits + s) * (long long)(d + 2);
-      if (tq == 0) {
-        rec[0] = mrow[hf];
-        rec[1] = lrow[hf];
-      }
-#pragma unroll
-      for (int t = 0; t < MAX_D / 8; ++t) {
-        if (t >= dtiles) continue;
-        rec[2 + 8 * t + 2 * tq] = acc[t][2 * hf];
-        rec[3 + 8 * t + 2 * tq] = acc[t][2 * hf + 1];
-      }
-    }
-  }
+  if (wactive)
+    mk_write_records<MAX_D / 8>(part, ok, rr, head, n, splits, s, d, dtiles, tq, mrow, lrow, acc);
   if (counters == nullptr || !last_of_column(counters, splits)) return;
   for (int w = grp * MK_VPB + warp; w < min(nvec, (grp + 1) * MK_VPB); w += MK_WARPS)
     merge_vector(part, (g * rep + w % rep) * n + w / rep, n, H, d, splits, out);

@@ -186,22 +186,8 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
     mk_cp_commit();  // (an empty group past the last tile keeps the wait's count)
   }
   mk_cp_wait<0>();
-  if (!wactive) return;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    if (!ok[hf]) continue;
-    const long long vec = (long long)head[hf] * n + rr[hf];
-    float* rec = part + (vec * splits + s) * (long long)(D + 2);
-    if (tq == 0) {
-      rec[0] = mrow[hf];
-      rec[1] = lrow[hf];
-    }
-#pragma unroll
-    for (int t = 0; t < DT; ++t) {
-      rec[2 + 8 * t + 2 * tq] = acc[t][2 * hf];
-      rec[3 + 8 * t + 2 * tq] = acc[t][2 * hf + 1];
-    }
-  }
+  if (wactive)
+    mk_write_records<DT>(part, ok, rr, head, n, splits, s, D, DT, tq, mrow, lrow, acc);
 }
 
 #define TREE_ATTN_ROWS(D)                                                                       \
