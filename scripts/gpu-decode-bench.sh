@@ -52,6 +52,7 @@ ROUNDS=${ROUNDS:-30}
 # groupall: group_attn_mma for every step without per-row key reads, whatever its width (DFLASH_GROUP_ATTN_VECTORS=100000);
 # hostwindows: drafters with causal / sliding-window layers on the host path (DFLASH_DRAFT_STEP_WINDOWS=0; on the device step by default since session 26, windows included);
 # pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26; the same bits; no faster on an H100, session 27);
+# topksplitsN: the device top-k's rows over N blocks each (DFLASH_TOPK_SPLITS=N; session 28, not yet measured);
 # stepchunkN: the one-row step's attention on N-key splits instead of 64 (DFLASH_STEP_CHUNK=N; session 28, not yet measured; never under --bit-exact);
 # rows0 / rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for bf16 steps of 2+ rows of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=0: never, session 27's kernels; =1: the trees the general kernel would take; =2, the default: also the few-vector kernel's, a DFlash block, the drafter's; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
 # wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
@@ -143,7 +144,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    arows="" ablocks="" schunk="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -185,6 +186,7 @@ for spec in $SHAPES; do
       treechunk*) fused=1 graphs=1 tchunk=${variant#treechunk};;
       rows0) fused=1 graphs=1 arows=0;;
       stepchunk*) fused=1 graphs=1 schunk=${variant#stepchunk};;
+      topksplits*) fused=1 graphs=1 tsplits=${variant#topksplits};;
       exactrows0) fused=1 graphs=1 stream=all arows=0;;
       rows1) fused=1 graphs=1 arows=1;;
       rows2) fused=1 graphs=1 arows=2;;
@@ -196,7 +198,7 @@ for spec in $SHAPES; do
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

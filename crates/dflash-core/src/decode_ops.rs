@@ -136,10 +136,31 @@ pub fn top_k_log_probs_with(
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 /// The split plan of the device's split top-k (the default; `DFLASH_TOPK_SPLIT=0` turns it off) for `rows` rows of `vocab` and `k`: (splits, slice length), or
 /// `None` when a row is better left to one block (short rows, too many candidates to merge).
+/// `DFLASH_TOPK_SPLITS=N` (read once; a documented override for A/B runs, 2–64) asks for N splits
+/// a row instead of `128 / rows` within 2..16 (built in session 28: a DDTree draft's top-64 of 15
+/// rows of Qwen3's 151,936 logits took 0.13 ms on 8 splits, a twelfth of the 8B drafter's block;
+/// not yet measured).
 pub(crate) fn topk_split_plan(rows: usize, vocab: usize, k: usize) -> Option<(usize, usize)> {
+    static WANTED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| {
+        std::env::var("DFLASH_TOPK_SPLITS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|n| n.clamp(2, 64))
+    });
+    topk_split_plan_for(rows, vocab, k, wanted)
+}
+
+/// [`topk_split_plan`] with `wanted` splits a row (`None`: the rule's).
+fn topk_split_plan_for(
+    rows: usize,
+    vocab: usize,
+    k: usize,
+    wanted: Option<usize>,
+) -> Option<(usize, usize)> {
     const MAX_CANDIDATES: usize = 4096; // TOPK_SPLIT_MAX_CAND of decode_kernels.cu
-    let mut splits = (128 / rows.max(1))
-        .clamp(2, 16)
+    let mut splits = wanted
+        .unwrap_or_else(|| (128 / rows.max(1)).clamp(2, 16))
         .min(MAX_CANDIDATES / k.max(1));
     while splits >= 2 {
         let len = vocab.div_ceil(splits).next_multiple_of(4);
@@ -439,8 +460,24 @@ mod tests {
                 }
             }
         }
-        assert_eq!(topk_split_plan(15, 151936, 64).map(|p| p.0), Some(8));
-        assert!(topk_split_plan(3, 300, 64).is_none());
+        assert_eq!(
+            topk_split_plan_for(15, 151936, 64, None).map(|p| p.0),
+            Some(8)
+        );
+        assert!(topk_split_plan_for(3, 300, 64, None).is_none());
+        // an asked-for count, within the candidates' bound (4096 / k) and the slices' length
+        assert_eq!(
+            topk_split_plan_for(15, 151936, 64, Some(32)).map(|p| p.0),
+            Some(32)
+        );
+        assert_eq!(
+            topk_split_plan_for(15, 151936, 128, Some(64)).map(|p| p.0),
+            Some(32)
+        );
+        assert_eq!(
+            topk_split_plan_for(1, 4096, 8, Some(64)).map(|p| p.0),
+            Some(4)
+        );
     }
 
     use super::*;
