@@ -36,6 +36,13 @@ fn chunk_for(rows: usize) -> usize {
         256
     }
 }
+/// A split size from environment variable `var`: a positive multiple of 64, else none.
+fn chunk_from_env(var: &str) -> Option<usize> {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|c| *c > 0 && c.is_multiple_of(64))
+}
 /// `DFLASH_STEP_CHUNK=N` (a multiple of 64; read once; a documented override for A/B runs): the
 /// one-row step's splits of N keys instead of [`chunk_for`]'s 64, outside `--bit-exact` (where a
 /// verified row's bits equal the AR step's only at the same splits). Built in session 28 for the
@@ -43,12 +50,7 @@ fn chunk_for(rows: usize) -> usize {
 /// records a vector); not yet measured.
 fn one_row_chunk(n: usize) -> Option<usize> {
     static CHUNK: OnceLock<Option<usize>> = OnceLock::new();
-    let chunk = *CHUNK.get_or_init(|| {
-        std::env::var("DFLASH_STEP_CHUNK")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|c| *c > 0 && c.is_multiple_of(64))
-    });
+    let chunk = *CHUNK.get_or_init(|| chunk_from_env("DFLASH_STEP_CHUNK"));
     let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
     chunk.filter(|_| n == 1 && !bit_exact)
 }
@@ -75,12 +77,7 @@ const TREE_CHUNK_FROM_ROWS: usize = 16;
 /// A/B runs.
 fn tree_chunk(columns: usize, cap: usize, rows: bool, dev: &CudaDevice) -> usize {
     static FORCED: OnceLock<Option<usize>> = OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        std::env::var("DFLASH_TREE_CHUNK")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|c| *c > 0 && c.is_multiple_of(64))
-    });
+    let forced = *FORCED.get_or_init(|| chunk_from_env("DFLASH_TREE_CHUNK"));
     if let Some(c) = forced {
         return c;
     }

@@ -156,8 +156,8 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
                 STREAM_MAX_BYTES
             };
             let tiles = w.dims().first().map_or(0, |n| n.div_ceil(16));
-            // with the wide kernel (opt-in), tree verifies' calls up to its rows stream where
-            // 16-row verifies' do
+            // with the wide kernel forced on (`DFLASH_STREAM_WIDE=1`), tree verifies' calls up
+            // to its rows stream where 16-row verifies' do
             let max_rows = if wide_fast_calls() && !logits {
                 WIDE_MAX_ROWS
             } else {
@@ -485,7 +485,8 @@ mod cuda {
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
         let warps = super::k_warps(n, k);
-        // calls of 17–80 rows on the wide kernel (opt-in): one block per 16 outputs for all rows
+        // calls of 17–80 rows on the wide kernel (`--bit-exact`'s default): one block per 16
+        // outputs for all rows
         let wide = m > 16
             && m <= super::WIDE_MAX_ROWS
             && epilogue != Epilogue::Silu

@@ -99,14 +99,19 @@ __device__ __forceinline__ int mk_row_of(const unsigned short* tab, const unsign
 
 // A lane's two query vectors, A rows gq and gq + 8 of the warp's 16 from vector `wbase` on
 // (vectors tree row first, head second): whether each exists, its tree row and its head.
+// With `dep`, also each existing vector's tree depth from its ancestor record (0 without one).
 __device__ __forceinline__ void mk_lane_vectors(int wbase, int gq, int nvec, int rep, int g,
-                                                bool* ok, int* rr, int* head) {
+                                                bool* ok, int* rr, int* head, int* dep = nullptr,
+                                                const unsigned int* ancestors = nullptr,
+                                                int stride = 0, bool has_depth = false) {
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int w = wbase + gq + 8 * e;
     ok[e] = w < nvec;
     rr[e] = ok[e] ? w / rep : 0;
     head[e] = g * rep + (ok[e] ? w % rep : 0);
+    if (dep != nullptr)
+      dep[e] = (ok[e] && has_depth) ? (int)ancestors[(long long)rr[e] * stride + ANC_BITS] : 0;
   }
 }
 
@@ -245,14 +250,7 @@ __device__ void tree_attn_mma(const bf16_t* q, const bf16_t* kb, const bf16_t* v
   // this lane's two vectors: A rows gq (half 0) and gq + 8 (half 1)
   bool ok[2];
   int rr[2], head[2], dep[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int w = wbase + gq + 8 * e;
-    ok[e] = w < nvec;
-    rr[e] = ok[e] ? w / rep : 0;
-    head[e] = g * rep + (ok[e] ? w % rep : 0);
-    dep[e] = (ok[e] && has_depth) ? (int)ancestors[(long long)rr[e] * stride + ANC_BITS] : 0;
-  }
+  mk_lane_vectors(wbase, gq, nvec, rep, g, ok, rr, head, dep, ancestors, stride, has_depth);
   unsigned int qa[MAX_D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < MAX_D / 16; ++kk) {
