@@ -9,7 +9,7 @@
 # profiled), SKIP (kernels run unprofiled first: weights and prefill — a hybrid needs ~2400 to reach
 # its AR steps), VARIANT_ENV (extra environment for the binary, e.g. DFLASH_STREAM_GEMM=0), METRICS
 # (more ncu metrics, comma-separated, e.g. launch__registers_per_thread), WIDTHS (tree sizes, default 64),
-# PROFILE_OP (profile only that op's runs: ar_step, verify.chain16, state_commit, verify.tree64, …
+# PROFILE_OP (profile only that op's runs: ar_step, verify.chain16, state_commit, verify.tree64, draft_block, …
 # — `bench decode` opens the profiler's range around it; SKIP then counts inside the range).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -36,10 +36,10 @@ def main():
     step = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     starts = [i for i, k in enumerate(ks) if k["name"].startswith("tree_ancestors")]
     print(f"{len(ks)} kernels profiled; device steps start at {starts[:8]}")
-    if not starts:
-        print("no device step in the trace")
-        return
-    if len(starts) == 1:  # one op's range (PROFILE_OP) cut by the launch count: to the end
+    if not starts:  # an op without a device step (PROFILE_OP=draft_block): the whole trace
+        print("no device step in the trace: the whole trace (every profiled run of the op)")
+        step, seg = 0, ks
+    elif len(starts) == 1:  # one op's range (PROFILE_OP) cut by the launch count: to the end
         step = 1
         seg = ks[starts[0]:]
     else:  # the last whole step when the trace holds fewer than asked

@@ -514,11 +514,13 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     }
 
     // one drafter block after NEW_CTX newly committed positions
-    let t = time(&mut || {
-        let l = drafter.draft(target, &mut dcache, &new_ctx, bonus, context)?;
-        black_box(greedy_rows(&l)?);
-        dcache.crop(base);
-        Ok(())
+    let t = in_profile("draft_block", || {
+        time(&mut || {
+            let l = drafter.draft(target, &mut dcache, &new_ctx, bonus, context)?;
+            black_box(greedy_rows(&l)?);
+            dcache.crop(base);
+            Ok(())
+        })
     })?;
     push(
         &mut ops,
