@@ -54,7 +54,7 @@ ROUNDS=${ROUNDS:-30}
 # pipeline: the general tensor-core attention's tiles by cp.async, values loading while keys are scored and the next keys while values are summed (DFLASH_ATTN_PIPELINE=1; session 26; the same bits; no faster on an H100, session 27);
 # topksplitsN: the device top-k's rows over N blocks each (DFLASH_TOPK_SPLITS=N; session 28, not yet measured);
 # stepchunkN: the one-row step's attention on N-key splits instead of 64 (DFLASH_STEP_CHUNK=N; session 28, not yet measured; never under --bit-exact);
-# rows0 / rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for bf16 steps of 2+ rows of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=0: never, session 27's kernels; =1: the trees the general kernel would take; =2, the default: also the few-vector kernel's, a DFlash block, the drafter's; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
+# rows0 / rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for bf16 steps of 2+ rows of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=0: never, session 27's kernels; =1: the trees the general kernel would take; =2, the default: also the few-vector kernel's, a DFlash block, the drafter's; =3 (rows3, session 29): also the one-row AR step, splits merged in the kernel; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
 # wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -190,6 +190,7 @@ for spec in $SHAPES; do
       exactrows0) fused=1 graphs=1 stream=all arows=0;;
       rows1) fused=1 graphs=1 arows=1;;
       rows2) fused=1 graphs=1 arows=2;;
+      rows3) fused=1 graphs=1 arows=3;;
       rowsb2) fused=1 graphs=1 arows=1 ablocks=2;;
       rows1c*) fused=1 graphs=1 arows=1 tchunk=${variant#rows1c};;
       rows2c*) fused=1 graphs=1 arows=2 tchunk=${variant#rows2c};;

@@ -43,16 +43,28 @@ fn chunk_from_env(var: &str) -> Option<usize> {
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|c| *c > 0 && c.is_multiple_of(64))
 }
-/// `DFLASH_STEP_CHUNK=N` (a multiple of 64; read once; a documented override for A/B runs): the
-/// one-row step's splits of N keys instead of [`chunk_for`]'s 64, outside `--bit-exact` (where a
-/// verified row's bits equal the AR step's only at the same splits). Built in session 28 for the
-/// 8B AR step at context 2048 (36 one-tile splits a kv head, then one block's merge of 36
-/// records a vector); not yet measured.
-fn one_row_chunk(n: usize) -> Option<usize> {
+/// The one-row step's splits outside `--bit-exact` (where a verified row's bits equal the AR
+/// step's only at [`chunk_for`]'s splits), for bf16 128-wide heads on the tensor cores (`row_heads`:
+/// their verifies take the row kernel's own splits, so the AR step's match no verify's anyway —
+/// f32 and other widths keep [`chunk_for`]'s, which their verifies share):
+/// [`crate::step::one_row_chunk`]'s rule over `columns` blocks a split and `cap` keys.
+/// `DFLASH_STEP_CHUNK=N` (a multiple of 64; read once; a documented override for A/B runs) fixes
+/// it for every one-row step outside `--bit-exact`. `None` for other steps.
+fn one_row_chunk(
+    n: usize,
+    row_heads: bool,
+    (columns, cap): (usize, usize),
+    dev: &CudaDevice,
+) -> Option<usize> {
     static CHUNK: OnceLock<Option<usize>> = OnceLock::new();
-    let chunk = *CHUNK.get_or_init(|| chunk_from_env("DFLASH_STEP_CHUNK"));
+    let forced = *CHUNK.get_or_init(|| chunk_from_env("DFLASH_STEP_CHUNK"));
     let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
-    chunk.filter(|_| n == 1 && !bit_exact)
+    if n != 1 || bit_exact {
+        return None;
+    }
+    forced.or_else(|| {
+        row_heads.then(|| crate::step::one_row_chunk(columns, cap, multiprocessors(dev)))
+    })
 }
 /// Rows above which a step with keys by position (`--bit-exact`) lets the row kernel take its
 /// splits of cached keys alone (see [`tree_attention`]).
@@ -473,18 +485,20 @@ pub(crate) fn tree_attention(
     // with keys by step row; with keys by position (`--bit-exact`) the splits of cached keys alone,
     // the general kernel taking those holding step keys (which bent rows read one by one) — the
     // general kernel's bits everywhere
+    // (a one-row step only with keys by step row: its entry merges the splits itself, and the
+    // cached-splits-only launch of keys by position would leave its merge to no one)
     let rows_ok = mma
-        && n > 1
+        && (n > 1 || logical == 0)
         && d == 128
         && !general
         && !wide
         && match choice {
             crate::step::StepKernel::Rows => true,
-            _ => crate::tree_attn_rows_cuda::takes(group.is_some()),
+            _ => crate::tree_attn_rows_cuda::takes(group.is_some(), n == 1),
         };
     if choice == crate::step::StepKernel::Rows && !rows_ok {
         return Err(CoreError::InvalidInput(format!(
-            "tree_attention: the row kernel takes bf16 steps of 2+ rows of 128-wide heads (rows {n}, width {d}, {dtype:?})"
+            "tree_attention: the row kernel takes bf16 steps of 128-wide heads, one-row steps with keys by step row (rows {n}, width {d}, {dtype:?})"
         )));
     }
     let rows = rows_ok && logical == 0;
@@ -499,10 +513,10 @@ pub(crate) fn tree_attention(
     let groups = (n * h / kv).div_ceil(per_block);
     let chunk = if fixed_chunk > 0 {
         fixed_chunk
+    } else if let Some(c) = one_row_chunk(n, mma && d == 128, (kv * groups, cap), &dev) {
+        c // (on the row kernel or not: the same splits, so the same bits either way)
     } else if mma && logical == 0 && (n > TREE_CHUNK_FROM_ROWS || rows) {
         tree_chunk(kv * groups, cap, rows, &dev)
-    } else if let Some(c) = one_row_chunk(n) {
-        c
     } else {
         chunk_for(n)
     };
@@ -549,7 +563,9 @@ pub(crate) fn tree_attention(
             ints: [stride, ni, hi, kvi, capi, chi, gi, wi, logical],
             scale,
         };
-        crate::tree_attn_rows_cuda::launch(&dev, cfg, &args)?;
+        // a one-row step merges its splits in the kernel (the counters are there for n = 1)
+        let merge = counters.filter(|_| n == 1).map(|c| (c, op));
+        crate::tree_attn_rows_cuda::launch(&dev, cfg, &args, merge)?;
     }
     if let Some(group) = &group {
         launch!(

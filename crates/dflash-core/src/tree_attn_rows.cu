@@ -21,7 +21,10 @@
 // - K and V operands come by ldmatrix (.trans for V), the same values in the same registers as
 //   tree_attn_mma's element loads;
 // - __launch_bounds__ asks for three blocks an SM.
-// Never the one-row step (no fused merge: the combine kernel merges the splits). With keys by
+// The one-row step (an AR token, keys by step row) takes tree_attn_rows_one_bf16_d<D>: the same
+// arithmetic (its one row sees every key up to its own: no ancestor reads) with
+// group_attn_mma's fused merge — the last block of a kv head's splits merges its vectors' records
+// (`counters`, `out`), so no combine kernel follows. With keys by
 // position (`logical`, `--bit-exact`) it takes the splits of cached keys alone — where every row
 // sees the same keys and tree_attn_mma reads none row by row — and leaves the splits holding step
 // keys to tree_attn_mma (launched after it with `logical` bit 1).
@@ -61,11 +64,12 @@ __device__ __forceinline__ void rw_stage(bf16_t* ks, bf16_t* vs, const bf16_t* k
   }
 }
 
-template <int D>
+template <int D, bool ONE>
 __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,
                                const unsigned int* meta, const unsigned int* ancestors, int stride,
                                int n, int H, int KV, int cap, int chunk, int groups, float scale,
-                               float* part, int window, int logical) {
+                               float* part, int window, int logical, unsigned int* counters,
+                               bf16_t* out) {
   constexpr int KSTEPS = D / 16, DT = D / 8, STR = D + 8, TILE = MK_TK * STR;
   extern __shared__ __align__(16) bf16_t rw_smem[];  // RW_STAGES × (K tile, V tile)
   const int rep = H / KV;
@@ -146,7 +150,7 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
           for (int e = 0; e < 4; ++e) {
             const int hf = e >> 1, jr = j8 * 8 + 2 * tq + (e & 1), j = t0 + jr;
             bool vis = ok[hf] && jr < nt && in_window(j, past, rr[hf], window);
-            if (vis && j >= past) {
+            if (!ONE && vis && j >= past) {  // (one row: its own key is the only step key)
               const int a = j - past;
               vis = ((__ldg(ancestors + (long long)rr[hf] * stride + (a >> 5)) >> (a & 31)) & 1u) != 0u;
             }
@@ -188,6 +192,13 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
   mk_cp_wait<0>();
   if (wactive)
     mk_write_records<DT>(part, ok, rr, head, n, splits, s, D, DT, tq, mrow, lrow, acc);
+  if (ONE && last_of_column(counters, splits)) {
+    // the last block of this kv head's splits: its vectors' records merged, as group_attn_mma's
+    for (int w = grp * MK_VPB + warp; w < min(nvec, (grp + 1) * MK_VPB); w += MK_WARPS)
+      merge_vector<bf16_t, (D > MAX_D ? D : MAX_D)>(part, (g * rep + w % rep) * n + w / rep, n, H,
+                                                    D, splits, out);
+    if (tid == 0) counters[blockIdx.x] = 0u;
+  }
 }
 
 #define TREE_ATTN_ROWS(D)                                                                       \
@@ -196,7 +207,17 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
       const unsigned int* anc, int stride, int n, int H, int KV, int cap, int chunk,            \
       int groups, float scale, float* part, int window, int logical) {                          \
     PDL_ENTRY();                                                                                \
-    tree_attn_rows<D>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale, part, \
-                      window, logical);                                                         \
+    tree_attn_rows<D, false>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale, \
+                             part, window, logical, nullptr, nullptr);                          \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(MK_WARPS * 32, RW_MIN_BLOCKS)                    \
+      tree_attn_rows_one_bf16_d##D(const bf16_t* q, const bf16_t* kb, const bf16_t* vb,         \
+                                   const unsigned int* meta, const unsigned int* anc, int stride, \
+                                   int n, int H, int KV, int cap, int chunk, int groups,        \
+                                   float scale, float* part, int window, int logical,           \
+                                   unsigned int* counters, bf16_t* out) {                       \
+    PDL_ENTRY();                                                                                \
+    tree_attn_rows<D, true>(q, kb, vb, meta, anc, stride, n, H, KV, cap, chunk, groups, scale,  \
+                            part, window, logical, counters, out);                              \
   }
 TREE_ATTN_ROWS(128)

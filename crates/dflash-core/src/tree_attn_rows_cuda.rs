@@ -15,20 +15,25 @@ use std::sync::OnceLock;
 /// 128 + 8 bf16 (`tree_attn_rows.cu`).
 const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
 
-/// Lets the row kernel take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default 48
-/// KB) and prefer shared memory over L1, once per candle device (each loads its own module: a
-/// launch on a device whose function lacks the attribute fails with an invalid argument).
-fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) -> Result<()> {
+/// Lets row kernel `name` take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default
+/// 48 KB) and prefer shared memory over L1, once per candle device and kernel (each device loads
+/// its own module: a launch on a device whose function lacks the attribute fails with an invalid
+/// argument).
+fn allow_row_kernel_shared_memory(
+    f: &driver::CudaFunction,
+    dev: &CudaDevice,
+    name: &'static str,
+) -> Result<()> {
     use candle_core::cuda_backend::DeviceId;
     use std::collections::HashSet;
     use std::sync::Mutex;
     use sys::CUfunction_attribute_enum as A;
-    static SET: OnceLock<Mutex<HashSet<DeviceId>>> = OnceLock::new();
+    static SET: OnceLock<Mutex<HashSet<(DeviceId, &'static str)>>> = OnceLock::new();
     let mut set = SET
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    if set.contains(&dev.id()) {
+    if set.contains(&(dev.id(), name)) {
         return Ok(());
     }
     f.set_attribute(
@@ -39,7 +44,7 @@ fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) ->
     .map_err(|e| {
         CoreError::InvalidInput(format!("tree_attn_rows: shared memory attribute: {e:?}"))
     })?;
-    set.insert(dev.id());
+    set.insert((dev.id(), name));
     Ok(())
 }
 
@@ -52,8 +57,11 @@ fn allow_row_kernel_shared_memory(f: &driver::CudaFunction, dev: &CudaDevice) ->
 /// verify 10.99 → 8.74 ms, the 16-row verify 8.22 → 7.54 (128-key splits), the drafter's block
 /// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. With keys by position (`--bit-exact`)
 /// only the splits of cached keys alone of steps of more than 64 rows take it (the general
-/// kernel's bits there; see `step_cuda::tree_attention`).
-pub(crate) fn takes(few_vectors: bool) -> bool {
+/// kernel's bits there; see `step_cuda::tree_attention`). `3` (opt-in, session 29; not yet
+/// measured) also the one-row step (an AR token, keys by step row) on its own entry with the
+/// few-vector kernel's fused merge (`tree_attn_rows_one_bf16_d128`): its tiles' loads all out
+/// at once, ahead of q, where the few-vector kernel stages one tile at a time.
+pub(crate) fn takes(few_vectors: bool, one_row: bool) -> bool {
     static MODE: OnceLock<u8> = OnceLock::new();
     let mode = *MODE.get_or_init(|| {
         std::env::var("DFLASH_ATTN_ROWS")
@@ -64,6 +72,7 @@ pub(crate) fn takes(few_vectors: bool) -> bool {
     match mode {
         0 => false,
         1 => !few_vectors,
+        2 => !one_row,
         _ => true,
     }
 }
@@ -79,11 +88,22 @@ pub(crate) struct RowKernelArgs {
 }
 
 /// Launches `tree_attn_rows_bf16_d128` over `cfg`'s grid with [`ROWS_SHARED_BYTES`] of dynamic
-/// shared memory.
-pub(crate) fn launch(dev: &CudaDevice, cfg: LaunchConfig, args: &RowKernelArgs) -> Result<()> {
-    let f = dev.get_or_load_custom_func("tree_attn_rows_bf16_d128", MODULE, ptx()?)?;
+/// shared memory; with `merge` (a one-row step's split counters and output, device addresses)
+/// `tree_attn_rows_one_bf16_d128`, whose last block of each kv head merges the splits into the
+/// output.
+pub(crate) fn launch(
+    dev: &CudaDevice,
+    cfg: LaunchConfig,
+    args: &RowKernelArgs,
+    merge: Option<(u64, u64)>,
+) -> Result<()> {
+    let name = match merge {
+        Some(_) => "tree_attn_rows_one_bf16_d128",
+        None => "tree_attn_rows_bf16_d128",
+    };
+    let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
     crate::pdl::mark(&f);
-    allow_row_kernel_shared_memory(&f, dev)?;
+    allow_row_kernel_shared_memory(&f, dev, name)?;
     let cfg = LaunchConfig {
         shared_mem_bytes: ROWS_SHARED_BYTES as u32,
         ..cfg
@@ -101,8 +121,13 @@ pub(crate) fn launch(dev: &CudaDevice, cfg: LaunchConfig, args: &RowKernelArgs) 
     b.arg(part);
     b.arg(window);
     b.arg(logical);
-    // SAFETY: the arguments in tree_attn_rows_bf16_d128's order and types: device addresses of
-    // live tensors of the sizes it reads and writes (one record per vector and split).
+    if let Some((counters, out)) = &merge {
+        b.arg(counters);
+        b.arg(out);
+    }
+    // SAFETY: the arguments in the kernel's order and types: device addresses of live tensors of
+    // the sizes it reads and writes (one record per vector and split; with `merge`, a counter per
+    // block column, zero between launches, and the step's output).
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }
