@@ -7,7 +7,7 @@
 //! path compaction to the settled states; `None` for attention-only targets.
 
 use crate::bench::Timing;
-use crate::bench_decode::{accepted_path, PREFILL_CHUNK};
+use crate::bench_decode::{accepted_path, in_profile, PREFILL_CHUNK};
 use anyhow::Result;
 use dflash_core::AttentionMask;
 use dflash_decoding::tree::DraftTree;
@@ -26,6 +26,9 @@ use std::time::Instant;
 ///
 /// With `tree`, the verify is of that tree instead and the kept rows are `tree`'s accepted path
 /// (`SequenceCache::keep_rows`, then `settle_recurrent`, timed together).
+///
+/// `profile_key`: the `DFLASH_PROFILE_OP` name whose profiler range covers the commits alone
+/// (not the prefill and verifies around them).
 pub(crate) fn state_commit(
     target: &dyn TargetModel,
     ids: &[u32],
@@ -33,6 +36,7 @@ pub(crate) fn state_commit(
     tree: Option<&DraftTree>,
     taps: &[usize],
     (warmup, timed): (usize, usize),
+    profile_key: &str,
 ) -> Result<Option<(Timing, Timing)>> {
     use dflash_core::LayerCache;
     let path = tree.map(accepted_path);
@@ -73,14 +77,17 @@ pub(crate) fn state_commit(
         };
         black_box(target.forward(&req, &mut cache)?);
         dev.synchronize()?;
-        let t0 = Instant::now();
-        match &path {
-            Some(p) => cache.keep_rows(base, p)?,
-            None => cache.crop(base + half),
-        }
-        cache.settle_recurrent()?;
-        let queued = t0.elapsed().as_secs_f64();
-        dev.synchronize()?;
+        let (queued, t0) = in_profile(profile_key, || {
+            let t0 = Instant::now();
+            match &path {
+                Some(p) => cache.keep_rows(base, p)?,
+                None => cache.crop(base + half),
+            }
+            cache.settle_recurrent()?;
+            let queued = t0.elapsed().as_secs_f64();
+            dev.synchronize()?;
+            Ok((queued, t0))
+        })?;
         if round >= warmup {
             v.push(t0.elapsed().as_secs_f64());
             submit.push(queued);

@@ -215,7 +215,7 @@ struct Op {
 /// Runs `f` inside the CUDA profiler's range when `DFLASH_PROFILE_OP` names `key` (a documented
 /// knob for `ncu --profile-from-start off`, scripts/gpu-profile-step.sh's `PROFILE_OP`: only that
 /// op's runs are profiled, whatever ran before them); otherwise just runs it.
-fn in_profile<T>(key: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(crate) fn in_profile<T>(key: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     let on = std::env::var("DFLASH_PROFILE_OP").is_ok_and(|v| v == key);
     if on {
         profiler(true)?;
@@ -437,9 +437,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
-    if let Some((t, submit)) = in_profile("state_commit", || {
-        state_commit(target, &ids, &block, None, &taps, (a.warmup, a.rounds))
-    })? {
+    if let Some((t, submit)) = state_commit(
+        target,
+        &ids,
+        &block,
+        None,
+        &taps,
+        (a.warmup, a.rounds),
+        "state_commit",
+    )? {
         push(
             &mut ops,
             "state_commit".into(),
@@ -487,16 +493,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     // records' path gathered, then replayed), timed alone
     if widths.contains(&64) {
         let tree = tree_from_draft_logits(&draft_logits, bonus, 64)?;
-        if let Some((t, submit)) = in_profile("tree_commit", || {
-            state_commit(
-                target,
-                &ids,
-                &block,
-                Some(&tree),
-                &taps,
-                (a.warmup, a.rounds),
-            )
-        })? {
+        if let Some((t, submit)) = state_commit(
+            target,
+            &ids,
+            &block,
+            Some(&tree),
+            &taps,
+            (a.warmup, a.rounds),
+            "tree_commit",
+        )? {
             let kept = accepted_path(&tree).len();
             push(
                 &mut ops,
