@@ -87,6 +87,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
                                      f"{base} (DK {dk}, 4 lanes, staged)")
                 ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n{src}",
                                      f"{base} (DK {dk}, 4 lanes, staged for replays)")
+                ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n#define RULE_PREFETCH\n{src}",
+                                     f"{base} (DK {dk}, 4 lanes, staged for replays, loads batched)")
     elif "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")

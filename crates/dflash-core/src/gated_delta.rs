@@ -299,13 +299,16 @@ pub fn kernels_enabled() -> bool {
 /// (so the same bits): one lane a state column; four lanes a column (the default); four lanes
 /// with each chunk of tokens' inputs staged in shared memory (`DFLASH_GDN_RULE_STAGE=1`, opt-in);
 /// the same sized for the state commit's replays (chunks of 8 tokens, more warps an SM; the
-/// replays' default, `DFLASH_GDN_REPLAY=rule` gives them the forward's).
+/// replays' default, `DFLASH_GDN_REPLAY=rule` gives them the forward's); and that with the state's
+/// loads first and each chunk's keys in two batches of loads (`DFLASH_GDN_REPLAY=prefetch`, opt-in
+/// since session 29).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RuleKernel {
     OneLane,
     FourLanes,
     FourLanesStaged,
     FourLanesStagedReplay,
+    FourLanesStagedReplayPrefetch,
 }
 
 /// [`tree_recurrent`] on CUDA through the given rule kernel, whatever the environment says: the

@@ -49,6 +49,9 @@ fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<&'static st
                 RuleKernel::FourLanesStagedReplay => {
                     "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n"
                 }
+                RuleKernel::FourLanesStagedReplayPrefetch => {
+                    "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n#define RULE_PREFETCH\n"
+                }
             };
             candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(format!(
                 "#define DK {dk}\n{define}{SOURCE}"
@@ -84,13 +87,16 @@ fn rule_kernel() -> RuleKernel {
 /// The rule's kernel for the state commit's replays: the staged kernel sized for replays (the
 /// same bits; measured on an H100 in session 23: the chain commit at Qwen3.6-27B 0.319 → 0.207 ms,
 /// Qwen3.5-4B 0.146 → 0.090), or [`rule_kernel`]'s under `DFLASH_GDN_REPLAY=rule` or
-/// `DFLASH_GDN_RULE_LANES=1` (documented overrides, read once; A/B).
+/// `DFLASH_GDN_RULE_LANES=1`, or its loads batched under `DFLASH_GDN_REPLAY=prefetch` (session
+/// 29, not yet run on a GPU) (documented overrides, read once; A/B).
 fn replay_kernel() -> RuleKernel {
     static KERNEL: OnceLock<RuleKernel> = OnceLock::new();
     *KERNEL.get_or_init(|| {
-        let rule = std::env::var("DFLASH_GDN_REPLAY").is_ok_and(|x| x.trim() == "rule");
-        if rule || rule_kernel() == RuleKernel::OneLane {
+        let replay = std::env::var("DFLASH_GDN_REPLAY").unwrap_or_default();
+        if replay.trim() == "rule" || rule_kernel() == RuleKernel::OneLane {
             rule_kernel()
+        } else if replay.trim() == "prefetch" {
+            RuleKernel::FourLanesStagedReplayPrefetch
         } else {
             RuleKernel::FourLanesStagedReplay
         }
@@ -179,6 +185,7 @@ fn launch_table_as(
         RuleKernel::FourLanes => "_l4",
         RuleKernel::FourLanesStaged => "_l4s",
         RuleKernel::FourLanesStagedReplay => "_l4r",
+        RuleKernel::FourLanesStagedReplayPrefetch => "_l4rp",
     };
     let module = format!("dflash_gated_delta_dk{dk}{suffix}");
     let f = dev.get_or_load_custom_func(

@@ -168,9 +168,21 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 // replay has none to read), at most 80 registers a thread (ptxas, sm_90: 16 bytes spilled) — the
 // shared memory and registers of 24 warps an SM instead of 6 (the staged forward: 156 registers,
 // 34 KB) or 11 (the unstaged four-lane kernel: 180 registers).
+// RULE_PREFETCH (with RULE_REPLAY; `DFLASH_GDN_REPLAY=prefetch`, opt-in, session 29, not yet run
+// on a GPU): the state commit's replay read at 1.6 TB/s of state traffic in session 29's profile
+// (187 µs for Qwen3.6-27B's 48 layers, 302 MB read and written) — a warp's chunk of keys came in
+// four elements at a time behind its shared stores (eight memory round trips a chunk), and the
+// state only after them. Here the state's loads go out first (when the first token reads it: a
+// chain, or a tree whose first node is a root), and a chunk's keys in two batches of all their
+// loads. The same floats land in the same places, so every bit is the replay's. 16 blocks an SM
+// (NVRTC's PTX, ptxas sm_90, DK 128: 8 bytes spilled; at 24 the batches spilled 104).
 #ifdef RULE_REPLAY
 #define RULE_CHUNK 8
+#ifdef RULE_PREFETCH
+#define RULE_MIN_BLOCKS 16
+#else
 #define RULE_MIN_BLOCKS 24
+#endif
 #endif
 #ifndef RULE_CHUNK
 #define RULE_CHUNK ((4096 / DK) < 64 ? (4096 / DK) : 64)
@@ -193,10 +205,35 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
     const bool col = j < dv;
     const int jc = col ? j : 0;  // a column to read for the shuffles' sake; nothing is written
     float s[DK / 4];
+#ifdef RULE_PREFETCH
+    const bool pre = T > 0 && (parents ? parents[0] : -1) < 0;
+    if (pre) {
+        const float* src = state + (size_t)h * head;
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) s[m] = src[(size_t)(4 * m + t) * dv + jc];
+    }
+#endif
 #pragma unroll 1
     for (int c0 = 0; c0 < T; c0 += RULE_CHUNK) {
         const int cn = T - c0 < RULE_CHUNK ? T - c0 : RULE_CHUNK;
         __syncwarp();  // the last chunk's reads are done
+#ifdef RULE_PREFETCH
+        constexpr int BATCH = RULE_CHUNK * DK / 64;  // loads a lane has in flight at once
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            float kx[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int e = lane + 32 * (b * BATCH + u);
+                kx[u] = e < cn * DK ? k[((size_t)(c0 + e / DK) * H + h) * DK + e % DK] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int e = lane + 32 * (b * BATCH + u);
+                if (e < cn * DK) sk[e] = kx[u];
+            }
+        }
+#else
         for (int e = lane; e < cn * DK; e += 32) {
             const size_t src = ((size_t)(c0 + e / DK) * H + h) * DK + e % DK;
             sk[e] = k[src];
@@ -204,6 +241,7 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
             if (out) sq[e] = q[src];
 #endif
         }
+#endif
         for (int e = lane; e < cn * 8; e += 32) {
             const int jj = j0 + (e & 7);
             sv[e] = jj < dv ? v[((size_t)(c0 + e / 8) * H + h) * dv + jj] : 0.0f;
@@ -220,7 +258,11 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
         for (int ii = 0; ii < cn; ++ii) {
             const int i = c0 + ii;
             const int p = sp[ii];
+#ifdef RULE_PREFETCH
+            if ((p != i - 1 || i == 0) && !(i == 0 && pre)) {  // (token 0's state came first)
+#else
             if (p != i - 1 || i == 0) {
+#endif
                 const float* src = p < 0 ? state + (size_t)h * head
                                          : scratch + ((size_t)p * H + h) * head;
 #pragma unroll

@@ -144,6 +144,7 @@ fn the_rules_kernels_give_the_same_bits() {
                 RuleKernel::FourLanes,
                 RuleKernel::FourLanesStaged,
                 RuleKernel::FourLanesStagedReplay,
+                RuleKernel::FourLanesStagedReplayPrefetch,
             ] {
                 let other = run(kernel);
                 assert!(
