@@ -21,7 +21,8 @@
 // - K and V operands come by ldmatrix (.trans for V), the same values in the same registers as
 //   tree_attn_mma's element loads;
 // - __launch_bounds__ asks for three blocks an SM.
-// The one-row step (an AR token, keys by step row) takes tree_attn_rows_one_bf16_d<D>: the same
+// The one-row step (an AR token, keys by step row) may take (DFLASH_ATTN_ROWS=3, opt-in: measured
+// no faster than the few-vector kernel in session 29) tree_attn_rows_one_bf16_d<D>: the same
 // arithmetic (its one row sees every key up to its own: no ancestor reads) with
 // group_attn_mma's fused merge — the last block of a kv head's splits merges its vectors' records
 // (`counters`, `out`), so no combine kernel follows. With keys by

@@ -57,10 +57,12 @@ fn allow_row_kernel_shared_memory(
 /// verify 10.99 → 8.74 ms, the 16-row verify 8.22 → 7.54 (128-key splits), the drafter's block
 /// 1.68 → 1.58; at 512 the DDTree-64 verify 8.56 → 7.99. With keys by position (`--bit-exact`)
 /// only the splits of cached keys alone of steps of more than 64 rows take it (the general
-/// kernel's bits there; see `step_cuda::tree_attention`). `3` (opt-in, session 29; not yet
-/// measured) also the one-row step (an AR token, keys by step row) on its own entry with the
-/// few-vector kernel's fused merge (`tree_attn_rows_one_bf16_d128`): its tiles' loads all out
-/// at once, ahead of q, where the few-vector kernel stages one tile at a time.
+/// kernel's bits there; see `step_cuda::tree_attention`). `3` (opt-in) also the one-row step (an
+/// AR token, keys by step row) on its own entry with the few-vector kernel's fused merge
+/// (`tree_attn_rows_one_bf16_d128`): its tiles' loads all out at once, ahead of q, where the
+/// few-vector kernel stages one tile at a time — the same bits (GPU test), but measured no faster
+/// on an H100 (session 29, Qwen3-8B at context 2048, twice in one call: AR step 6.699 / 6.704 ms
+/// against 6.701 / 6.723).
 pub(crate) fn takes(few_vectors: bool, one_row: bool) -> bool {
     static MODE: OnceLock<u8> = OnceLock::new();
     let mode = *MODE.get_or_init(|| {
