@@ -23,22 +23,7 @@ fn device() -> Device {
 }
 
 fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    let host = |t: &Tensor| {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap()
-    };
-    (host(a) - host(b))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    common::max_abs_diff(a, b)
 }
 
 /// Rows of logits with repeated values (ties at the top and inside the top-k).

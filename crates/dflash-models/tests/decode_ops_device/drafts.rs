@@ -63,13 +63,7 @@ fn drafts_follow_the_cpu(
         let ctx = ctx.to_dtype(dtype).unwrap().to_device(dev).unwrap();
         let b = gd.draft(&gt, &mut gc, &ctx, (i * 7) as u32, start).unwrap();
         let b = b.to_dtype(DType::F32).unwrap();
-        let scale = a
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let scale = common::max_abs(&a);
         let d = max_abs(&a, &b);
         assert!(
             d <= bound(scale),
