@@ -68,6 +68,9 @@ prelude = open(os.path.join(root, "crates/dflash-core/src/pdl.cuh")).read()
 # files compiled as part of another module (step_cuda.rs: SOURCE), appended to it here too
 APPENDED = {"step_kernels.cu": ["tree_attn_mma.cu", "tree_attn_rows.cu"], "stream_gemm.cu": ["stream_gemm_tiled.cu"]}
 appended = {f for files in APPENDED.values() for f in files}
+# modules of their own compiled after another file's source (stream_gemm_bulk.rs: stream_gemm.cu
+# first), for compute 9.0 (the copy engine's bulk copies)
+PREPENDED = {"stream_gemm_bulk.cu": "stream_gemm.cu"}
 for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu"))):
     src = open(path).read()
     base = os.path.basename(path)
@@ -75,6 +78,11 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
         continue
     for extra in APPENDED.get(base, []):
         src += open(os.path.join(os.path.dirname(path), extra)).read()
+    if base in PREPENDED:
+        src = prelude + "#define SG_HELPERS_ONLY\n" + open(os.path.join(os.path.dirname(path), PREPENDED[base])).read() + src
+        ok &= compile_source(src, base, ["--gpu-architecture=compute_90"])
+        ok &= compile_source(src, f"{base} (PDL)", ["--gpu-architecture=compute_90", "-DDFLASH_PDL"])
+        continue
     arch = ["--gpu-architecture=compute_80"] if "mma.sync" in src else []
     if "PDL_ENTRY" in src:  # decode modules: the PDL prelude in front (crate::pdl::with_prelude)
         src = prelude + src

@@ -57,6 +57,10 @@ ROUNDS=${ROUNDS:-30}
 # stepchunkN: the one-row step's attention on N-key splits instead of the rule's (DFLASH_STEP_CHUNK=N; session 28; never under --bit-exact; stepchunk64 = the splits before session 29's rule);
 # rows0 / rows1 / rows2 / rowsb2 / rows1cN / rows2cN: the row kernel (tree_attn_rows.cu, session 28: cp.async double buffers, mask-free cached tiles, ldmatrix, three blocks an SM) for bf16 steps of 2+ rows of 128-wide heads with keys by step row (DFLASH_ATTN_ROWS=0: never, session 27's kernels; =1: the trees the general kernel would take; =2, the default: also the few-vector kernel's, a DFlash block, the drafter's; =3 (rows3, session 29, measured no faster): also the one-row AR step, splits merged in the kernel; b2: two blocks an SM, DFLASH_ATTN_ROWS_BLOCKS=2; cN: with DFLASH_TREE_CHUNK=N);
 # wide / wideexact: calls of 17–80 rows on the wide streaming GEMM (one block per 16 outputs for all rows: each weight read once; DFLASH_STREAM_WIDE=1) — with the default policy (tree verifies' small weights stream too; measured slower, session 27) / with every call streamed (= exact since session 27: --bit-exact takes the wide kernel by default; `exactnarrow` keeps the narrow one);
+# bulk / bulksSPAN_nNST / bulkexact: narrow streaming-GEMM calls with the weight's tiles brought in by the copy engine (DFLASH_STREAM_BULK=1 or sSPAN_nNST: the same bits, compute 9.0+; on, the fast policy streams every call of ≤ 16 rows, large weights and LM heads too) / with --bit-exact's policy (session 30);
+# bulkdown: few-row calls of weights with K ≥ 8192 (Qwen3-8B's down projection) streamed on the bulk kernel (DFLASH_STREAM_BULK_LARGE_K=1; session 30's probe: 27.0 µs against cuBLAS's 30.2 at one row);
+# treestreamN: the fast policy streams calls of up to N rows on small weights, narrow kernel, a block per 16-row group (DFLASH_STREAM_TREE_ROWS=N; session 30);
+# exactmma: --bit-exact's policy with the bf16 attention on tensor cores at every head width (DFLASH_TREE_ATTN=mma: SmolLM2's 64-wide heads take the CUDA-core kernel under --bit-exact by default);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -145,7 +149,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -193,6 +197,12 @@ for spec in $SHAPES; do
       rows1) fused=1 graphs=1 arows=1;;
       rows2) fused=1 graphs=1 arows=2;;
       rows3) fused=1 graphs=1 arows=3;;
+      bulk) fused=1 graphs=1 bulk=1;;
+      bulks*) fused=1 graphs=1 bulk=s${variant#bulks};;
+      bulkexact) fused=1 graphs=1 bulk=1 stream=all;;
+      bulkdown) fused=1 graphs=1 bulkk=1;;
+      treestream*) fused=1 graphs=1 trows=${variant#treestream};;
+      exactmma) fused=1 graphs=1 stream=all attn=mma;;
       rowsb2) fused=1 graphs=1 arows=1 ablocks=2;;
       rows1c*) fused=1 graphs=1 arows=1 tchunk=${variant#rows1c};;
       rows2c*) fused=1 graphs=1 arows=2 tchunk=${variant#rows2c};;
@@ -201,7 +211,7 @@ for spec in $SHAPES; do
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

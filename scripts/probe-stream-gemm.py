@@ -9,7 +9,9 @@ the bandwidth floor (weight bytes / device-to-device copy bandwidth measured her
 kernel's pipeline depth (SG_STAGES) against warps per block. Prints a table and writes
 JSON to $OUT/stream-gemm-probe.json. WIDE=1 instead probes the lab's wide and tiled kernels
 (scripts/lab/stream_gemm_wide.cu, crates/dflash-core/src/stream_gemm_tiled.cu: bit-identity with the shipped kernel, time at 17–257 rows;
-WIDE_SHAPES and WIDE_M narrow it).
+WIDE_SHAPES and WIDE_M narrow it). BULK=1 probes the lab's bulk-copy kernel
+(crates/dflash-core/src/stream_gemm_bulk.cu: bit-identity with the shipped kernel, time at 1/4/16 rows per
+stage span and depth, beside the shipped kernel and cuBLAS; BULK_SHAPES narrows it).
 Usage: python3 scripts/probe-stream-gemm.py"""
 import json
 import os
@@ -201,9 +203,89 @@ def wide_main():
     sys.exit(0 if ok else 1)
 
 
+BULK_VARIANTS = {mt: ["s256_n4", "s512_n3", "s512_n4", "s512_n6", "s1024_n3"] for mt in (1, 2)}
+
+
+def bulk_main():
+    """BULK=1: the bulk-copy kernel (crates/dflash-core/src/stream_gemm_bulk.cu) against the shipped kernel:
+    every output bit for bit, then time per call (cold weights) beside the shipped kernel and cuBLAS."""
+    bsrc = src + open(os.path.join(root, "crates/dflash-core/src/stream_gemm_bulk.cu")).read()
+    bmod = cp.RawModule(code=bsrc, options=("--std=c++17",))
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    shapes = {"qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
+              "qwen3-8b down": (4096, 12288), "qwen3-8b lm_head": (151936, 4096),
+              "smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+              "smollm2 lm_head": (49152, 576)}
+    only = os.environ.get("BULK_SHAPES", "")
+    rows, ok = [], True
+    sums = {}
+
+    def bulk(x, w, f32_out, variant):
+        m, k = x.shape
+        n = w.shape[0]
+        mt = 1 if m <= 8 else 2
+        span, nst = (int(v[1:]) for v in variant.split("_"))
+        kw = kw_for(n, k)
+        y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
+        f = bmod.get_function(f"stream_gemm_bulk_m{mt}_{variant}_{'f32out' if f32_out else 'bf16'}")
+        smem = nst * 16 * (2 * span + 64)
+        f.max_dynamic_shared_size_bytes = smem
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.int32(kw), cp.uint64(y.data_ptr()))
+        return f, ((n + 15) // 16, (m + 15) // 16), (32 * (kw + 1),), args, y, smem
+
+    for name, (n, k) in shapes.items():
+        if only and only not in name:
+            continue
+        f32_out = "lm_head" in name
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        ws = copies(w)
+        floor_us = n * k * 2 / bw * 1e6
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = launch(stream_gemm(x, w, f32_out, module=bmod))
+            t_s = graph_time([lambda sp=stream_gemm(x, wc, f32_out, module=bmod): launch(sp) for wc in ws])
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            t_c = graph_time([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in ws])
+            line = []
+            for v in BULK_VARIANTS[1 if m <= 8 else 2]:
+                try:
+                    y = launch(bulk(x, w, f32_out, v))
+                    torch.cuda.synchronize()
+                    same = torch.equal(y, ref)
+                    ok &= same
+                    t = graph_time([lambda sp=bulk(x, wc, f32_out, v): launch(sp) for wc in ws])
+                    line.append(f"{v} {t:8.2f}{'' if same else ' DIFFERS'}")
+                    rows.append(dict(shape=name, m=m, variant=v, us=t, shipped_us=t_s, cublas_us=t_c,
+                                     floor_us=floor_us, bit_identical=same))
+                    if name.startswith("qwen3-8b"):
+                        mult = 1 if "lm_head" in name else 36
+                        key = (m, v)
+                        sums[key] = sums.get(key, 0) + t * mult
+                except Exception as e:
+                    ok = False
+                    line.append(f"{v} FAILED ({type(e).__name__}: {e})")
+            if name.startswith("qwen3-8b"):
+                mult = 1 if "lm_head" in name else 36
+                for key, t in (((m, "shipped"), t_s), ((m, "cublas"), t_c), ((m, "floor"), floor_us)):
+                    sums[key] = sums.get(key, 0) + t * mult
+            print(f"{name:17} m={m:2} floor {floor_us:8.2f} shipped {t_s:8.2f} cublas {t_c:8.2f} | "
+                  + "  ".join(line), flush=True)
+        del ws
+    for (m, v), t in sorted(sums.items()):
+        print(f"qwen3-8b all projections m={m} {v:10} {t / 1000:.3f} ms")
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "stream-gemm-bulk-probe.json"), "w") as f:
+        json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
 def main():
     if os.environ.get("WIDE") == "1":
         return wide_main()
+    if os.environ.get("BULK") == "1":
+        return bulk_main()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")

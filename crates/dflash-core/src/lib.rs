@@ -43,6 +43,8 @@ pub mod step_graph;
 #[cfg(feature = "cuda")]
 mod step_graph_cuda;
 pub mod stream_gemm;
+#[cfg(feature = "cuda")]
+mod stream_gemm_bulk;
 #[cfg(test)]
 mod test_util;
 #[cfg(feature = "cuda")]

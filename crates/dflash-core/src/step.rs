@@ -57,15 +57,18 @@ pub fn keys_by_position(tensor_cores: bool) -> bool {
     })
 }
 
-/// Whether a bf16 step's attention runs on tensor cores (`tree_attn_mma_bf16`) or on the f32
-/// CUDA-core kernel. Every bf16 step of a process takes the same kernel, so verified rows and AR
-/// steps stay bit-identical. f32 always takes the CUDA-core kernel (tensor cores would round its
-/// operands). bf16 takes tensor cores, except under `--bit-exact` (`DFLASH_STREAM_GEMM=all`) with
-/// heads narrower than 128: there every tree row reads its ancestors' keys one by one (keys by
-/// position), which costs more than the tensor cores save on small heads (H100, session 20,
-/// SmolLM2's 64-wide heads: DDTree-64 verify 1.89 ms against 1.60 on CUDA cores; Qwen3-8B's
-/// 128-wide heads at context 2048: 12.1 against 17.6). `DFLASH_TREE_ATTN=scalar|mma` (a
-/// documented override) forces one.
+/// Whether a bf16 step's attention runs on tensor cores (`tree_attn_mma_bf16` and its kin) or on
+/// the f32 CUDA-core kernel. Every bf16 step of a process takes the same kernel, so verified rows
+/// and AR steps stay bit-identical. f32 always takes the CUDA-core kernel (tensor cores would
+/// round its operands). bf16 takes tensor cores at every head width, `--bit-exact` included.
+/// Until session 30 `--bit-exact` put heads narrower than 128 on the CUDA-core kernel (its tree
+/// rows read their ancestors' keys one by one, which cost more on the tensor cores at small
+/// heads); measured on an H200 (session 30, SmolLM2's 64-wide heads at context 512, both under
+/// `--bit-exact`): tensor cores take the AR step 1.182 → 0.857 ms (the default path's), the
+/// 16-row verify 1.290 → 1.232 and the DFlash loop step 1.647 → 1.561, and cost the DDTree-64
+/// verify 2.024 → 2.327 (its loop step 2.478 → 2.900) — the fastest bit-exact way to decode
+/// (DFlash at τ 2.88) and AR itself both gain. `DFLASH_TREE_ATTN=scalar|mma` (a documented
+/// override) forces one.
 pub fn tensor_core_attention(dtype: DType, d: usize) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| match std::env::var("DFLASH_TREE_ATTN").as_deref() {
@@ -73,8 +76,7 @@ pub fn tensor_core_attention(dtype: DType, d: usize) -> bool {
         Ok("mma") => Some(true),
         _ => None,
     });
-    let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
-    dtype == DType::BF16 && d.is_multiple_of(16) && forced.unwrap_or(!bit_exact || d >= 128)
+    dtype == DType::BF16 && d.is_multiple_of(16) && forced.unwrap_or(true)
 }
 
 /// Keys per split of a tree's attention on the tensor cores with keys by step row, over `columns`

@@ -43,13 +43,15 @@ fn chunk_from_env(var: &str) -> Option<usize> {
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|c| *c > 0 && c.is_multiple_of(64))
 }
-/// The one-row step's splits outside `--bit-exact` (where a verified row's bits equal the AR
-/// step's only at [`chunk_for`]'s splits), for bf16 128-wide heads on the tensor cores (`row_heads`:
-/// their verifies take the row kernel's own splits, so the AR step's match no verify's anyway —
-/// f32 and other widths keep [`chunk_for`]'s, which their verifies share):
+/// The one-row step's splits outside `--bit-exact` and wherever trees take their keys by position
+/// (there a verified row's bits equal the AR step's only at [`chunk_for`]'s splits:
+/// `DFLASH_TREE_KEYS=position` without `--bit-exact` too — session 30 found its tree-row bit test
+/// failing at context 2040 under session 29's rule), for bf16 128-wide heads on the tensor cores
+/// (`row_heads`: their verifies take the row kernel's own splits, so the AR step's match no
+/// verify's anyway — f32 and other widths keep [`chunk_for`]'s, which their verifies share):
 /// [`crate::step::one_row_chunk`]'s rule over `columns` blocks a split and `cap` keys.
 /// `DFLASH_STEP_CHUNK=N` (a multiple of 64; read once; a documented override for A/B runs) fixes
-/// it for every one-row step outside `--bit-exact`. `None` for other steps.
+/// it for every such one-row step. `None` for other steps.
 fn one_row_chunk(
     n: usize,
     row_heads: bool,
@@ -58,8 +60,8 @@ fn one_row_chunk(
 ) -> Option<usize> {
     static CHUNK: OnceLock<Option<usize>> = OnceLock::new();
     let forced = *CHUNK.get_or_init(|| chunk_from_env("DFLASH_STEP_CHUNK"));
-    let bit_exact = crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All;
-    if n != 1 || bit_exact {
+    // keys by position on the tensor cores: `--bit-exact`'s default, or forced
+    if n != 1 || crate::step::keys_by_position(true) {
         return None;
     }
     forced.or_else(|| {

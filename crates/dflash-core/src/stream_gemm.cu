@@ -255,6 +255,7 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
   }
 }
 
+#ifndef SG_HELPERS_ONLY  // the entries (a module that only borrows the helpers defines it)
 extern "C" __global__ void stream_gemm_m8_bf16(const bf16_t* x, const bf16_t* w, int M, int N,
                                                int K, bf16_t* y) {
   sg_prefetch(w, N, K);
@@ -309,6 +310,7 @@ extern "C" __global__ void stream_gemm_addnorm_m16_bf16(const bf16_t* x, const b
   PDL_ENTRY();
   stream_gemm<2, false, bf16_t, true>(x, w, M, N, K, y, d, nw, eps, sum);
 }
+#endif  // SG_HELPERS_ONLY
 
 // The wide kernel (`DFLASH_STREAM_WIDE=1`, opt-in; session 27, built, not yet run on a GPU): all
 // of a call's rows, up to 16·G, in one block per 16 output columns. Each warp loads a chunk's w
@@ -410,7 +412,9 @@ __device__ void stream_gemm_wide(const bf16_t* x, const bf16_t* w, int M, int N,
     PDL_ENTRY();                                                                                \
     stream_gemm_wide<G>(x, w, M, N, K, y);                                                      \
   }
+#ifndef SG_HELPERS_ONLY
 SG_WIDE(2)
 SG_WIDE(3)
 SG_WIDE(4)
 SG_WIDE(5)
+#endif

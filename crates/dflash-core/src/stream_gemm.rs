@@ -149,6 +149,7 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
     match stream_policy() {
         StreamPolicy::Off => false,
         StreamPolicy::Head => logits && rows <= FAST_MAX_ROWS,
+        StreamPolicy::Fast if bulk_fetch().is_some() && rows <= FAST_MAX_ROWS => true,
         StreamPolicy::Fast => {
             let limit = if logits {
                 STREAM_MAX_HEAD_BYTES
@@ -157,20 +158,91 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
             };
             let tiles = w.dims().first().map_or(0, |n| n.div_ceil(16));
             // with the wide kernel forced on (`DFLASH_STREAM_WIDE=1`), tree verifies' calls up
-            // to its rows stream where 16-row verifies' do
+            // to its rows stream where 16-row verifies' do; `DFLASH_STREAM_TREE_ROWS=N` streams
+            // calls of up to N rows on the narrow kernel, a block per 16-row group
             let max_rows = if wide_fast_calls() && !logits {
                 WIDE_MAX_ROWS
             } else {
-                FAST_MAX_ROWS
+                stream_tree_rows().unwrap_or(FAST_MAX_ROWS)
             };
+            let few = !logits && rows <= FEW_ROWS && tiles >= stream_few_rows_min_tiles();
             (rows <= max_rows && bytes <= limit)
-                || (!logits
-                    && rows <= FEW_ROWS
-                    && bytes <= stream_max_few_rows_bytes()
-                    && tiles >= stream_few_rows_min_tiles())
+                || (few && bytes <= stream_max_few_rows_bytes())
+                || (few && bulk_large_k(rows, w).is_some())
         }
         StreamPolicy::All => rows <= STREAM_MAX_ROWS,
     }
+}
+
+/// The bulk-copy kernels' stage shapes (`stream_gemm_bulk.cu`'s `SGB` list): bf16 elements of each
+/// of a tile's 16 weight rows a stage holds, and stages in flight.
+pub const BULK_VARIANTS: [(usize, usize); 5] = [(256, 4), (512, 3), (512, 4), (512, 6), (1024, 3)];
+
+/// Whether narrow calls (up to 16 rows a block) fetch their weight tiles with the copy engine
+/// (`stream_gemm_bulk.cu`: the narrow kernel's bits, its loads as bulk copies into shared memory;
+/// compute 9.0+), and with which stage shape: `DFLASH_STREAM_BULK` (read once) `1` (512 elements
+/// a row, 4 stages) or `sSPAN_nNST` (one of [`BULK_VARIANTS`], for A/B runs); else off. On, the
+/// fast policy streams every call of up to [`FAST_MAX_ROWS`] rows, large weights and LM heads too.
+/// Measured on an H200 (session 30): the same bits (GPU test), but slower at every shape but the
+/// long-K one [`bulk_large_k`] takes (8B AR at 2048 5.155 → 6.089 ms, 16-row verify 5.84 → 11.00;
+/// SmolLM2 AR 0.857 → 1.021) — an A/B switch.
+pub fn bulk_fetch() -> Option<(usize, usize)> {
+    static V: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| parse_bulk(std::env::var("DFLASH_STREAM_BULK").ok().as_deref()))
+}
+
+/// The stage shape the bulk kernels take for the few-row calls (≤ [`FEW_ROWS`]) of a weight whose K
+/// is at least [`BULK_LARGE_K`] (Qwen3-8B's down projection, K = 12,288, 100 MB; Qwen3.6-27B's,
+/// K = 17,408), on devices that run them (compute 9.0+): 512-element stages three deep. Measured on
+/// an H200 (session 30): in isolation (scripts/probe-stream-gemm.py `BULK=1`, weights from DRAM,
+/// one row) 26.97 µs against 30.44 on the narrow kernel and 30.23 on cuBLAS (floor 23.55), while
+/// the other 8B shapes gained nothing (o 11.55 against 10.83 narrow, gate-up 57.9 against cuBLAS's
+/// 49.6); inside the step the 8B AR step 5.117 → 4.993 / 4.996 ms at context 2048 (twice in one
+/// call) and 4.866 → 4.756 at 512, the 27B's 16.201 → 16.082, the rest unchanged. The default;
+/// `DFLASH_STREAM_BULK_LARGE_K=0` (read once; a documented override) leaves those calls to cuBLAS.
+/// `None` for other calls.
+pub fn bulk_large_k(rows: usize, w: &Tensor) -> Option<(usize, usize)> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("DFLASH_STREAM_BULK_LARGE_K").as_deref() != Ok("0"));
+    let k = w.dims().get(1).copied().unwrap_or(0);
+    (on && rows <= FEW_ROWS && k >= BULK_LARGE_K && bulk_capable(w)).then_some((512, 3))
+}
+
+/// Whether `w`'s device runs the bulk kernels (CUDA, compute 9.0+).
+#[cfg(feature = "cuda")]
+fn bulk_capable(w: &Tensor) -> bool {
+    crate::stream_gemm_bulk::runs_on(w)
+}
+#[cfg(not(feature = "cuda"))]
+fn bulk_capable(_: &Tensor) -> bool {
+    false
+}
+
+/// The smallest K of a weight whose few-row calls take [`bulk_large_k`]'s kernel.
+pub const BULK_LARGE_K: usize = 8192;
+
+/// `DFLASH_STREAM_TREE_ROWS=N` (read once; an A/B override, session 30): the fast policy streams
+/// calls of up to N rows (at most [`STREAM_MAX_ROWS`]) on weights it streams at 16 rows, on the
+/// narrow kernel, one block per 16-row group (each group re-reads the weight, from L2 for small
+/// ones) — trees of SmolLM2-sized weights, whose cuBLAS GEMMs of 65 rows cost 5–6 µs each.
+fn stream_tree_rows() -> Option<usize> {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("DFLASH_STREAM_TREE_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|n| n.min(STREAM_MAX_ROWS))
+    })
+}
+
+fn parse_bulk(v: Option<&str>) -> Option<(usize, usize)> {
+    let v = v?;
+    if v == "1" {
+        return Some((512, 4));
+    }
+    let (s, n) = v.strip_prefix('s')?.split_once("_n")?;
+    let pick = (s.parse().ok()?, n.parse().ok()?);
+    BULK_VARIANTS.contains(&pick).then_some(pick)
 }
 
 /// The number of warps a block splits K over for a weight `[n, k]`: enough warps in flight to
@@ -283,6 +355,30 @@ pub fn stream_silu_matmul(gate_up: &Tensor, w: &Tensor) -> Result<Option<Tensor>
 /// callers that need the row-invariant numbers.
 pub fn stream_matmul_always(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
     run(x, w, out_epilogue(f32_out), false)
+}
+
+/// [`stream_matmul_always`] on the bulk-copy kernel with stage shape `variant` (one of
+/// [`BULK_VARIANTS`]), whatever `DFLASH_STREAM_BULK`: `None` where it cannot run (not CUDA, a
+/// device older than compute 9.0, more than 16 · 18 rows, the narrow kernel's other conditions).
+/// For tests: its outputs must be the narrow kernel's, bit for bit.
+pub fn stream_matmul_bulk_always(
+    x: &Tensor,
+    w: &Tensor,
+    f32_out: bool,
+    variant: (usize, usize),
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::BF16 && w.dtype() == DType::BF16 {
+        let (m, k) = x.dims2()?;
+        let (_, wk) = w.dims2()?;
+        if m == 0 || m > STREAM_MAX_ROWS || k != wk || !k.is_multiple_of(64) || !w.is_contiguous() {
+            return Ok(None);
+        }
+        let x = x.contiguous()?;
+        return crate::stream_gemm_bulk::matmul(&x, w, f32_out, variant);
+    }
+    let _ = (x, w, f32_out, variant);
+    Ok(None)
 }
 
 /// [`stream_silu_matmul`] whatever the policy.
@@ -476,6 +572,22 @@ mod cuda {
         if !capable {
             return Ok(None);
         }
+        // calls of 17–80 rows on the wide kernel (`--bit-exact`'s default): one block per 16
+        // outputs for all rows
+        let wide = m > 16
+            && m <= super::WIDE_MAX_ROWS
+            && epilogue != Epilogue::Silu
+            && super::wide_calls();
+        let tiled = !wide && super::tiled_from_rows().is_some_and(|from| m >= from);
+        // narrow calls with the weight's tiles brought in by the copy engine (the same bits)
+        if !wide && !tiled && epilogue != Epilogue::Silu {
+            if let Some(variant) = super::bulk_fetch().or_else(|| super::bulk_large_k(m, w)) {
+                let f32_out = epilogue == Epilogue::F32;
+                if let Some(y) = crate::stream_gemm_bulk::matmul(&x, w, f32_out, variant)? {
+                    return Ok(Some(y));
+                }
+            }
+        }
         let out_dtype = if epilogue == Epilogue::F32 {
             DType::F32
         } else {
@@ -485,13 +597,7 @@ mod cuda {
         let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
         let (yp, _) = address(&y, "stream_matmul y")?;
         let warps = super::k_warps(n, k);
-        // calls of 17–80 rows on the wide kernel (`--bit-exact`'s default): one block per 16
-        // outputs for all rows
-        let wide = m > 16
-            && m <= super::WIDE_MAX_ROWS
-            && epilogue != Epilogue::Silu
-            && super::wide_calls();
-        if !wide && super::tiled_from_rows().is_some_and(|from| m >= from) {
+        if tiled {
             // one block per 64 × 64 output tile, 8 warps, two shared-memory stages of the weight,
             // x (and up) tiles: 2 · 3 · 64 rows · 128 bytes
             let name = match epilogue {
@@ -599,5 +705,27 @@ mod cuda {
         // sums are live contiguous tensors of the sizes the kernel reads and writes.
         unsafe { b.launch(cfg) }.w()?;
         Ok(Some((s, y)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_bulk, BULK_VARIANTS};
+
+    #[test]
+    fn the_bulk_switch_names_a_compiled_stage_shape_or_nothing() {
+        assert_eq!(parse_bulk(None), None);
+        assert_eq!(parse_bulk(Some("1")), Some((512, 4)));
+        assert!(BULK_VARIANTS.contains(&(512, 4)));
+        for (span, nst) in BULK_VARIANTS {
+            assert_eq!(
+                parse_bulk(Some(&format!("s{span}_n{nst}"))),
+                Some((span, nst))
+            );
+        }
+        // not compiled, malformed, or off
+        for v in ["s512_n5", "s128_n4", "512_4", "s512", "0", "", "yes"] {
+            assert_eq!(parse_bulk(Some(v)), None, "{v}");
+        }
     }
 }

@@ -390,6 +390,53 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
     assert!(stream_matmul(&x96, &w96, false).unwrap().is_none());
 }
 
+/// The bulk-copy weight fetch (`DFLASH_STREAM_BULK`, compute 9.0+) gives the narrow kernel's
+/// outputs bit for bit, at every compiled stage shape: partial last stages (K = 576, 1088), an N
+/// that is not a multiple of 16, 1–40 rows (several 16-row groups), bf16 and f32 out. CUDA only;
+/// skipped (returns) on devices older than compute 9.0, where the bulk kernels never run.
+#[test]
+fn bulk_weight_fetch_gives_the_narrow_kernels_bits() {
+    use dflash_core::stream_gemm::{
+        stream_matmul_always, stream_matmul_bulk_always, BULK_VARIANTS,
+    };
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    for (f32_out, k, n) in [
+        (false, 576, 960),
+        (false, 1536, 576),
+        (false, 4096, 1000),
+        (true, 1088, 777),
+        (false, 12288, 64),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, (40, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let w = Tensor::randn(0f32, 0.05, (n, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        for rows in [1usize, 3, 8, 9, 16, 17, 40] {
+            let xs = x.narrow(0, 0, rows).unwrap();
+            let want = stream_matmul_always(&xs, &w, f32_out).unwrap().unwrap();
+            for variant in BULK_VARIANTS {
+                let Some(got) = stream_matmul_bulk_always(&xs, &w, f32_out, variant).unwrap()
+                else {
+                    return; // an older device: no bulk kernels
+                };
+                assert_eq!(got.dims(), want.dims());
+                assert_eq!(
+                    max_abs(&got, &want),
+                    0.0,
+                    "{k}x{n}, {rows} rows, stage shape {variant:?}"
+                );
+            }
+        }
+    }
+}
+
 /// The MLP's activation folded into the streaming down projection gives exactly the two-kernel
 /// path's numbers (silu·mul rounded to bf16, then the GEMM), whatever the row count. CUDA only.
 #[test]
