@@ -178,6 +178,39 @@ pub(crate) fn ptx() -> candle_core::Result<&'static str> {
     .map_err(|e| candle_core::Error::Msg(e.clone()))
 }
 
+/// Lets kernel `name` (function `f`, loaded on `dev`) take `bytes` of dynamic shared memory (past
+/// the default 48 KB) and prefer shared memory over L1, once per (device, kernel): each device
+/// loads its own module, and a launch on a device whose function lacks the attribute fails with an
+/// invalid argument.
+pub(crate) fn allow_dynamic_shared_memory(
+    f: &driver::CudaFunction,
+    dev: &CudaDevice,
+    name: &str,
+    bytes: usize,
+) -> Result<()> {
+    use candle_core::cuda_backend::DeviceId;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    use sys::CUfunction_attribute_enum as A;
+    static SET: OnceLock<Mutex<HashSet<(DeviceId, String)>>> = OnceLock::new();
+    let mut set = SET
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let key = (dev.id(), name.to_string());
+    if set.contains(&key) {
+        return Ok(());
+    }
+    f.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
+    .map_err(|e| CoreError::InvalidInput(format!("{name}: shared memory attribute: {e:?}")))?;
+    set.insert(key);
+    Ok(())
+}
+
 /// A contiguous tensor's device address (its first element) and device.
 pub(crate) fn address(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
     let (storage, layout) = t.storage_and_layout();

@@ -187,6 +187,34 @@ __device__ void sg_norm_prologue(const bf16_t* x, const bf16_t* d, int M, int K,
   __syncthreads();
 }
 
+// A warp's accumulators into its slice of the block's partials part[warp][n][m]: for row tile t,
+// d0, d1 are column g, rows 8·t + 2·t4 and + 1 of the tile; d2, d3 column g + 8.
+template <int MT>
+__device__ __forceinline__ void sg_put_partials(float (*part)[16][16], int warp, int g, int t4,
+                                                const float (*acc)[4]) {
+  for (int t = 0; t < MT; ++t) {
+    const int m = 8 * t + 2 * t4;
+    part[warp][g][m] = acc[t][0];
+    part[warp][g][m + 1] = acc[t][1];
+    part[warp][g + 8][m] = acc[t][2];
+    part[warp][g + 8][m + 1] = acc[t][3];
+  }
+}
+
+// The block's outputs y[m, n0 + n] for its `rows` rows: the kw warps' partials added in warp
+// order, rounded once (after a __syncthreads that follows every sg_put_partials).
+template <typename O>
+__device__ __forceinline__ void sg_sum_store(const float (*part)[16][16], int kw, int rows, int N,
+                                             int n0, O* y) {
+  for (int e = threadIdx.x; e < 16 * rows; e += blockDim.x) {
+    const int m = e >> 4, n = e & 15;
+    if (n0 + n >= N) continue;
+    float s = part[0][n][m];
+    for (int j = 1; j < kw; ++j) s += part[j][n][m];
+    sg_store(y, (long long)m * N + n0 + n, s);
+  }
+}
+
 template <int MT, bool ACT, typename O, bool NORM = false>
 __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int K, O* y,
                             const bf16_t* d = nullptr, const bf16_t* nw = nullptr,
@@ -237,22 +265,9 @@ __device__ void stream_gemm(const bf16_t* x, const bf16_t* w, int M, int N, int 
     for (int st = 0; st < SG_STAGES; ++st)
       if (c + st * kw < chunks) sg_compute<MT>(acc, buf[st]);
   }
-  // d0, d1: column n0 + g, rows 2·t4, 2·t4 + 1 of the tile; d2, d3: column n0 + g + 8
-  for (int t = 0; t < MT; ++t) {
-    const int m = 8 * t + 2 * t4;
-    part[warp][g][m] = acc[t][0];
-    part[warp][g][m + 1] = acc[t][1];
-    part[warp][g + 8][m] = acc[t][2];
-    part[warp][g + 8][m + 1] = acc[t][3];
-  }
+  sg_put_partials<MT>(part, warp, g, t4, acc);
   __syncthreads();
-  for (int e = threadIdx.x; e < 16 * M; e += blockDim.x) {
-    const int m = e >> 4, n = e & 15;
-    if (n0 + n >= N) continue;
-    float s = part[0][n][m];
-    for (int j = 1; j < kw; ++j) s += part[j][n][m];
-    sg_store(y, (long long)m * N + n0 + n, s);
-  }
+  sg_sum_store(part, kw, M, N, n0, y);
 }
 
 #ifndef SG_HELPERS_ONLY  // the entries (a module that only borrows the helpers defines it)

@@ -123,22 +123,10 @@ __device__ void stream_gemm_bulk(const bf16_t* x, const bf16_t* w, int M, int N,
       __syncwarp();
       if (lane == 0) sgb_arrive(&empty[b]);
     }
-    for (int t = 0; t < MT; ++t) {
-      const int m = 8 * t + 2 * t4;
-      part[warp][g][m] = acc[t][0];
-      part[warp][g][m + 1] = acc[t][1];
-      part[warp][g + 8][m] = acc[t][2];
-      part[warp][g + 8][m + 1] = acc[t][3];
-    }
+    sg_put_partials<MT>(part, warp, g, t4, acc);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < 16 * M; e += blockDim.x) {
-    const int m = e >> 4, n = e & 15;
-    if (n0 + n >= N) continue;
-    float s = part[0][n][m];
-    for (int j = 1; j < kw; ++j) s += part[j][n][m];
-    sg_store(y, (long long)m * N + n0 + n, s);
-  }
+  sg_sum_store(part, kw, M, N, n0, y);
 }
 
 #define SGB(MT, SPAN, NST)                                                                      \

@@ -13,8 +13,8 @@
 //! - Which calls take it is the caller's choice (`stream_gemm::bulk_fetch`, read once).
 
 use crate::step_cuda::address;
-use crate::{CoreError, Result};
-use candle_core::cuda_backend::cudarc::driver::{self, sys, LaunchConfig, PushKernelArg};
+use crate::Result;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Tensor};
@@ -64,38 +64,6 @@ pub(crate) fn runs_on(t: &Tensor) -> bool {
     }
 }
 
-/// Lets kernel `name` take `bytes` of dynamic shared memory, once per (device, kernel).
-fn allow_shared_memory(
-    f: &driver::CudaFunction,
-    dev: &CudaDevice,
-    name: &str,
-    bytes: usize,
-) -> Result<()> {
-    use candle_core::cuda_backend::DeviceId;
-    use std::collections::HashSet;
-    use std::sync::Mutex;
-    use sys::CUfunction_attribute_enum as A;
-    static SET: OnceLock<Mutex<HashSet<(DeviceId, String)>>> = OnceLock::new();
-    let mut set = SET
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    let key = (dev.id(), name.to_string());
-    if set.contains(&key) {
-        return Ok(());
-    }
-    f.set_attribute(
-        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        bytes as i32,
-    )
-    .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
-    .map_err(|e| {
-        CoreError::InvalidInput(format!("stream_gemm_bulk: shared memory attribute: {e:?}"))
-    })?;
-    set.insert(key);
-    Ok(())
-}
-
 /// `x · wᵀ` on the bulk kernel with stage shape `variant` (`x` `[m, k]` contiguous bf16, `w`
 /// `[n, k]` contiguous bf16, `k % 64 == 0`, 16-byte aligned; the caller checked these), bf16 or
 /// f32 out; `None` where the device cannot run it.
@@ -126,7 +94,7 @@ pub(crate) fn matmul(
     );
     let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
     let smem = shared_bytes(variant);
-    allow_shared_memory(&f, &dev, &name, smem)?;
+    crate::step_cuda::allow_dynamic_shared_memory(&f, &dev, &name, smem)?;
     crate::pdl::mark(&f);
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),

@@ -6,47 +6,14 @@
 //! first); its arguments are the step attention's, in the kernel's order.
 
 use crate::step_cuda::{ptx, MODULE};
-use crate::{CoreError, Result};
-use candle_core::cuda_backend::cudarc::driver::{self, sys, LaunchConfig, PushKernelArg};
+use crate::Result;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use std::sync::OnceLock;
 
 /// Dynamic shared memory of `tree_attn_rows_bf16_d128`: two tile buffers of 64 K and 64 V rows of
 /// 128 + 8 bf16 (`tree_attn_rows.cu`).
 const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
-
-/// Lets row kernel `name` take [`ROWS_SHARED_BYTES`] of dynamic shared memory (past the default
-/// 48 KB) and prefer shared memory over L1, once per candle device and kernel (each device loads
-/// its own module: a launch on a device whose function lacks the attribute fails with an invalid
-/// argument).
-fn allow_row_kernel_shared_memory(
-    f: &driver::CudaFunction,
-    dev: &CudaDevice,
-    name: &'static str,
-) -> Result<()> {
-    use candle_core::cuda_backend::DeviceId;
-    use std::collections::HashSet;
-    use std::sync::Mutex;
-    use sys::CUfunction_attribute_enum as A;
-    static SET: OnceLock<Mutex<HashSet<(DeviceId, &'static str)>>> = OnceLock::new();
-    let mut set = SET
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if set.contains(&(dev.id(), name)) {
-        return Ok(());
-    }
-    f.set_attribute(
-        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        ROWS_SHARED_BYTES as i32,
-    )
-    .and_then(|()| f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
-    .map_err(|e| {
-        CoreError::InvalidInput(format!("tree_attn_rows: shared memory attribute: {e:?}"))
-    })?;
-    set.insert((dev.id(), name));
-    Ok(())
-}
 
 /// Whether a bf16 step of 2+ rows of 128-wide heads with keys by step row takes the row kernel
 /// (`tree_attn_rows.cu`, on [`crate::step::row_kernel_chunk`]'s splits). `DFLASH_ATTN_ROWS` (read
@@ -105,7 +72,7 @@ pub(crate) fn launch(
     };
     let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
     crate::pdl::mark(&f);
-    allow_row_kernel_shared_memory(&f, dev, name)?;
+    crate::step_cuda::allow_dynamic_shared_memory(&f, dev, name, ROWS_SHARED_BYTES)?;
     let cfg = LaunchConfig {
         shared_mem_bytes: ROWS_SHARED_BYTES as u32,
         ..cfg

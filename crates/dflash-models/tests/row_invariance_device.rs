@@ -15,6 +15,23 @@ fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
     common::max_abs_diff(a, b)
 }
 
+/// The streaming GEMM tests' (f32 out, K, N): SmolLM2's q/k/v and down shapes, a wide K, an N
+/// that is not a multiple of 16 (f32 logits).
+const STREAM_TEST_SHAPES: [(bool, usize, usize); 4] = [
+    (false, 576, 960),
+    (false, 1536, 576),
+    (false, 4096, 1000),
+    (true, 1088, 777),
+];
+
+/// A bf16 tensor of normal draws (mean 0, deviation `std`) on `dev`.
+fn randn_bf16(std: f32, shape: (usize, usize), dev: &Device) -> Tensor {
+    Tensor::randn(0f32, std, shape, dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+}
+
 /// A tree row's attention is bit-identical to a one-row step at its position over the same keys
 /// (the committed rows, then the row's ancestors in depth order): what makes a bf16 tree verify
 /// compute each node exactly as the AR step would. Several trees and context lengths (chunk and
@@ -324,22 +341,10 @@ fn stream_matmul_matches_and_does_not_depend_on_the_row_count() {
     if !dev.is_cuda() {
         return;
     }
-    // (k, n): SmolLM2's q/k/v and down shapes, a wide K, an n that is not a multiple of 16
-    for (f32_out, k, n) in [
-        (false, 576, 960),
-        (false, 1536, 576),
-        (false, 4096, 1000),
-        (true, 1088, 777),
-    ] {
+    for (f32_out, k, n) in STREAM_TEST_SHAPES {
         // 130 rows: the 64-row groups' kernel (and its last partial group) against every width
-        let x = Tensor::randn(0f32, 1.0, (130, k), &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        let w = Tensor::randn(0f32, 0.05, (n, k), &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
+        let x = randn_bf16(1.0, (130, k), &dev);
+        let w = randn_bf16(0.05, (n, k), &dev);
         let y = stream_matmul(&x, &w, f32_out)
             .unwrap()
             .expect("130 bf16 rows stream");
@@ -403,21 +408,10 @@ fn bulk_weight_fetch_gives_the_narrow_kernels_bits() {
     if !dev.is_cuda() {
         return;
     }
-    for (f32_out, k, n) in [
-        (false, 576, 960),
-        (false, 1536, 576),
-        (false, 4096, 1000),
-        (true, 1088, 777),
-        (false, 12288, 64),
-    ] {
-        let x = Tensor::randn(0f32, 1.0, (40, k), &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        let w = Tensor::randn(0f32, 0.05, (n, k), &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
+    // and a long K (the down projections the bulk kernel takes by default)
+    for (f32_out, k, n) in STREAM_TEST_SHAPES.into_iter().chain([(false, 12288, 64)]) {
+        let x = randn_bf16(1.0, (40, k), &dev);
+        let w = randn_bf16(0.05, (n, k), &dev);
         for rows in [1usize, 3, 8, 9, 16, 17, 40] {
             let xs = x.narrow(0, 0, rows).unwrap();
             let want = stream_matmul_always(&xs, &w, f32_out).unwrap().unwrap();
@@ -448,14 +442,8 @@ fn stream_silu_matmul_equals_silu_mul_then_the_gemm() {
         return;
     }
     let (inter, n) = (1536, 576);
-    let gate_up = Tensor::randn(0f32, 2.0, (80, 2 * inter), &dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    let w = Tensor::randn(0f32, 0.05, (n, inter), &dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
+    let gate_up = randn_bf16(2.0, (80, 2 * inter), &dev);
+    let w = randn_bf16(0.05, (n, inter), &dev);
     let act = dflash_core::decode_ops::silu_mul(&gate_up).unwrap();
     let want = stream_matmul(&act, &w, false).unwrap().unwrap();
     let got = stream_silu_matmul(&gate_up, &w).unwrap().unwrap();
