@@ -28,9 +28,11 @@ pub(crate) const MODULE: &str = "dflash_step_kernels";
 /// AR token, a DFlash block, DDTree trees of budget ≤ 128) keeps a verified row bit-identical to
 /// the AR step at that position (with 65-row trees on 128-key chunks, 9 of 10 bf16 GSM8K
 /// generations diverged from AR, docs/benchmarks.md session 11). Wider trees take larger chunks
-/// (bounded partial-result memory).
+/// (bounded partial-result memory), except under `--bit-exact`, where every step keeps the AR
+/// step's 64 (its trees of up to [`crate::step::MAX_STEP_ROWS`] rows run as device steps, and
+/// their rows must equal AR steps bit for bit; session 30, not yet run on a GPU).
 fn chunk_for(rows: usize) -> usize {
-    if rows <= 129 {
+    if rows <= 129 || crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All {
         64
     } else {
         256

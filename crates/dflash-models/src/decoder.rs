@@ -367,7 +367,8 @@ pub struct Decoder {
     lm_head_f32: std::sync::OnceLock<Tensor>,
     /// Decode-step fusions on (CUDA; fixed at load, see `dflash_core::decode_ops::fused_decode`).
     fused: bool,
-    /// Forwards of up to 129 rows run as device steps (CUDA graphs; see `step.rs`).
+    /// Forwards of up to 129 rows (288 under `--bit-exact`) run as device steps (CUDA graphs; see
+    /// `step.rs`).
     device_step: bool,
     /// cos then sin for every position `[2·P, rot/2]`, made on the first device step.
     rope_table: std::sync::OnceLock<Tensor>,

@@ -1,4 +1,5 @@
-//! The decoder's device step: a forward of up to 129 rows (AR token, DFlash block, DDTree tree)
+//! The decoder's device step: a forward of up to 129 rows (AR token, DFlash block, DDTree tree;
+//! under `--bit-exact` up to `dflash_core::step::MAX_STEP_ROWS`, see [`dense_max_device_rows`])
 //! computed from device-side metadata only, so that it replays as a CUDA graph at any cache
 //! length (`dflash_core::step`, `dflash_core::step_graph`).
 //!
@@ -22,13 +23,28 @@ use dflash_core::{AttentionMask, Grad, SequenceCache};
 
 /// Tree sizes a DDTree step is padded up to: a budget of 2^k nodes plus the root, and steps
 /// between them.
-const TREE_BUCKETS: [usize; 11] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129];
+const TREE_BUCKETS: [usize; 14] = [1, 2, 5, 9, 17, 25, 33, 49, 65, 97, 129, 193, 257, 288];
 
 /// The widest step taken on the device. Wider trees run the host path (cuBLAS attention over a
 /// device-built mask, no graph), which beats the SIMT tree-attention kernel there: Qwen3-8B shape,
 /// 257-node tree at context 2048, 37.6 ms on the device path against 22.4 ms (docs/benchmarks.md
 /// session 11).
 pub(crate) const MAX_DEVICE_ROWS: usize = 129;
+
+/// The widest step the dense decoder takes on the device: [`MAX_DEVICE_ROWS`], or under
+/// `--bit-exact` (`StreamPolicy::All`) every step of up to `MAX_STEP_ROWS` rows — the host path's
+/// cuBLAS attention is not row-invariant (a 257-node tree's root differed from the AR step by
+/// 3.6e-3, H200, session 14), while the device step's is, on the AR step's 64-key splits
+/// (`step_cuda::chunk_for`). Session 30; not yet run on a GPU (the GPU test
+/// `bit_exact_bf16_verify_rows_equal_sequential_ar_steps` now asks it of 256-node trees).
+pub(crate) fn dense_max_device_rows() -> usize {
+    use dflash_core::stream_gemm::{stream_policy, StreamPolicy};
+    if stream_policy() == StreamPolicy::All {
+        MAX_STEP_ROWS
+    } else {
+        MAX_DEVICE_ROWS
+    }
+}
 
 fn logits_code(rows: LogitRows) -> u8 {
     match rows {
@@ -56,22 +72,27 @@ pub(crate) struct StepPlan {
 impl StepPlan {
     /// The plan for `req` (tree `parents`, or causal) after `past` positions of a cache of
     /// `capacity`, with a rope table of `table_rows` positions; `None` where it cannot be a
-    /// device step (more than [`MAX_DEVICE_ROWS`] rows, no room, a position past the table).
+    /// device step (more than `max_rows` rows — at most `MAX_STEP_ROWS` —, no room, a position
+    /// past the table). A tree's bucket never exceeds `max_rows`.
     pub fn new(
         req: &ForwardRequest,
         parents: Option<&[i64]>,
         past: usize,
         capacity: usize,
         table_rows: usize,
+        max_rows: usize,
     ) -> Option<Self> {
         let n = req.tokens.len();
-        if n == 0 || n > MAX_DEVICE_ROWS.min(MAX_STEP_ROWS) {
+        let max_rows = max_rows.min(MAX_STEP_ROWS);
+        if n == 0 || n > max_rows {
             return None;
         }
         let rows = match parents {
-            Some(_) if req.logits != LogitRows::Last => {
-                TREE_BUCKETS.iter().copied().find(|&b| b >= n).unwrap_or(n)
-            }
+            Some(_) if req.logits != LogitRows::Last => TREE_BUCKETS
+                .iter()
+                .copied()
+                .find(|&b| b >= n && b <= max_rows)
+                .unwrap_or(n),
             _ => n,
         };
         if past + rows > capacity || req.positions.iter().any(|&p| p as usize >= table_rows) {
@@ -217,8 +238,9 @@ impl Decoder {
         rope_table_in(&self.rope_table, &self.rotary, &self.info)
     }
 
-    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 129 rows,
-    /// a causal or tree mask, room in the cache and the rope table); `None` otherwise.
+    /// The forward as a device step when it can be one (CUDA, fused kernels, at most 129 rows —
+    /// 288 under `--bit-exact`, [`dense_max_device_rows`] —, a causal or tree mask, room in the
+    /// cache and the rope table); `None` otherwise.
     pub(super) fn try_device_step(
         &self,
         req: &ForwardRequest,
@@ -234,7 +256,9 @@ impl Decoder {
         };
         let past = cache.len();
         let table = self.table_positions();
-        let Some(plan) = StepPlan::new(req, parents, past, cache.capacity(), table) else {
+        let max_rows = dense_max_device_rows();
+        let Some(plan) = StepPlan::new(req, parents, past, cache.capacity(), table, max_rows)
+        else {
             return Ok(None);
         };
         let meta = plan.meta(past, table)?;
@@ -277,5 +301,56 @@ impl Decoder {
             let h = self.norm.forward(h, Grad::Off)?;
             crate::target::TargetModel::lm_head(self, &h)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StepPlan, MAX_DEVICE_ROWS};
+    use crate::target::{ForwardRequest, LogitRows};
+    use dflash_core::step::MAX_STEP_ROWS;
+    use dflash_core::AttentionMask;
+
+    /// The step rows of an `n`-node tree (a chain of parents) under `max_rows`, or `None`.
+    fn tree_rows(n: usize, max_rows: usize, logits: LogitRows) -> Option<usize> {
+        let tokens = vec![7u32; n];
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let parents: Vec<i64> = (0..n as i64).map(|i| i - 1).collect();
+        let req = ForwardRequest {
+            tokens: &tokens,
+            positions: &positions,
+            mask: AttentionMask::Tree {
+                parents: parents.clone(),
+            },
+            taps: &[],
+            logits,
+        };
+        StepPlan::new(&req, Some(&parents), 10, 4096, 8192, max_rows).map(|p| {
+            assert_eq!(p.tokens.len(), p.rows);
+            assert_eq!(p.tree.as_ref().map(Vec::len), Some(p.rows));
+            p.rows
+        })
+    }
+
+    #[test]
+    fn trees_pad_to_buckets_no_wider_than_the_step_allows() {
+        let all = LogitRows::All;
+        // the default: up to 129 rows, trees padded to their bucket
+        assert_eq!(tree_rows(1, MAX_DEVICE_ROWS, all), Some(1));
+        assert_eq!(tree_rows(65, MAX_DEVICE_ROWS, all), Some(65));
+        assert_eq!(tree_rows(66, MAX_DEVICE_ROWS, all), Some(97));
+        assert_eq!(tree_rows(100, MAX_DEVICE_ROWS, all), Some(129));
+        assert_eq!(tree_rows(130, MAX_DEVICE_ROWS, all), None);
+        // --bit-exact's device steps: up to 288 rows (a 256-node tree and its root: 257)
+        assert_eq!(tree_rows(130, MAX_STEP_ROWS, all), Some(193));
+        assert_eq!(tree_rows(257, MAX_STEP_ROWS, all), Some(257));
+        assert_eq!(tree_rows(258, MAX_STEP_ROWS, all), Some(288));
+        assert_eq!(tree_rows(289, MAX_STEP_ROWS, all), None);
+        // a wider limit than the step's own is cut to it
+        assert_eq!(tree_rows(289, 1000, all), None);
+        // a bucket never passes the limit: 150 rows under a 160-row limit stay 150
+        assert_eq!(tree_rows(150, 160, all), Some(150));
+        // only the last row's logits: no padding
+        assert_eq!(tree_rows(66, MAX_DEVICE_ROWS, LogitRows::Last), Some(66));
     }
 }

@@ -63,7 +63,14 @@ impl HybridDecoder {
         }
         let past = cache.len();
         let table_rows = StepMeta::table_positions(self.info.max_position_embeddings);
-        let Some(plan) = StepPlan::new(req, parents, past, cache.capacity(), table_rows) else {
+        let Some(plan) = StepPlan::new(
+            req,
+            parents,
+            past,
+            cache.capacity(),
+            table_rows,
+            MAX_DEVICE_ROWS,
+        ) else {
             return Ok(None);
         };
         let shape = self.layers.iter().find_map(|l| match &l.mixer {
