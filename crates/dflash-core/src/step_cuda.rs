@@ -30,7 +30,10 @@ pub(crate) const MODULE: &str = "dflash_step_kernels";
 /// generations diverged from AR, docs/benchmarks.md session 11). Wider trees take larger chunks
 /// (bounded partial-result memory), except under `--bit-exact`, where every step keeps the AR
 /// step's 64 (its trees of up to [`crate::step::MAX_STEP_ROWS`] rows run as device steps, and
-/// their rows must equal AR steps bit for bit; session 30, not yet run on a GPU).
+/// their rows must equal AR steps bit for bit; session 30, not yet run on a GPU) — at the cost of
+/// partial records that grow with the splits: heads · rows · cap/64 · (d + 2) f32, ~137 MB for a
+/// 257-row tree at Qwen3-8B's shape over 2,048 keys, ~2.2 GB over 32,768 (transient, one layer at
+/// a time).
 fn chunk_for(rows: usize) -> usize {
     if rows <= 129 || crate::stream_gemm::stream_policy() == crate::stream_gemm::StreamPolicy::All {
         64
