@@ -41,7 +41,7 @@ ROUNDS=${ROUNDS:-30}
 # rulestage: four lanes with each chunk of tokens staged in shared memory (DFLASH_GDN_RULE_STAGE=1; built in session 22, not yet run);
 # replaystaged / stagedboth: (session 23, before it became the default) the state commit's replays on the staged kernel sized for them (chunks of 8 tokens, 80 registers, 24 warps an SM) / and the forward's rule staged;
 # replayrule: the state commit's replays on the forward's rule kernel (DFLASH_GDN_REPLAY=rule, the default before session 23);
-# replayprefetch: the state commit's replays with the state's loads first and each chunk's keys in two batches of loads (DFLASH_GDN_REPLAY=prefetch; session 29, not yet run on a GPU);
+# replayprefetch: the state commit's replays with the state's loads first and each chunk's keys in two batches of loads (DFLASH_GDN_REPLAY=prefetch; session 29; the same bits, no faster on an H200 in session 30);
 # splitvalues: hybrids' device-step attention with the value product split over 64-key chunks (DFLASH_ATTN_VALUES=split; session 23, opt-in: faster isolated AR/chain ops, no faster loops);
 # treeattn1: bf16 attention on the general tensor-core kernel everywhere (DFLASH_DECODE_ATTN=tree; session 24 gave steps of up to 64 query vectors a kernel of their own, group_attn_mma);
 # (groupcombine, DFLASH_GROUP_MERGE=0: session 24's A/B of the fused merge for group_attn_mma's steps of several rows — slower, removed);

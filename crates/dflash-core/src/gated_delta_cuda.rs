@@ -88,7 +88,7 @@ fn rule_kernel() -> RuleKernel {
 /// same bits; measured on an H100 in session 23: the chain commit at Qwen3.6-27B 0.319 → 0.207 ms,
 /// Qwen3.5-4B 0.146 → 0.090), or [`rule_kernel`]'s under `DFLASH_GDN_REPLAY=rule` or
 /// `DFLASH_GDN_RULE_LANES=1`, or its loads batched under `DFLASH_GDN_REPLAY=prefetch` (session
-/// 29, not yet run on a GPU) (documented overrides, read once; A/B).
+/// 29; the same bits, no faster on an H200 in session 30) (documented overrides, read once; A/B).
 fn replay_kernel() -> RuleKernel {
     static KERNEL: OnceLock<RuleKernel> = OnceLock::new();
     *KERNEL.get_or_init(|| {

@@ -327,7 +327,7 @@ extern "C" __global__ void stream_gemm_addnorm_m16_bf16(const bf16_t* x, const b
 }
 #endif  // SG_HELPERS_ONLY
 
-// The wide kernel (`DFLASH_STREAM_WIDE=1`, opt-in; session 27, built, not yet run on a GPU): all
+// The wide kernel (`DFLASH_STREAM_WIDE=1`; session 27, --bit-exact's default for 17–80 rows): all
 // of a call's rows, up to 16·G, in one block per 16 output columns. Each warp loads a chunk's w
 // fragments once and multiplies them with every 16-row group's x fragments (read from L2), so the
 // weight is read once for the whole call instead of once per 16-row group (the narrow kernel's

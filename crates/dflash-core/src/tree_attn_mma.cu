@@ -52,10 +52,10 @@ __device__ __forceinline__ unsigned int mk_ldg32(const bf16_t* p) {
 
 // The tile pipeline of tree_attn_mma under DFLASH_ATTN_PIPELINE (opt-in, `DFLASH_ATTN_PIPELINE=1`;
 // built in session 26 after ncu found the kernel latency-bound — one tile staged through registers
-// between two barriers, then scored — and not yet run on a GPU): K and V tiles move into shared
-// memory by cp.async (16 bytes a copy, zero-filled past the split, no staging registers), the V
-// tile of a tile while its keys are scored and the next tile's K while its values are summed —
-// the same numbers in the same places as the register staging.
+// between two barriers, then scored; the same bits, no faster on an H100 in session 27): K and V
+// tiles move into shared memory by cp.async (16 bytes a copy, zero-filled past the split, no
+// staging registers), the V tile of a tile while its keys are scored and the next tile's K while
+// its values are summed — the same numbers in the same places as the register staging.
 __device__ __forceinline__ void mk_cp16(bf16_t* dst, const bf16_t* src, bool valid) {
   const unsigned int a = (unsigned int)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
