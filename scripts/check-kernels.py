@@ -97,6 +97,8 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
                                      f"{base} (DK {dk}, 4 lanes, staged for replays)")
                 ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n#define RULE_PREFETCH\n{src}",
                                      f"{base} (DK {dk}, 4 lanes, staged for replays, loads batched)")
+                ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n#define RULE_KVEC\n{src}",
+                                     f"{base} (DK {dk}, 4 lanes, staged for replays, keys by lane group)")
     elif "HD" in src:  # compiled once per head dim at run time
         for hd in (64, 128):
             ok &= compile_source(f"#define HD {hd}\n{src}", f"{base} (HD {hd})")

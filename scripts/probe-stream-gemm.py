@@ -11,7 +11,9 @@ JSON to $OUT/stream-gemm-probe.json. WIDE=1 instead probes the lab's wide and ti
 (scripts/lab/stream_gemm_wide.cu, crates/dflash-core/src/stream_gemm_tiled.cu: bit-identity with the shipped kernel, time at 17–257 rows;
 WIDE_SHAPES and WIDE_M narrow it). BULK=1 probes the lab's bulk-copy kernel
 (crates/dflash-core/src/stream_gemm_bulk.cu: bit-identity with the shipped kernel, time at 1/4/16 rows per
-stage span and depth, beside the shipped kernel and cuBLAS; BULK_SHAPES narrows it).
+stage span and depth, beside the shipped kernel and cuBLAS; BULK_SHAPES narrows it). SPLIT=1 probes the
+split kernel (stream_gemm_tiled.cu: the kw partials over blocks; bit-identity with the grouped narrow
+launch, time at 1–257 rows beside it, the wide kernel and cuBLAS; SPLIT_SHAPES, SPLIT_M, SPLIT_STAGES).
 Usage: python3 scripts/probe-stream-gemm.py"""
 import json
 import os
@@ -281,7 +283,118 @@ def bulk_main():
     sys.exit(0 if ok else 1)
 
 
+def split_main():
+    """SPLIT=1: the split kernel (crates/dflash-core/src/stream_gemm_tiled.cu, `stream_gemm_split_x*`)
+    against the shipped kernel's grouped launch (one narrow block per 16-row group; the reference
+    bits), the shipped wide kernel (--bit-exact's 17–80 rows) and cuBLAS: every output bit for bit,
+    then time per call (cold weights), per x-tile width (XT) and pipeline depth (SP_STAGES)."""
+    tsrc = src + open(os.path.join(root, "crates/dflash-core/src/stream_gemm_tiled.cu")).read()
+    smods = {st: cp.RawModule(code=tsrc, options=("--std=c++17", f"-DSP_STAGES={st}"))
+             for st in [int(v) for v in os.environ.get("SPLIT_STAGES", "3 4 6").split()]}
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    shapes = {"qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
+              "qwen3-8b down": (4096, 12288), "qwen3-8b lm_head": (151936, 4096),
+              "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
+              "smollm2 down": (576, 1536), "smollm2 lm_head": (49152, 576)}
+    only = os.environ.get("SPLIT_SHAPES", "")
+    ms = [int(v) for v in os.environ.get("SPLIT_M", "1 16 65 257").split()]
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    rows, ok, sums = [], True, {}
+
+    def grouped(x, w, f32_out):
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
+        f = smods[next(iter(smods))].get_function(
+            f"stream_gemm_m{8 if m <= 8 else 16}_{'f32out' if f32_out else 'bf16'}")
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.uint64(y.data_ptr()))
+        return f, ((n + 15) // 16, (m + 15) // 16), (32 * kw_for(n, k),), args, y
+
+    def wide(x, w, f32_out):
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
+        f = smods[next(iter(smods))].get_function(
+            f"stream_gemm_wide_g{(m + 15) // 16}_{'f32out' if f32_out else 'bf16'}")
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.uint64(y.data_ptr()))
+        return f, ((n + 15) // 16,), (32 * kw_for(n, k),), args, y
+
+    def split(x, w, f32_out, xt, st):
+        m, k = x.shape
+        n = w.shape[0]
+        kw = kw_for(n, k)
+        y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
+        part = torch.empty((kw if kw > 1 else 1, m, n), dtype=torch.float32, device="cuda")
+        f = smods[st].get_function(f"stream_gemm_split_x{xt}_{'f32out' if f32_out else 'bf16'}")
+        smem = st * 128 * (64 + 16 * xt)
+        f.max_dynamic_shared_size_bytes = smem
+        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
+                cp.int32(kw), cp.uint64(part.data_ptr()), cp.uint64(counters.data_ptr()), cp.uint64(y.data_ptr()))
+        grid = (-(-m // (16 * xt)), -(-n // 64), kw)
+        return f, grid, (256,), args, y, smem, part
+
+    for name, (n, k) in shapes.items():
+        if only and only not in name:
+            continue
+        f32_out = "lm_head" in name
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        ws = copies(w)
+        floor_us = n * k * 2 / bw * 1e6
+        mult = 1 if "lm_head" in name else (36 if name.startswith("qwen3-8b") else 30)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = launch(grouped(x, w, f32_out))
+            t_g = graph_time([lambda sp=grouped(x, wc, f32_out): launch(sp) for wc in ws])
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            t_c = graph_time([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in ws])
+            t_w = None
+            if 16 < m <= 80:
+                y = launch(wide(x, w, f32_out))
+                ok &= torch.equal(y, ref)
+                t_w = graph_time([lambda sp=wide(x, wc, f32_out): launch(sp) for wc in ws])
+            line = []
+            xts = [xt for xt in (1, 2, 4, 5) if 16 * xt >= min(m, 80) or (m > 80 and xt >= 4)]
+            xts = [xt for xt in xts if xt == xts[0] or xt >= 4]
+            for xt in xts:
+                for st in smods:
+                    try:
+                        y = launch(split(x, w, f32_out, xt, st))
+                        torch.cuda.synchronize()
+                        same = torch.equal(y, ref)
+                        ok &= same
+                        t = graph_time([lambda sp=split(x, wc, f32_out, xt, st): launch(sp) for wc in ws])
+                        # the counters are zero again after every launch
+                        clean = int(counters.abs().sum().item()) == 0
+                        ok &= clean
+                        line.append(f"x{xt}s{st} {t:7.2f}{'' if same else ' DIFFERS'}{'' if clean else ' COUNTERS'}")
+                        rows.append(dict(shape=name, m=m, xt=xt, stages=st, us=t, grouped_us=t_g, wide_us=t_w,
+                                         cublas_us=t_c, floor_us=floor_us, bit_identical=same))
+                        key = (name.split()[0], m, f"x{xt}s{st}")
+                        sums[key] = sums.get(key, 0) + t * mult
+                    except Exception as e:
+                        ok = False
+                        line.append(f"x{xt}s{st} FAILED ({type(e).__name__}: {e})")
+            for key, t in (("grouped", t_g), ("cublas", t_c), ("wide", t_w), ("floor", floor_us)):
+                if t is not None:
+                    kk = (name.split()[0], m, key)
+                    sums[kk] = sums.get(kk, 0) + t * mult
+            print(f"{name:17} m={m:3} floor {floor_us:7.2f} grouped {t_g:7.2f} cublas {t_c:7.2f} "
+                  f"wide {t_w if t_w is None else round(t_w, 2)} | " + "  ".join(line), flush=True)
+        del ws
+    for (model, m, v), t in sorted(sums.items()):
+        print(f"{model} all projections m={m:3} {v:8} {t / 1000:.3f} ms")
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "stream-gemm-split-probe.json"), "w") as f:
+        json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
 def main():
+    if os.environ.get("SPLIT") == "1":
+        return split_main()
     if os.environ.get("WIDE") == "1":
         return wide_main()
     if os.environ.get("BULK") == "1":

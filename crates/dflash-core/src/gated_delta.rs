@@ -301,7 +301,8 @@ pub fn kernels_enabled() -> bool {
 /// the same sized for the state commit's replays (chunks of 8 tokens, more warps an SM; the
 /// replays' default, `DFLASH_GDN_REPLAY=rule` gives them the forward's); and that with the state's
 /// loads first and each chunk's keys in two batches of loads (`DFLASH_GDN_REPLAY=prefetch`, opt-in
-/// since session 29, measured no faster in session 30).
+/// since session 29, measured no faster in session 30); and the replays' kernel with each key row
+/// stored by lane group, read four floats at a time (`DFLASH_GDN_REPLAY=vec`, session 31).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RuleKernel {
     OneLane,
@@ -309,6 +310,7 @@ pub enum RuleKernel {
     FourLanesStaged,
     FourLanesStagedReplay,
     FourLanesStagedReplayPrefetch,
+    FourLanesStagedReplayVec,
 }
 
 /// [`tree_recurrent`] on CUDA through the given rule kernel, whatever the environment says: the

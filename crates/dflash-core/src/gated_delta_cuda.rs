@@ -52,6 +52,9 @@ fn ptx_variant(dk: usize, kernel: RuleKernel) -> candle_core::Result<&'static st
                 RuleKernel::FourLanesStagedReplayPrefetch => {
                     "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n#define RULE_PREFETCH\n"
                 }
+                RuleKernel::FourLanesStagedReplayVec => {
+                    "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n#define RULE_KVEC\n"
+                }
             };
             candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(format!(
                 "#define DK {dk}\n{define}{SOURCE}"
@@ -88,7 +91,8 @@ fn rule_kernel() -> RuleKernel {
 /// same bits; measured on an H100 in session 23: the chain commit at Qwen3.6-27B 0.319 → 0.207 ms,
 /// Qwen3.5-4B 0.146 → 0.090), or [`rule_kernel`]'s under `DFLASH_GDN_REPLAY=rule` or
 /// `DFLASH_GDN_RULE_LANES=1`, or its loads batched under `DFLASH_GDN_REPLAY=prefetch` (session
-/// 29; the same bits, no faster on an H200 in session 30) (documented overrides, read once; A/B).
+/// 29; the same bits, no faster on an H200 in session 30), or with its keys read four floats at a
+/// time under `DFLASH_GDN_REPLAY=vec` (session 31) (documented overrides, read once; A/B).
 fn replay_kernel() -> RuleKernel {
     static KERNEL: OnceLock<RuleKernel> = OnceLock::new();
     *KERNEL.get_or_init(|| {
@@ -97,6 +101,8 @@ fn replay_kernel() -> RuleKernel {
             rule_kernel()
         } else if replay.trim() == "prefetch" {
             RuleKernel::FourLanesStagedReplayPrefetch
+        } else if replay.trim() == "vec" {
+            RuleKernel::FourLanesStagedReplayVec
         } else {
             RuleKernel::FourLanesStagedReplay
         }
@@ -186,6 +192,7 @@ fn launch_table_as(
         RuleKernel::FourLanesStaged => "_l4s",
         RuleKernel::FourLanesStagedReplay => "_l4r",
         RuleKernel::FourLanesStagedReplayPrefetch => "_l4rp",
+        RuleKernel::FourLanesStagedReplayVec => "_l4rv",
     };
     let module = format!("dflash_gated_delta_dk{dk}{suffix}");
     let f = dev.get_or_load_custom_func(

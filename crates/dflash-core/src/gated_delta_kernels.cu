@@ -176,6 +176,14 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 // chain, or a tree whose first node is a root), and a chunk's keys in two batches of all their
 // loads. The same floats land in the same places, so every bit is the replay's. 16 blocks an SM
 // (NVRTC's PTX, ptxas sm_90, DK 128: 8 bytes spilled; at 24 the batches spilled 104).
+// RULE_KVEC (with RULE_REPLAY, not RULE_PREFETCH; `DFLASH_GDN_REPLAY=vec`, session 31): a replay
+// token's shared key row stored by lane group — the DK / 4 rows r ≡ t (mod 4) of group t side by
+// side (KV_LANE floats a group, 4 of padding so the groups start in different banks) — so a lane
+// reads its rows four at a time (DK / 16 vector loads a pass instead of DK / 4 scalar ones: the
+// replay issued two shared loads per multiply-add, and shared loads, not DRAM, bounded it). The same
+// floats in the same order, so every bit is the replay's.
+#define KV_LANE (DK / 4 + 4)
+#define KV_ROW (4 * KV_LANE)
 #ifdef RULE_REPLAY
 #define RULE_CHUNK 8
 #ifdef RULE_PREFETCH
@@ -193,7 +201,9 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
     const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
     float* __restrict__ scratch, float* __restrict__ last, int T, int H, int dv, int h, int j,
     int t) {
-#ifdef RULE_REPLAY
+#if defined(RULE_REPLAY) && defined(RULE_KVEC)
+    __shared__ __align__(16) float sk[RULE_CHUNK * KV_ROW];
+#elif defined(RULE_REPLAY)
     __shared__ float sk[RULE_CHUNK * DK];
 #else
     __shared__ float sk[RULE_CHUNK * DK], sq[RULE_CHUNK * DK];
@@ -236,7 +246,12 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
 #else
         for (int e = lane; e < cn * DK; e += 32) {
             const size_t src = ((size_t)(c0 + e / DK) * H + h) * DK + e % DK;
+#ifdef RULE_KVEC
+            const int r = e % DK;  // row r of the key goes to lane group r mod 4, slot r / 4
+            sk[(e / DK) * KV_ROW + (r & 3) * KV_LANE + (r >> 2)] = k[src];
+#else
             sk[e] = k[src];
+#endif
 #ifndef RULE_REPLAY
             if (out) sq[e] = q[src];
 #endif
@@ -270,8 +285,40 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
             }
             const size_t th = (size_t)i * H + h;
             const float alpha = expf(sg[ii]);
-            const float* kk = sk + ii * DK;
             float pred = 0.0f;
+#ifdef RULE_KVEC
+            // this lane's rows 4m + t, m ascending, four at a time (the same products and order)
+            const float4* kv4 = (const float4*)(sk + ii * KV_ROW + t * KV_LANE);
+#pragma unroll
+            for (int jv = 0; jv < DK / 16; ++jv) {
+                const float4 k4 = kv4[jv];
+                const float kq[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    s[4 * jv + u] *= alpha;
+                    pred += kq[u] * s[4 * jv + u];
+                }
+            }
+            const float d = sb[ii] * (sv[ii * 8 + (lane & 7)] - rule_sum4(pred));
+            const float* qq = q + th * DK;  // (a replay has no outputs; the tests' forwards do)
+            float o = 0.0f;
+#pragma unroll
+            for (int jv = 0; jv < DK / 16; ++jv) {
+                const float4 k4 = kv4[jv];
+                const float kq[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int m = 4 * jv + u;
+                    s[m] += kq[u] * d;
+                    if (out) o += qq[4 * m + t] * s[m];
+                }
+            }
+            if (out) {
+                const float total = rule_sum4(o);
+                if (col && t == 0) out[th * dv + j] = total;
+            }
+#else
+            const float* kk = sk + ii * DK;
 #pragma unroll
             for (int m = 0; m < DK / 4; ++m) {
                 s[m] *= alpha;
@@ -293,6 +340,7 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
                 const float total = rule_sum4(o);
                 if (col && t == 0) out[th * dv + j] = total;
             }
+#endif
             if (col && skeep[ii]) {
                 float* dst = scratch + th * head;
 #pragma unroll

@@ -372,23 +372,33 @@ pub(crate) fn step_mask(
     Ok(out)
 }
 
-/// Counters the attention's fused merge needs (one per block column, zero between launches; each
-/// launch leaves them zero), or `None` to take the separate combine kernel: more columns than the
-/// buffer holds, `DFLASH_FUSED_MERGE=0`, or no buffer yet while the stream is being captured (a
-/// buffer allocated inside a capture would belong to the graph). One buffer per process, made on
-/// the first eager call, on the first device that asks.
+/// Counters the attention's fused merge needs (one per block column), or `None` to take the
+/// separate combine kernel: more columns than [`block_counters`] holds, `DFLASH_FUSED_MERGE=0`, or
+/// no buffer yet while the stream is being captured.
 fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var("DFLASH_FUSED_MERGE").as_deref() != Ok("0")) {
+        return Ok(None);
+    }
+    block_counters(dev, columns)
+}
+
+/// The address of `count` u32 counters, zero between launches, for kernels whose last block of a
+/// group to arrive finishes the group's work (the attention's fused merge, the split streaming
+/// GEMM): every launch that takes them leaves them zero, and launches on one stream never overlap
+/// (a PDL launch waits for its predecessor before touching memory), so the kernels share one
+/// buffer. `None`: more counters than the buffer holds, or no buffer yet while the stream is being
+/// captured (a buffer allocated inside a capture would belong to the graph). One buffer per
+/// process, made on the first eager call, on the first device that asks.
+pub(crate) fn block_counters(dev: &CudaDevice, count: usize) -> Result<Option<u64>> {
     const COUNTERS: usize = 8192;
     static BUFFER: std::sync::Mutex<Option<Tensor>> = std::sync::Mutex::new(None);
-    static ON: OnceLock<bool> = OnceLock::new();
-    if columns > COUNTERS
-        || !*ON.get_or_init(|| std::env::var("DFLASH_FUSED_MERGE").as_deref() != Ok("0"))
-    {
+    if count > COUNTERS {
         return Ok(None);
     }
     let mut buffer = BUFFER
         .lock()
-        .map_err(|_| CoreError::InvalidInput("merge counters: poisoned".into()))?;
+        .map_err(|_| CoreError::InvalidInput("block counters: poisoned".into()))?;
     if buffer.is_none() {
         let capturing = dev.cuda_stream().capture_status().w()?
             != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
@@ -399,7 +409,7 @@ fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
         *buffer = Some(Tensor::zeros(COUNTERS, DType::U32, &device)?);
     }
     let t = buffer.as_ref().expect("set above");
-    let (ptr, owner) = address(t, "merge counters")?;
+    let (ptr, owner) = address(t, "block counters")?;
     use candle_core::backend::BackendDevice;
     Ok(owner.same_device(dev).then_some(ptr))
 }

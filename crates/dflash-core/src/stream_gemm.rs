@@ -150,6 +150,10 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
         StreamPolicy::Off => false,
         StreamPolicy::Head => logits && rows <= FAST_MAX_ROWS,
         StreamPolicy::Fast if bulk_fetch().is_some() && rows <= FAST_MAX_ROWS => true,
+        // `DFLASH_STREAM_SPLIT=N`: every call of N+ rows on the split kernel (A/B runs)
+        StreamPolicy::Fast if split_from_rows().is_some_and(|from| rows >= from) => {
+            rows <= STREAM_MAX_ROWS
+        }
         StreamPolicy::Fast => {
             let limit = if logits {
                 STREAM_MAX_HEAD_BYTES
@@ -284,6 +288,36 @@ pub fn tiled_from_rows() -> Option<usize> {
     })
 }
 
+/// The fewest rows a call has to take the split kernel (`stream_gemm_tiled.cu`'s
+/// `stream_gemm_split_x*`: 64 weight rows × up to 80 x rows a block, the kw partial sums over
+/// blocks, the tile's last block adding them in order — the narrow kernel's per-element arithmetic,
+/// so the same bits at any row count), or `None` when no call does: `DFLASH_STREAM_SPLIT=N` (read
+/// once; `1` is 17 — the calls the wide and grouped narrow launches take otherwise; `0` none).
+/// Under the fast policy it also streams every call of N+ rows (up to [`STREAM_MAX_ROWS`]), large
+/// weights and LM heads included. Opt-in until measured (session 31).
+pub fn split_from_rows() -> Option<usize> {
+    static FROM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FROM.get_or_init(
+        || match std::env::var("DFLASH_STREAM_SPLIT").ok()?.parse::<usize>() {
+            Ok(0) | Err(_) => None,
+            Ok(1) => Some(17),
+            Ok(n) => Some(n),
+        },
+    )
+}
+
+/// The x-row tile of a split-kernel call of `m` rows: 8-row tiles a warp (XT; a block's x rows are
+/// 16·XT): one tile of 16, 32, 64 or 80 rows for calls up to 80 rows, 80-row tiles beyond.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn split_x_tiles(m: usize) -> usize {
+    match m {
+        0..=16 => 1,
+        17..=32 => 2,
+        33..=64 => 4,
+        _ => 5,
+    }
+}
+
 /// The most rows a call on the wide kernel takes (16 per row group, five groups: DDTree-64
 /// verifies); calls of 17 up to this many rows take it when [`wide_calls`].
 pub const WIDE_MAX_ROWS: usize = 80;
@@ -355,6 +389,27 @@ pub fn stream_silu_matmul(gate_up: &Tensor, w: &Tensor) -> Result<Option<Tensor>
 /// callers that need the row-invariant numbers.
 pub fn stream_matmul_always(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
     run(x, w, out_epilogue(f32_out), false)
+}
+
+/// [`stream_matmul_always`] on the split kernel (see [`split_from_rows`]), whatever
+/// `DFLASH_STREAM_SPLIT`: `None` where it cannot run (not CUDA, more than [`STREAM_MAX_ROWS`] rows,
+/// the narrow kernel's other conditions, no counters to be had). For tests: its outputs must be
+/// the narrow kernel's, bit for bit.
+pub fn stream_matmul_split_always(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let (candle_core::Device::Cuda(dev), DType::BF16, DType::BF16) =
+        (x.device(), x.dtype(), w.dtype())
+    {
+        let (m, k) = x.dims2()?;
+        let (_, wk) = w.dims2()?;
+        if m == 0 || m > STREAM_MAX_ROWS || k != wk || !k.is_multiple_of(64) || !w.is_contiguous() {
+            return Ok(None);
+        }
+        let x = x.contiguous()?;
+        return cuda::split_matmul(&x, w, f32_out, dev);
+    }
+    let _ = (x, w, f32_out);
+    Ok(None)
 }
 
 /// [`stream_matmul_always`] on the bulk-copy kernel with stage shape `variant` (one of
@@ -579,6 +634,11 @@ mod cuda {
             && epilogue != Epilogue::Silu
             && super::wide_calls();
         let tiled = !wide && super::tiled_from_rows().is_some_and(|from| m >= from);
+        if epilogue != Epilogue::Silu && super::split_from_rows().is_some_and(|from| m >= from) {
+            if let Some(y) = split_matmul(&x, w, epilogue == Epilogue::F32, &dev)? {
+                return Ok(Some(y));
+            }
+        }
         // narrow calls with the weight's tiles brought in by the copy engine (the same bits)
         if !wide && !tiled && epilogue != Epilogue::Silu {
             if let Some(variant) = super::bulk_fetch().or_else(|| super::bulk_large_k(m, w)) {
@@ -647,6 +707,75 @@ mod cuda {
         b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&yp);
         // SAFETY: arguments in the kernel's order and types; x, w and y are live contiguous
         // tensors of the sizes the kernel reads and writes (the wide kernel: m ≤ 16 · groups).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(Some(y))
+    }
+
+    /// The split kernel's call (see [`super::split_from_rows`]), or `None` when its counters
+    /// are not to be had (too many tiles, or none made yet while a graph is captured): the caller
+    /// takes the other kernels.
+    pub(super) fn split_matmul(
+        x: &Tensor,
+        w: &Tensor,
+        f32_out: bool,
+        dev: &candle_core::cuda_backend::CudaDevice,
+    ) -> Result<Option<Tensor>> {
+        /// The kernel's pipeline depth (`SP_STAGES` in stream_gemm_tiled.cu).
+        const STAGES: usize = 4;
+        let Some(ptx) = ptx() else { return Ok(None) };
+        let (m, _) = x.dims2()?;
+        let (n, k) = w.dims2()?;
+        let (xp, _) = address(x, "split_matmul x")?;
+        let (wp, _) = address(w, "split_matmul w")?;
+        let cc = dev.cuda_stream().context().compute_capability();
+        if xp % 16 != 0 || wp % 16 != 0 || !matches!(cc, Ok((major, _)) if major >= 8) {
+            return Ok(None);
+        }
+        let xt = super::split_x_tiles(m);
+        let (x_tiles, w_tiles) = (m.div_ceil(16 * xt), n.div_ceil(64));
+        let kw = super::k_warps(n, k);
+        let counters = if kw > 1 {
+            match crate::step_cuda::block_counters(dev, x_tiles * w_tiles)? {
+                Some(c) => c,
+                None => return Ok(None),
+            }
+        } else {
+            0
+        };
+        let out_dtype = if f32_out { DType::F32 } else { DType::BF16 };
+        // SAFETY: the kernel writes every one of the m·n outputs, and (kw > 1) every partial it
+        // reads.
+        let y = unsafe { Tensor::empty((m, n), out_dtype, x.device())? };
+        let part = if kw > 1 {
+            Some(unsafe { Tensor::empty((kw, m, n), DType::F32, x.device())? })
+        } else {
+            None
+        };
+        let (yp, _) = address(&y, "split_matmul y")?;
+        let pp = match &part {
+            Some(p) => address(p, "split_matmul partials")?.0,
+            None => 0,
+        };
+        let out = if f32_out { "f32out" } else { "bf16" };
+        let name = format!("stream_gemm_split_x{xt}_{out}");
+        // a stage: 64 weight rows and 16·xt x rows of 128 bytes
+        let smem = STAGES * 128 * (64 + 16 * xt);
+        let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
+        crate::step_cuda::allow_dynamic_shared_memory(&f, dev, &name, smem)?;
+        crate::pdl::mark(&f);
+        let cfg = LaunchConfig {
+            grid_dim: (x_tiles as u32, w_tiles as u32, kw as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (mi, ni, ki, kwi) = (m as i32, n as i32, k as i32, kw as i32);
+        let mut b = f.builder();
+        b.arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).arg(&kwi);
+        b.arg(&pp).arg(&counters).arg(&yp);
+        // SAFETY: arguments in the kernel's order and types; x, w, y and the partials are live
+        // contiguous tensors of the sizes the kernel reads and writes; the counters are the
+        // process's zeroed buffer with a counter for each of the grid's (x tile, weight tile)
+        // pairs; the dynamic shared memory was allowed above.
         unsafe { b.launch(cfg) }.w()?;
         Ok(Some(y))
     }

@@ -135,3 +135,153 @@ extern "C" __global__ void stream_gemm_tiled_silu_bf16(const bf16_t* x, const bf
   PDL_ENTRY();
   stream_gemm_tiled<true>(x, w, M, N, K, kw, y);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The split kernel (session 31): the tiled kernel's tiles with the kw partial sums spread over
+// blocks instead of walked one after another inside one (the tiled kernel left 9–64 blocks at the
+// decode shapes). Block (x-row tile, weight-row tile, partial s) stages chunks s, s + kw, … of its
+// 64 weight rows and 16·XT x rows in shared memory (SP_STAGES deep, cp.async) and runs the narrow
+// kernel's mma chain on them; with kw > 1 it writes its partial to `part` [kw, M, N] (f32), and the
+// tile's last block to arrive (a counter per tile, left zero again) adds the kw partials in order
+// 0 … kw − 1 and rounds once. Per output element that is the narrow kernel's arithmetic — the same
+// chunks per partial in the same order, the same mma per accumulator (half 0 then 1, the .x/.y pair
+// then .z/.w), the same partial order and rounding — so a row's bits are the AR step's at any row
+// count. x-row tiles are blockIdx.x (the fastest), so the blocks that share a weight tile run side
+// by side and the weight leaves DRAM once. 8 warps: 4 weight-row tiles of 16 × 2 halves of the x
+// rows (XT 8-row tiles each; tiles past the call's rows are neither loaded nor multiplied).
+#ifndef SP_STAGES
+#define SP_STAGES 4
+#endif
+
+template <int XT>
+struct SpStage {
+  uint4 w[ST_BN][8];
+  uint4 x[16 * XT][8];
+};
+
+template <int XT>
+__device__ __forceinline__ void sp_load(SpStage<XT>& st, const bf16_t* w, const bf16_t* x,
+                                        int n0, int m0, int N, int M, int K, int xrows, int k) {
+  for (int e = threadIdx.x; e < ST_BN * 8; e += blockDim.x) {
+    const int r = e >> 3, u = e & 7, n = n0 + r;
+    st_cp16(&st.w[r][st_unit(r, u)], w + (long long)min(n, N - 1) * K + k + 8 * u, n < N);
+  }
+  for (int e = threadIdx.x; e < xrows * 8; e += blockDim.x) {
+    const int r = e >> 3, u = e & 7, m = m0 + r;
+    st_cp16(&st.x[r][st_unit(r, u)], x + (long long)min(m, M - 1) * K + k + 8 * u, m < M);
+  }
+}
+
+template <int XT, typename O>
+__device__ void stream_gemm_split(const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw,
+                                  float* part, unsigned int* counters, O* y) {
+  typedef SpStage<XT> Stage;
+  extern __shared__ uint4 st_smem[];
+  Stage* stage = (Stage*)st_smem;  // [SP_STAGES]
+  __shared__ int sp_last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int m0 = blockIdx.x * 16 * XT, n0 = blockIdx.y * ST_BN, s = blockIdx.z;
+  const int at = warp & 3;           // this warp's 16-row weight tile
+  const int mt0 = (warp >> 2) * XT;  // its first 8-row x tile
+  const int rows = min(16 * XT, M - m0);
+  const int xrows = (rows + 7) & ~7;
+  const int chunks = K >> 6;
+  const int mine = (chunks - s + kw - 1) / kw;  // chunks s, s + kw, … (s < kw ≤ chunks / 2)
+  float acc[XT][4];
+#pragma unroll
+  for (int t = 0; t < XT; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < SP_STAGES - 1; ++i) {
+    if (i < mine) sp_load<XT>(stage[i], w, x, n0, m0, N, M, K, xrows, (s + i * kw) << 6);
+    st_commit();
+  }
+  for (int i = 0; i < mine; ++i) {
+    const int next = i + SP_STAGES - 1;  // into the stage chunk i - 1 left (free since its sync)
+    if (next < mine)
+      sp_load<XT>(stage[next % SP_STAGES], w, x, n0, m0, N, M, K, xrows, (s + next * kw) << 6);
+    st_commit();
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(SP_STAGES - 1));
+    __syncthreads();
+    const Stage& st = stage[i % SP_STAGES];
+    const int ra = 16 * at + g, rb = ra + 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 a0 = st.w[ra][st_unit(ra, t4 + 4 * h)];
+      const uint4 a1 = st.w[rb][st_unit(rb, t4 + 4 * h)];
+#pragma unroll
+      for (int t = 0; t < XT; ++t) {
+        if (8 * (mt0 + t) >= rows) continue;  // the same for the whole warp
+        const int rx = 8 * (mt0 + t) + g;
+        const uint4 b = st.x[rx][st_unit(rx, t4 + 4 * h)];
+        sg_mma(acc[t], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
+        sg_mma(acc[t], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+      }
+    }
+    __syncthreads();  // the stage is free for the load SP_STAGES - 1 chunks on
+  }
+  st_wait0();
+  // d0, d1: column n0 + 16·at + g, x rows 2·t4, 2·t4 + 1 of tile t; d2, d3: column + 8
+  const bool direct = kw == 1;
+  float* dst = direct ? nullptr : part + (long long)s * M * N;
+#pragma unroll
+  for (int t = 0; t < XT; ++t) {
+    if (8 * (mt0 + t) >= rows) continue;
+    const int m = m0 + 8 * (mt0 + t) + 2 * t4, c0 = n0 + 16 * at + g, c1 = c0 + 8;
+    for (int i = 0; i < 2; ++i) {
+      if (m + i >= M) continue;
+      const long long r = (long long)(m + i) * N;
+      if (direct) {
+        if (c0 < N) sg_store(y, r + c0, acc[t][i]);
+        if (c1 < N) sg_store(y, r + c1, acc[t][2 + i]);
+      } else {
+        if (c0 < N) dst[r + c0] = acc[t][i];
+        if (c1 < N) dst[r + c1] = acc[t][2 + i];
+      }
+    }
+  }
+  if (direct) return;
+  // the tile's last block adds the partials in order
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int* c = counters + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+    const unsigned int before = atomicAdd(c, 1u);
+    sp_last = before == (unsigned int)kw - 1;
+    if (sp_last) *c = 0u;  // zero again for the next launch
+  }
+  __syncthreads();
+  if (!sp_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < rows * ST_BN; e += blockDim.x) {
+    const int m = m0 + e / ST_BN, n = n0 + e % ST_BN;
+    if (n >= N) continue;
+    const long long r = (long long)m * N + n;
+    float v = __ldcg(part + r);
+    for (int j = 1; j < kw; ++j) v += __ldcg(part + (long long)j * M * N + r);
+    sg_store(y, r, v);
+  }
+}
+
+// grid (ceil(M / (16·XT)), ceil(N / 64), kw), block 256 threads, dynamic shared memory
+// SP_STAGES · sizeof(SpStage<XT>); `part` [kw, M, N] f32 and `counters` (one per (x tile, weight
+// tile), zero) when kw > 1. (No activation prologue: the MLP's activation runs apart by default.)
+#define SP_KERNELS(XT)                                                                           \
+  extern "C" __global__ void stream_gemm_split_x##XT##_bf16(                                     \
+      const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, float* part,               \
+      unsigned int* counters, bf16_t* y) {                                                      \
+    PDL_ENTRY();                                                                                \
+    stream_gemm_split<XT>(x, w, M, N, K, kw, part, counters, y);                        \
+  }                                                                                             \
+  extern "C" __global__ void stream_gemm_split_x##XT##_f32out(                                   \
+      const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, float* part,               \
+      unsigned int* counters, float* y) {                                                       \
+    PDL_ENTRY();                                                                                \
+    stream_gemm_split<XT>(x, w, M, N, K, kw, part, counters, y);                        \
+  }
+SP_KERNELS(1)
+SP_KERNELS(2)
+SP_KERNELS(4)
+SP_KERNELS(5)

@@ -432,6 +432,41 @@ fn bulk_weight_fetch_gives_the_narrow_kernels_bits() {
     }
 }
 
+/// The split kernel (`DFLASH_STREAM_SPLIT`: the kw partial sums over blocks, the tile's last block
+/// adding them in order) gives the narrow kernel's outputs bit for bit at every x-tile width (1–16,
+/// 17–32, 33–64, 65–80 rows and 80-row tiles past that): the shared test shapes (partial weight
+/// tiles, kw 4 and 8, a partial's last chunk missing), a long K, an LM-head-like N (kw 1: no
+/// partials), bf16 and f32 out; and its counters are left zero (a second call
+/// gives the same bits). CUDA only.
+#[test]
+fn split_kernel_gives_the_narrow_kernels_bits() {
+    use dflash_core::stream_gemm::{stream_matmul_always, stream_matmul_split_always};
+    let dev = device();
+    if !dev.is_cuda() {
+        return;
+    }
+    let extra = [(false, 12288, 200), (true, 128, 40000)];
+    for (f32_out, k, n) in STREAM_TEST_SHAPES.into_iter().chain(extra) {
+        let x = randn_bf16(1.0, (257, k), &dev);
+        let w = randn_bf16(0.05, (n, k), &dev);
+        for rows in [1usize, 5, 16, 17, 32, 33, 64, 65, 80, 81, 257] {
+            let xs = x.narrow(0, 257 - rows, rows).unwrap();
+            let want = stream_matmul_always(&xs, &w, f32_out).unwrap().unwrap();
+            for round in 0..2 {
+                let got = stream_matmul_split_always(&xs, &w, f32_out)
+                    .unwrap()
+                    .expect("the split kernel runs on CUDA");
+                assert_eq!(got.dims(), want.dims());
+                assert_eq!(
+                    max_abs(&got, &want),
+                    0.0,
+                    "{k}x{n}, {rows} rows, call {round}"
+                );
+            }
+        }
+    }
+}
+
 /// The MLP's activation folded into the streaming down projection gives exactly the two-kernel
 /// path's numbers (silu·mul rounded to bf16, then the GEMM), whatever the row count. CUDA only.
 #[test]

@@ -145,6 +145,7 @@ fn the_rules_kernels_give_the_same_bits() {
                 RuleKernel::FourLanesStaged,
                 RuleKernel::FourLanesStagedReplay,
                 RuleKernel::FourLanesStagedReplayPrefetch,
+                RuleKernel::FourLanesStagedReplayVec,
             ] {
                 let other = run(kernel);
                 assert!(

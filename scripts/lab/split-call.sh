@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Session 31's GPU call (carry dist/cuda): the split streaming GEMM (stream_gemm_tiled.cu's
+# `stream_gemm_split_x*`: the kw partial sums over blocks) — its bit test against the narrow
+# kernel, the streamed calls' row invariance and the bit-exact verify under it, session 30's two
+# unrun checks (the tree-row bit test under DFLASH_TREE_KEYS=position, the bit-exact test's
+# 256-node trees), its probe beside the narrow, wide and cuBLAS kernels
+# (scripts/probe-stream-gemm.py SPLIT=1), then `bench decode` A/B at Qwen3-8B and SmolLM2; and the
+# state commit's replay with its keys read four floats at a time (DFLASH_GDN_REPLAY=vec): the rule
+# kernels' bits test, the hybrid device step under it, the 27B A/B.
+# Knobs: PARTS (default "tests probe bench8b smol"), ROUNDS (20), B8 / BS (the variants).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+R=${OUT:-/tmp/out}; mkdir -p "$R"
+PARTS=${PARTS:-tests probe bench8b smol commit}
+mkdir -p /tmp/bin; for f in dist/cuda/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done; chmod +x /tmp/bin/*
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+show() { awk -v re="$1" '/panicked/ { print; if ((getline l) > 0) print l; next } $0 ~ re'; }
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s]"; }
+if has tests; then
+  echo "== split bits; row invariance and decode ops under DFLASH_STREAM_SPLIT=2 $(el)"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 split_kernel 2>&1 | show "^test |result|panicked"
+  DFLASH_STREAM_SPLIT=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 2>&1 | show "^test .*FAIL|result|panicked"
+  DFLASH_STREAM_SPLIT=2 DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | show "^test |result|panicked"
+  DFLASH_STREAM_SPLIT=2 DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 2>&1 | show "^test .*FAIL|result|panicked"
+  echo "== session 30's unrun checks $(el)"
+  DFLASH_TREE_KEYS=position DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 a_tree_row 2>&1 | show "^test |result|panicked"
+  DFLASH_STREAM_GEMM=all DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bit_exact 2>&1 | show "^test |result|panicked"
+  echo "== the rule kernels' bits (the replay's keys by lane group among them); hybrid step under it $(el)"
+  DFLASH_TEST_DEVICE=cuda /tmp/bin/decode_ops_device --test-threads 1 the_rules_kernels 2>&1 | show "^test |result|panicked"
+  DFLASH_GDN_REPLAY=vec DFLASH_TEST_DEVICE=cuda /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | show "result|panicked|differ"
+fi
+if has probe; then
+  echo "== split probe $(el)"
+  SPLIT=1 SPLIT_STAGES="${SPLIT_STAGES:-3 4}" OUT=$R timeout 300 python3 scripts/probe-stream-gemm.py 2>&1 | grep -v "^$" | tee "$R/probe.log"
+fi
+bench() {  # bench NAME VARIANTS SHAPES
+  mkdir -p "$R/$1"; echo "== bench $1: $2 at $3 $(el)"
+  OUT=$R/$1 PEER=0 TESTS=0 ROUNDS=${ROUNDS:-20} VARIANTS="$2" SHAPES="$3" bash scripts/gpu-decode-bench.sh 2>&1 | tail -8
+  rm -f "$R/$1/bench-decode.log"
+}
+has bench8b && bench b8 "${B8:-graphs splitfast exact split splitall}" "qwen3-8b:bf16:2048"
+has commit && bench bq "${BQ:-graphs replayvec}" "qwen3.6-27b:bf16:2048"
+has smol && bench bs "${BS:-graphs splittrees splitfast exactmma splitmma}" "smollm2-135m:bf16:512"
+echo "== done $(el)"
