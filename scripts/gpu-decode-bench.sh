@@ -41,7 +41,7 @@ ROUNDS=${ROUNDS:-30}
 # rulestage: four lanes with each chunk of tokens staged in shared memory (DFLASH_GDN_RULE_STAGE=1; built in session 22, not yet run);
 # replaystaged / stagedboth: (session 23, before it became the default) the state commit's replays on the staged kernel sized for them (chunks of 8 tokens, 80 registers, 24 warps an SM) / and the forward's rule staged;
 # replayrule: the state commit's replays on the forward's rule kernel (DFLASH_GDN_REPLAY=rule, the default before session 23);
-# replayvec: the state commit's replays with each key row stored by lane group in shared memory, read four floats at a time (DFLASH_GDN_REPLAY=vec; session 31; the same bits);
+# replayvec: the state commit's replays with each key row stored by lane group in shared memory, read four floats at a time (DFLASH_GDN_REPLAY=vec; session 31; the same bits, no faster on an H100);
 # replayprefetch: the state commit's replays with the state's loads first and each chunk's keys in two batches of loads (DFLASH_GDN_REPLAY=prefetch; session 29; the same bits, no faster on an H200 in session 30);
 # splitvalues: hybrids' device-step attention with the value product split over 64-key chunks (DFLASH_ATTN_VALUES=split; session 23, opt-in: faster isolated AR/chain ops, no faster loops);
 # treeattn1: bf16 attention on the general tensor-core kernel everywhere (DFLASH_DECODE_ATTN=tree; session 24 gave steps of up to 64 query vectors a kernel of their own, group_attn_mma);
@@ -62,6 +62,7 @@ ROUNDS=${ROUNDS:-30}
 # bulkdown: few-row calls of weights with K ≥ 8192 (Qwen3-8B's down projection) streamed on the bulk kernel (DFLASH_STREAM_BULK_LARGE_K=1; session 30's probe: 27.0 µs against cuBLAS's 30.2 at one row);
 # treestreamN: the fast policy streams calls of up to N rows on small weights, narrow kernel, a block per 16-row group (DFLASH_STREAM_TREE_ROWS=N; session 30);
 # exactmma: --bit-exact's policy with the bf16 attention on tensor cores at every head width (DFLASH_TREE_ATTN=mma: SmolLM2's 64-wide heads take the CUDA-core kernel under --bit-exact by default);
+# exactnosplit: --bit-exact's policy without the split kernel (DFLASH_STREAM_SPLIT=0: its default since session 31 for 81+-row calls of large weights and 17+-row LM heads);
 # split / splitall / splitmma / splittrees / splitfast: --bit-exact's policy with calls of 17+ rows (split) or 2+ rows (splitall; with tensor-core attention: splitmma) on the split streaming GEMM (DFLASH_STREAM_SPLIT=1|2: 64 weight rows × up to 80 x rows a block, the kw partial sums over blocks, the narrow kernel's bits; session 31) / the fast policy with every call of 17+ (splittrees) or 2+ rows (splitfast) on it, large weights and LM heads included;
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -211,6 +212,7 @@ for spec in $SHAPES; do
       splitmma) fused=1 graphs=1 stream=all split=2 attn=mma;;
       splittrees) fused=1 graphs=1 split=1;;
       splitfast) fused=1 graphs=1 split=2;;
+      exactnosplit) fused=1 graphs=1 stream=all split=0;;
       rowsb2) fused=1 graphs=1 arows=1 ablocks=2;;
       rows1c*) fused=1 graphs=1 arows=1 tchunk=${variant#rows1c};;
       rows2c*) fused=1 graphs=1 arows=2 tchunk=${variant#rows2c};;

@@ -7,7 +7,10 @@
 # (scripts/probe-stream-gemm.py SPLIT=1), then `bench decode` A/B at Qwen3-8B and SmolLM2; and the
 # state commit's replay with its keys read four floats at a time (DFLASH_GDN_REPLAY=vec): the rule
 # kernels' bits test, the hybrid device step under it, the 27B A/B.
-# Knobs: PARTS (default "tests probe bench8b smol"), ROUNDS (20), B8 / BS (the variants).
+# Knobs: PARTS (default "tests probe bench8b smol commit"), ROUNDS (20), B8 / BS / BQ (the
+# variants), SPLIT_STAGES / SPLIT_M / SPLIT_SHAPES (the probe's). Session 31's second call:
+# PARTS="tests probe bench8b smol commit" SPLIT_M="17 33" SPLIT_SHAPES=qwen3-8b SPLIT_STAGES=3
+# B8="exactnosplit exact graphs" BS="graphs exactmma" BQ="replayvec graphs".
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
@@ -32,7 +35,7 @@ if has tests; then
 fi
 if has probe; then
   echo "== split probe $(el)"
-  SPLIT=1 SPLIT_STAGES="${SPLIT_STAGES:-3 4}" OUT=$R timeout 300 python3 scripts/probe-stream-gemm.py 2>&1 | grep -v "^$" | tee "$R/probe.log"
+  SPLIT=1 SPLIT_STAGES="${SPLIT_STAGES:-3 4}" OUT=$R timeout 300 python3 scripts/probe-stream-gemm.py 2>&1 | grep -v "^$" | grep -v -i "deprecat\|  y = \|  t = \|  t_w = " | tee "$R/probe.log"
 fi
 bench() {  # bench NAME VARIANTS SHAPES
   mkdir -p "$R/$1"; echo "== bench $1: $2 at $3 $(el)"

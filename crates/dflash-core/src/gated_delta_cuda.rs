@@ -92,7 +92,9 @@ fn rule_kernel() -> RuleKernel {
 /// Qwen3.5-4B 0.146 → 0.090), or [`rule_kernel`]'s under `DFLASH_GDN_REPLAY=rule` or
 /// `DFLASH_GDN_RULE_LANES=1`, or its loads batched under `DFLASH_GDN_REPLAY=prefetch` (session
 /// 29; the same bits, no faster on an H200 in session 30), or with its keys read four floats at a
-/// time under `DFLASH_GDN_REPLAY=vec` (session 31) (documented overrides, read once; A/B).
+/// time under `DFLASH_GDN_REPLAY=vec` (session 31; the same bits, no faster on an H100: chain
+/// commit 0.205 against 0.208 ms, tree commit 0.52 against 0.28) (documented overrides, read once;
+/// A/B).
 fn replay_kernel() -> RuleKernel {
     static KERNEL: OnceLock<RuleKernel> = OnceLock::new();
     *KERNEL.get_or_init(|| {

@@ -180,8 +180,10 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 // token's shared key row stored by lane group — the DK / 4 rows r ≡ t (mod 4) of group t side by
 // side (KV_LANE floats a group, 4 of padding so the groups start in different banks) — so a lane
 // reads its rows four at a time (DK / 16 vector loads a pass instead of DK / 4 scalar ones: the
-// replay issued two shared loads per multiply-add, and shared loads, not DRAM, bounded it). The same
-// floats in the same order, so every bit is the replay's.
+// replay issues two shared loads per multiply-add; the guess was that they, not DRAM, bound it).
+// The same floats in the same order, so every bit is the replay's (GPU test). Measured on an H100
+// (session 31, Qwen3.6-27B at 2048): no faster — the chain commit 0.205 against 0.208 ms, the tree
+// commit 0.52 against 0.28 (twice) — so the guess was wrong; opt-in.
 #define KV_LANE (DK / 4 + 4)
 #define KV_ROW (4 * KV_LANE)
 #ifdef RULE_REPLAY

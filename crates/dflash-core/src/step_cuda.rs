@@ -388,30 +388,32 @@ fn merge_counters(dev: &CudaDevice, columns: usize) -> Result<Option<u64>> {
 /// GEMM): every launch that takes them leaves them zero, and launches on one stream never overlap
 /// (a PDL launch waits for its predecessor before touching memory), so the kernels share one
 /// buffer. `None`: more counters than the buffer holds, or no buffer yet while the stream is being
-/// captured (a buffer allocated inside a capture would belong to the graph). One buffer per
-/// process, made on the first eager call, on the first device that asks.
+/// captured (a buffer allocated inside a capture would belong to the graph). One buffer per device
+/// of the process, made on its first eager call.
 pub(crate) fn block_counters(dev: &CudaDevice, count: usize) -> Result<Option<u64>> {
+    use candle_core::cuda_backend::DeviceId;
+    use std::collections::HashMap;
     const COUNTERS: usize = 8192;
-    static BUFFER: std::sync::Mutex<Option<Tensor>> = std::sync::Mutex::new(None);
+    static BUFFERS: std::sync::Mutex<Option<HashMap<DeviceId, Tensor>>> =
+        std::sync::Mutex::new(None);
     if count > COUNTERS {
         return Ok(None);
     }
-    let mut buffer = BUFFER
+    let mut buffers = BUFFERS
         .lock()
         .map_err(|_| CoreError::InvalidInput("block counters: poisoned".into()))?;
-    if buffer.is_none() {
+    let map = buffers.get_or_insert_with(HashMap::new);
+    if let std::collections::hash_map::Entry::Vacant(slot) = map.entry(dev.id()) {
         let capturing = dev.cuda_stream().capture_status().w()?
             != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         if capturing {
             return Ok(None);
         }
         let device = candle_core::Device::Cuda(dev.clone());
-        *buffer = Some(Tensor::zeros(COUNTERS, DType::U32, &device)?);
+        slot.insert(Tensor::zeros(COUNTERS, DType::U32, &device)?);
     }
-    let t = buffer.as_ref().expect("set above");
-    let (ptr, owner) = address(t, "block counters")?;
-    use candle_core::backend::BackendDevice;
-    Ok(owner.same_device(dev).then_some(ptr))
+    let t = &map[&dev.id()];
+    Ok(Some(address(t, "block counters")?.0))
 }
 
 /// The tensor-core attention for steps of few query vectors, `group_attn_mma_bf16_d{64,128}`: the

@@ -9,9 +9,12 @@
 //!   row computed alone by the AR step (tested on the GPU).
 //! - f32 accumulation; output rounded once to bf16, or left in f32 (logits).
 //! - Calls of more than 16 rows run one narrow block per 16-row group (each re-reads the weight),
-//!   or, with [`tiled_wide_calls`] (opt-in: bit-exact, but measured far slower on an H100 in
-//!   session 21), the tiled kernel, whose
-//!   per-element arithmetic is the narrow kernel's.
+//!   the wide kernel (17–80 rows, one block per 16 outputs for every row: [`wide_calls`]), the
+//!   split kernel (64 × 16–80 output tiles, the K partials over blocks: [`split_call`]) or, with
+//!   [`tiled_wide_calls`] (opt-in: bit-exact, but measured far slower on an H100 in session 21),
+//!   the tiled kernel — all with the narrow kernel's per-element arithmetic. The split kernel's
+//!   partial sums meet in a buffer the call allocates and are added by each tile's last block
+//!   (counters from `step_cuda::block_counters`, left zero).
 //! - No backward: an input autograd tracks (`Tensor::track_op`) always gets `None`.
 //! - `None` means "not mine" (the CPU, another dtype, too many rows, K not a multiple of 64, a
 //!   misaligned weight, a device older than compute 8.0, a weight the [`StreamPolicy`] leaves to
@@ -151,7 +154,7 @@ fn streams(rows: usize, w: &Tensor, logits: bool) -> bool {
         StreamPolicy::Head => logits && rows <= FAST_MAX_ROWS,
         StreamPolicy::Fast if bulk_fetch().is_some() && rows <= FAST_MAX_ROWS => true,
         // `DFLASH_STREAM_SPLIT=N`: every call of N+ rows on the split kernel (A/B runs)
-        StreamPolicy::Fast if split_from_rows().is_some_and(|from| rows >= from) => {
+        StreamPolicy::Fast if split_override().flatten().is_some_and(|from| rows >= from) => {
             rows <= STREAM_MAX_ROWS
         }
         StreamPolicy::Fast => {
@@ -288,22 +291,51 @@ pub fn tiled_from_rows() -> Option<usize> {
     })
 }
 
-/// The fewest rows a call has to take the split kernel (`stream_gemm_tiled.cu`'s
-/// `stream_gemm_split_x*`: 64 weight rows × up to 80 x rows a block, the kw partial sums over
-/// blocks, the tile's last block adding them in order — the narrow kernel's per-element arithmetic,
-/// so the same bits at any row count), or `None` when no call does: `DFLASH_STREAM_SPLIT=N` (read
-/// once; `1` is 17 — the calls the wide and grouped narrow launches take otherwise; `0` none).
-/// Under the fast policy it also streams every call of N+ rows (up to [`STREAM_MAX_ROWS`]), large
-/// weights and LM heads included. Opt-in until measured (session 31).
-pub fn split_from_rows() -> Option<usize> {
-    static FROM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *FROM.get_or_init(
-        || match std::env::var("DFLASH_STREAM_SPLIT").ok()?.parse::<usize>() {
-            Ok(0) | Err(_) => None,
-            Ok(1) => Some(17),
-            Ok(n) => Some(n),
-        },
-    )
+/// Whether a call of `rows` rows on `w` (`logits`: the LM head's f32-out call) takes the split
+/// kernel (`stream_gemm_tiled.cu`'s `stream_gemm_split_x*`: 64 weight rows × up to 80 x rows a
+/// block, the kw partial sums over blocks, the tile's last block adding them in order — the narrow
+/// kernel's per-element arithmetic, so the same bits at any row count). By default under
+/// [`StreamPolicy::All`] (`--bit-exact`) the calls it measured faster in (H100, session 31,
+/// scripts/probe-stream-gemm.py `SPLIT=1`, weights from DRAM, and `bench decode`): weights over
+/// [`STREAM_MAX_BYTES`] in calls of more than [`WIDE_MAX_ROWS`] rows, which the wide kernel does
+/// not take (Qwen3-8B's projections at 257 rows 38.0 ms a step against 90.6 on the grouped narrow
+/// launch; SmolLM2's small weights stay there: 2.30 against 3.34), in calls of 17–32 rows (the
+/// 8B's bit-exact 17-row tree verify 13.41 ms on the wide kernel, 10.94 with every call of 2+ rows
+/// on this one), and LM heads of 17+ rows (Qwen3-8B at 65 rows 0.69 ms against 0.89 on the wide
+/// kernel, SmolLM2 44 against 52 µs); slower than the wide kernel on the other 65-row calls (8B
+/// projections 11.7 against 10.6 ms) and than the narrow kernel on one or 16 rows, and slower
+/// than cuBLAS everywhere, so never under the fast policy.
+/// `DFLASH_STREAM_SPLIT=N` (read once; a documented override for A/B runs): every call of N+ rows
+/// (`1`: 17+), under the fast policy too (large weights and LM heads included); `0`: none.
+pub fn split_call(rows: usize, w: &Tensor, logits: bool) -> bool {
+    match split_override() {
+        Some(from) => from.is_some_and(|from| rows >= from),
+        None => {
+            let bytes = w.elem_count() * w.dtype().size_in_bytes();
+            stream_policy() == StreamPolicy::All
+                && rows > 16
+                && bytes > STREAM_MAX_BYTES
+                && (rows <= 32 || rows > WIDE_MAX_ROWS || logits)
+        }
+    }
+}
+
+/// `DFLASH_STREAM_SPLIT` (read once): `Some(Some(n))` every call of n+ rows (`1`: 17), `Some(None)`
+/// none (`0`), `None` unset or unreadable (the default rule).
+fn split_override() -> Option<Option<usize>> {
+    static FROM: std::sync::OnceLock<Option<Option<usize>>> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| {
+        match std::env::var("DFLASH_STREAM_SPLIT")
+            .ok()?
+            .trim()
+            .parse::<usize>()
+        {
+            Ok(0) => Some(None),
+            Ok(1) => Some(Some(17)),
+            Ok(n) => Some(Some(n)),
+            Err(_) => None,
+        }
+    })
 }
 
 /// The x-row tile of a split-kernel call of `m` rows: 8-row tiles a warp (XT; a block's x rows are
@@ -391,7 +423,7 @@ pub fn stream_matmul_always(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Opt
     run(x, w, out_epilogue(f32_out), false)
 }
 
-/// [`stream_matmul_always`] on the split kernel (see [`split_from_rows`]), whatever
+/// [`stream_matmul_always`] on the split kernel (see [`split_call`]), whatever
 /// `DFLASH_STREAM_SPLIT`: `None` where it cannot run (not CUDA, more than [`STREAM_MAX_ROWS`] rows,
 /// the narrow kernel's other conditions, no counters to be had). For tests: its outputs must be
 /// the narrow kernel's, bit for bit.
@@ -634,7 +666,7 @@ mod cuda {
             && epilogue != Epilogue::Silu
             && super::wide_calls();
         let tiled = !wide && super::tiled_from_rows().is_some_and(|from| m >= from);
-        if epilogue != Epilogue::Silu && super::split_from_rows().is_some_and(|from| m >= from) {
+        if epilogue != Epilogue::Silu && super::split_call(m, w, epilogue == Epilogue::F32) {
             if let Some(y) = split_matmul(&x, w, epilogue == Epilogue::F32, &dev)? {
                 return Ok(Some(y));
             }
@@ -711,7 +743,7 @@ mod cuda {
         Ok(Some(y))
     }
 
-    /// The split kernel's call (see [`super::split_from_rows`]), or `None` when its counters
+    /// The split kernel's call (see [`super::split_call`]), or `None` when its counters
     /// are not to be had (too many tiles, or none made yet while a graph is captured): the caller
     /// takes the other kernels.
     pub(super) fn split_matmul(

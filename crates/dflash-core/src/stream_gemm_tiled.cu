@@ -149,6 +149,13 @@ extern "C" __global__ void stream_gemm_tiled_silu_bf16(const bf16_t* x, const bf
 // count. x-row tiles are blockIdx.x (the fastest), so the blocks that share a weight tile run side
 // by side and the weight leaves DRAM once. 8 warps: 4 weight-row tiles of 16 × 2 halves of the x
 // rows (XT 8-row tiles each; tiles past the call's rows are neither loaded nor multiplied).
+// Measured on an H100 (session 31, scripts/probe-stream-gemm.py SPLIT=1, weights from DRAM; the
+// Qwen3-8B projections of a step summed): 7.8 ms at 17 rows against 10.6 on the wide kernel, 9.1
+// against 9.4 at 33, 11.7 against 10.6 at 65, 38.0 at 257 against 90.6 on the grouped narrow
+// launch — but slower than cuBLAS at every row count (5.8–7.5 ms) and than the narrow kernel at 1
+// and 16 rows (6.3 / 7.2 against 5.6 / 6.2), and on SmolLM2's small weights slower than both
+// (latency: ~5 µs a call at 1 row against 2.8). stream_gemm.rs's `split_call` takes it where it
+// won (`--bit-exact`'s large weights at 17–32 and 81+ rows, LM heads of 17+ rows).
 #ifndef SP_STAGES
 #define SP_STAGES 4
 #endif
