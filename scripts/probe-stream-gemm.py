@@ -13,7 +13,8 @@ WIDE_SHAPES and WIDE_M narrow it). BULK=1 probes the lab's bulk-copy kernel
 (crates/dflash-core/src/stream_gemm_bulk.cu: bit-identity with the shipped kernel, time at 1/4/16 rows per
 stage span and depth, beside the shipped kernel and cuBLAS; BULK_SHAPES narrows it). SPLIT=1 probes the
 split kernel (stream_gemm_tiled.cu: the kw partials over blocks; bit-identity with the grouped narrow
-launch, time at 1–257 rows beside it, the wide kernel and cuBLAS; SPLIT_SHAPES, SPLIT_M, SPLIT_STAGES).
+launch, time at 1–257 rows beside it, the wide kernel and cuBLAS; SPLIT_SHAPES, SPLIT_M, SPLIT_STAGES, SPLIT_BN:
+weight rows a block, 64 128 256).
 Usage: python3 scripts/probe-stream-gemm.py"""
 import json
 import os
@@ -289,7 +290,7 @@ def split_main():
     bits), the shipped wide kernel (--bit-exact's 17–80 rows) and cuBLAS: every output bit for bit,
     then time per call (cold weights), per x-tile width (XT) and pipeline depth (SP_STAGES)."""
     tsrc = src + open(os.path.join(root, "crates/dflash-core/src/stream_gemm_tiled.cu")).read()
-    smods = {st: cp.RawModule(code=tsrc, options=("--std=c++17", f"-DSP_STAGES={st}"))
+    smods = {st: cp.RawModule(code=tsrc, options=("--std=c++17", f"-DSP_STAGES={st}", "-DSP_TALL_TILES"))
              for st in [int(v) for v in os.environ.get("SPLIT_STAGES", "3 4 6").split()]}
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -302,38 +303,37 @@ def split_main():
     counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     rows, ok, sums = [], True, {}
 
-    def grouped(x, w, f32_out):
+    def shipped(name, grid, x, w, f32_out):
+        """A launch of the shipped kernel `name` (`{out}`: its output's suffix) over `grid` blocks."""
         m, k = x.shape
         n = w.shape[0]
         y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
-        f = smods[next(iter(smods))].get_function(
-            f"stream_gemm_m{8 if m <= 8 else 16}_{'f32out' if f32_out else 'bf16'}")
+        f = smods[next(iter(smods))].get_function(name.format(out="f32out" if f32_out else "bf16"))
         args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
                 cp.uint64(y.data_ptr()))
-        return f, ((n + 15) // 16, (m + 15) // 16), (32 * kw_for(n, k),), args, y
+        return f, grid, (32 * kw_for(n, k),), args, y
+
+    def grouped(x, w, f32_out):
+        m, n = x.shape[0], w.shape[0]
+        return shipped(f"stream_gemm_m{8 if m <= 8 else 16}_{{out}}", ((n + 15) // 16, (m + 15) // 16), x, w, f32_out)
 
     def wide(x, w, f32_out):
-        m, k = x.shape
-        n = w.shape[0]
-        y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
-        f = smods[next(iter(smods))].get_function(
-            f"stream_gemm_wide_g{(m + 15) // 16}_{'f32out' if f32_out else 'bf16'}")
-        args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
-                cp.uint64(y.data_ptr()))
-        return f, ((n + 15) // 16,), (32 * kw_for(n, k),), args, y
+        m, n = x.shape[0], w.shape[0]
+        return shipped(f"stream_gemm_wide_g{(m + 15) // 16}_{{out}}", ((n + 15) // 16,), x, w, f32_out)
 
-    def split(x, w, f32_out, xt, st):
+    def split(x, w, f32_out, xt, st, bn=64):
         m, k = x.shape
         n = w.shape[0]
         kw = kw_for(n, k)
         y = torch.empty((m, n), dtype=torch.float32 if f32_out else torch.bfloat16, device="cuda")
         part = torch.empty((kw if kw > 1 else 1, m, n), dtype=torch.float32, device="cuda")
-        f = smods[st].get_function(f"stream_gemm_split_x{xt}_{'f32out' if f32_out else 'bf16'}")
-        smem = st * 128 * (64 + 16 * xt)
+        tile = f"x{xt}" if bn == 64 else f"b{bn}_x{xt}"
+        f = smods[st].get_function(f"stream_gemm_split_{tile}_{'f32out' if f32_out else 'bf16'}")
+        smem = st * 128 * (bn + 16 * xt)
         f.max_dynamic_shared_size_bytes = smem
         args = (cp.uint64(x.data_ptr()), cp.uint64(w.data_ptr()), cp.int32(m), cp.int32(n), cp.int32(k),
                 cp.int32(kw), cp.uint64(part.data_ptr()), cp.uint64(counters.data_ptr()), cp.uint64(y.data_ptr()))
-        grid = (-(-m // (16 * xt)), -(-n // 64), kw)
+        grid = (-(-m // (16 * xt)), -(-n // bn), kw)
         return f, grid, (256,), args, y, smem, part
 
     for name, (n, k) in shapes.items():
@@ -358,25 +358,27 @@ def split_main():
             line = []
             xts = [xt for xt in (1, 2, 4, 5) if 16 * xt >= min(m, 80) or (m > 80 and xt >= 4)]
             xts = [xt for xt in xts if xt == xts[0] or xt >= 4]
-            for xt in xts:
+            bns = [int(v) for v in os.environ.get("SPLIT_BN", "64").split()]
+            for xt, bn in [(xt, bn) for xt in xts for bn in bns if bn == 64 or xt in (2, 5)]:
                 for st in smods:
+                    v = f"{'' if bn == 64 else f'b{bn}'}x{xt}s{st}"
                     try:
-                        y = launch(split(x, w, f32_out, xt, st))
+                        y = launch(split(x, w, f32_out, xt, st, bn))
                         torch.cuda.synchronize()
                         same = torch.equal(y, ref)
                         ok &= same
-                        t = graph_time([lambda sp=split(x, wc, f32_out, xt, st): launch(sp) for wc in ws])
+                        t = graph_time([lambda sp=split(x, wc, f32_out, xt, st, bn): launch(sp) for wc in ws])
                         # the counters are zero again after every launch
                         clean = int(counters.abs().sum().item()) == 0
                         ok &= clean
-                        line.append(f"x{xt}s{st} {t:7.2f}{'' if same else ' DIFFERS'}{'' if clean else ' COUNTERS'}")
-                        rows.append(dict(shape=name, m=m, xt=xt, stages=st, us=t, grouped_us=t_g, wide_us=t_w,
+                        line.append(f"{v} {t:7.2f}{'' if same else ' DIFFERS'}{'' if clean else ' COUNTERS'}")
+                        rows.append(dict(shape=name, m=m, xt=xt, bn=bn, stages=st, us=t, grouped_us=t_g, wide_us=t_w,
                                          cublas_us=t_c, floor_us=floor_us, bit_identical=same))
-                        key = (name.split()[0], m, f"x{xt}s{st}")
+                        key = (name.split()[0], m, v)
                         sums[key] = sums.get(key, 0) + t * mult
                     except Exception as e:
                         ok = False
-                        line.append(f"x{xt}s{st} FAILED ({type(e).__name__}: {e})")
+                        line.append(f"{v} FAILED ({type(e).__name__}: {e})")
             for key, t in (("grouped", t_g), ("cublas", t_c), ("wide", t_w), ("floor", floor_us)):
                 if t is not None:
                     kk = (name.split()[0], m, key)

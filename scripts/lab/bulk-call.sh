@@ -10,11 +10,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
 PARTS=${PARTS:-tests probe bench8b smol replay}
-mkdir -p /tmp/bin; for f in dist/cuda/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done; chmod +x /tmp/bin/*
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-show() { awk -v re="$1" '/panicked/ { print; if ((getline l) > 0) print l; next } $0 ~ re'; }
-has() { [[ " $PARTS " == *" $1 "* ]]; }
-t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s]"; }
+. scripts/lab/call-lib.sh
 if has tests; then
   echo "== bulk bits, row invariance (default, then under DFLASH_STREAM_BULK=1) $(el)"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 bulk_weight stream_matmul 2>&1 | show "^test |result|panicked"
@@ -28,11 +24,6 @@ if has probe; then
   echo "== bulk probe $(el)"
   BULK=1 STAGES=2 OUT=$R timeout 240 python3 scripts/probe-stream-gemm.py 2>&1 | grep -v "^$" | tee "$R/probe.log"
 fi
-bench() {  # bench NAME VARIANTS SHAPES
-  mkdir -p "$R/$1"; echo "== bench $1: $2 at $3 $(el)"
-  OUT=$R/$1 PEER=0 TESTS=0 ROUNDS=${ROUNDS:-20} VARIANTS="$2" SHAPES="$3" bash scripts/gpu-decode-bench.sh 2>&1 | tail -8
-  rm -f "$R/$1/bench-decode.log"
-}
 has bench8b && bench b8 "graphs bulk bulkexact exact" "qwen3-8b:bf16:2048"
 has smol && bench bs "graphs bulk" "smollm2-135m:bf16:512"
 has replay && bench br "graphs replayprefetch" "qwen3.6-27b:bf16:2048"

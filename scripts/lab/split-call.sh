@@ -15,11 +15,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
 PARTS=${PARTS:-tests probe bench8b smol commit}
-mkdir -p /tmp/bin; for f in dist/cuda/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done; chmod +x /tmp/bin/*
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-show() { awk -v re="$1" '/panicked/ { print; if ((getline l) > 0) print l; next } $0 ~ re'; }
-has() { [[ " $PARTS " == *" $1 "* ]]; }
-t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s]"; }
+. scripts/lab/call-lib.sh
 if has tests; then
   echo "== split bits; row invariance and decode ops under DFLASH_STREAM_SPLIT=2 $(el)"
   DFLASH_TEST_DEVICE=cuda /tmp/bin/row_invariance_device --test-threads 1 split_kernel 2>&1 | show "^test |result|panicked"
@@ -37,11 +33,6 @@ if has probe; then
   echo "== split probe $(el)"
   SPLIT=1 SPLIT_STAGES="${SPLIT_STAGES:-3 4}" OUT=$R timeout 300 python3 scripts/probe-stream-gemm.py 2>&1 | grep -v "^$" | grep -v -i "deprecat\|  y = \|  t = \|  t_w = " | tee "$R/probe.log"
 fi
-bench() {  # bench NAME VARIANTS SHAPES
-  mkdir -p "$R/$1"; echo "== bench $1: $2 at $3 $(el)"
-  OUT=$R/$1 PEER=0 TESTS=0 ROUNDS=${ROUNDS:-20} VARIANTS="$2" SHAPES="$3" bash scripts/gpu-decode-bench.sh 2>&1 | tail -8
-  rm -f "$R/$1/bench-decode.log"
-}
 has bench8b && bench b8 "${B8:-graphs splitfast exact split splitall}" "qwen3-8b:bf16:2048"
 has commit && bench bq "${BQ:-graphs replayvec}" "qwen3.6-27b:bf16:2048"
 has smol && bench bs "${BS:-graphs splittrees splitfast exactmma splitmma}" "smollm2-135m:bf16:512"

@@ -338,16 +338,18 @@ fn split_override() -> Option<Option<usize>> {
     })
 }
 
-/// The x-row tile of a split-kernel call of `m` rows: 8-row tiles a warp (XT; a block's x rows are
-/// 16·XT): one tile of 16, 32, 64 or 80 rows for calls up to 80 rows, 80-row tiles beyond.
+/// The tile of a split-kernel call of `m` rows: weight rows a block (BN, 64) and x-row tiles (XT;
+/// a block's x rows are 16·XT): one tile of 16, 32, 64 or 80 rows for calls up to 80 rows, 80-row
+/// tiles beyond. (Taller weight tiles are compiled for the probe alone: stream_gemm_tiled.cu.)
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn split_x_tiles(m: usize) -> usize {
-    match m {
+fn split_tile(m: usize) -> (usize, usize) {
+    let xt = match m {
         0..=16 => 1,
         17..=32 => 2,
         33..=64 => 4,
         _ => 5,
-    }
+    };
+    (64, xt)
 }
 
 /// The most rows a call on the wide kernel takes (16 per row group, five groups: DDTree-64
@@ -753,7 +755,7 @@ mod cuda {
         dev: &candle_core::cuda_backend::CudaDevice,
     ) -> Result<Option<Tensor>> {
         /// The kernel's pipeline depth (`SP_STAGES` in stream_gemm_tiled.cu).
-        const STAGES: usize = 4;
+        const STAGES: usize = 3;
         let Some(ptx) = ptx() else { return Ok(None) };
         let (m, _) = x.dims2()?;
         let (n, k) = w.dims2()?;
@@ -763,8 +765,8 @@ mod cuda {
         if xp % 16 != 0 || wp % 16 != 0 || !matches!(cc, Ok((major, _)) if major >= 8) {
             return Ok(None);
         }
-        let xt = super::split_x_tiles(m);
-        let (x_tiles, w_tiles) = (m.div_ceil(16 * xt), n.div_ceil(64));
+        let (bn, xt) = super::split_tile(m);
+        let (x_tiles, w_tiles) = (m.div_ceil(16 * xt), n.div_ceil(bn));
         let kw = super::k_warps(n, k);
         let counters = if kw > 1 {
             match crate::step_cuda::block_counters(dev, x_tiles * w_tiles)? {
@@ -789,9 +791,12 @@ mod cuda {
             None => 0,
         };
         let out = if f32_out { "f32out" } else { "bf16" };
-        let name = format!("stream_gemm_split_x{xt}_{out}");
-        // a stage: 64 weight rows and 16·xt x rows of 128 bytes
-        let smem = STAGES * 128 * (64 + 16 * xt);
+        let name = match bn {
+            64 => format!("stream_gemm_split_x{xt}_{out}"),
+            _ => format!("stream_gemm_split_b{bn}_x{xt}_{out}"),
+        };
+        // a stage: bn weight rows and 16·xt x rows of 128 bytes
+        let smem = STAGES * 128 * (bn + 16 * xt);
         let f = dev.get_or_load_custom_func(&name, MODULE, ptx)?;
         crate::step_cuda::allow_dynamic_shared_memory(&f, dev, &name, smem)?;
         crate::pdl::mark(&f);

@@ -157,19 +157,20 @@ extern "C" __global__ void stream_gemm_tiled_silu_bf16(const bf16_t* x, const bf
 // (latency: ~5 µs a call at 1 row against 2.8). stream_gemm.rs's `split_call` takes it where it
 // won (`--bit-exact`'s large weights at 17–32 and 81+ rows, LM heads of 17+ rows).
 #ifndef SP_STAGES
-#define SP_STAGES 4
+// probed (session 31, the 8B step sums): 3 faster than 4 at 1, 16, 65 rows, within 0.5 % at 257
+#define SP_STAGES 3
 #endif
 
-template <int XT>
+template <int BN, int XT>
 struct SpStage {
-  uint4 w[ST_BN][8];
+  uint4 w[BN][8];
   uint4 x[16 * XT][8];
 };
 
-template <int XT>
-__device__ __forceinline__ void sp_load(SpStage<XT>& st, const bf16_t* w, const bf16_t* x,
+template <int BN, int XT>
+__device__ __forceinline__ void sp_load(SpStage<BN, XT>& st, const bf16_t* w, const bf16_t* x,
                                         int n0, int m0, int N, int M, int K, int xrows, int k) {
-  for (int e = threadIdx.x; e < ST_BN * 8; e += blockDim.x) {
+  for (int e = threadIdx.x; e < BN * 8; e += blockDim.x) {
     const int r = e >> 3, u = e & 7, n = n0 + r;
     st_cp16(&st.w[r][st_unit(r, u)], w + (long long)min(n, N - 1) * K + k + 8 * u, n < N);
   }
@@ -179,76 +180,87 @@ __device__ __forceinline__ void sp_load(SpStage<XT>& st, const bf16_t* w, const 
   }
 }
 
-template <int XT, typename O>
+// BN weight rows a block (64: 4 tiles of 16, each warp one tile and half the x rows; 128: each warp
+// one tile and all the x rows; 256: each warp two tiles and all the x rows), 16·XT x rows.
+template <int BN, int XT, typename O>
 __device__ void stream_gemm_split(const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw,
                                   float* part, unsigned int* counters, O* y) {
-  typedef SpStage<XT> Stage;
+  typedef SpStage<BN, XT> Stage;
+  constexpr int AT = BN == 256 ? 2 : 1;      // 16-row weight tiles a warp
+  constexpr int XW = BN == 64 ? XT : 2 * XT;  // 8-row x tiles a warp
   extern __shared__ uint4 st_smem[];
   Stage* stage = (Stage*)st_smem;  // [SP_STAGES]
   __shared__ int sp_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int m0 = blockIdx.x * 16 * XT, n0 = blockIdx.y * ST_BN, s = blockIdx.z;
-  const int at = warp & 3;           // this warp's 16-row weight tile
-  const int mt0 = (warp >> 2) * XT;  // its first 8-row x tile
+  const int m0 = blockIdx.x * 16 * XT, n0 = blockIdx.y * BN, s = blockIdx.z;
+  const int at0 = BN == 64 ? (warp & 3) : AT * warp;  // this warp's first 16-row weight tile
+  const int mt0 = BN == 64 ? (warp >> 2) * XT : 0;    // its first 8-row x tile
   const int rows = min(16 * XT, M - m0);
   const int xrows = (rows + 7) & ~7;
   const int chunks = K >> 6;
   const int mine = (chunks - s + kw - 1) / kw;  // chunks s, s + kw, … (s < kw ≤ chunks / 2)
-  float acc[XT][4];
+  float acc[AT][XW][4];
 #pragma unroll
-  for (int t = 0; t < XT; ++t)
+  for (int a = 0; a < AT; ++a)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+    for (int t = 0; t < XW; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[a][t][i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < SP_STAGES - 1; ++i) {
-    if (i < mine) sp_load<XT>(stage[i], w, x, n0, m0, N, M, K, xrows, (s + i * kw) << 6);
+    if (i < mine) sp_load<BN, XT>(stage[i], w, x, n0, m0, N, M, K, xrows, (s + i * kw) << 6);
     st_commit();
   }
   for (int i = 0; i < mine; ++i) {
     const int next = i + SP_STAGES - 1;  // into the stage chunk i - 1 left (free since its sync)
     if (next < mine)
-      sp_load<XT>(stage[next % SP_STAGES], w, x, n0, m0, N, M, K, xrows, (s + next * kw) << 6);
+      sp_load<BN, XT>(stage[next % SP_STAGES], w, x, n0, m0, N, M, K, xrows, (s + next * kw) << 6);
     st_commit();
     asm volatile("cp.async.wait_group %0;\n" ::"n"(SP_STAGES - 1));
     __syncthreads();
     const Stage& st = stage[i % SP_STAGES];
-    const int ra = 16 * at + g, rb = ra + 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 a0 = st.w[ra][st_unit(ra, t4 + 4 * h)];
-      const uint4 a1 = st.w[rb][st_unit(rb, t4 + 4 * h)];
 #pragma unroll
-      for (int t = 0; t < XT; ++t) {
-        if (8 * (mt0 + t) >= rows) continue;  // the same for the whole warp
-        const int rx = 8 * (mt0 + t) + g;
-        const uint4 b = st.x[rx][st_unit(rx, t4 + 4 * h)];
-        sg_mma(acc[t], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
-        sg_mma(acc[t], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+      for (int a = 0; a < AT; ++a) {
+        const int ra = 16 * (at0 + a) + g, rb = ra + 8;
+        const uint4 a0 = st.w[ra][st_unit(ra, t4 + 4 * h)];
+        const uint4 a1 = st.w[rb][st_unit(rb, t4 + 4 * h)];
+#pragma unroll
+        for (int t = 0; t < XW; ++t) {
+          if (8 * (mt0 + t) >= rows) continue;  // the same for the whole warp
+          const int rx = 8 * (mt0 + t) + g;
+          const uint4 b = st.x[rx][st_unit(rx, t4 + 4 * h)];
+          sg_mma(acc[a][t], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
+          sg_mma(acc[a][t], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+        }
       }
     }
     __syncthreads();  // the stage is free for the load SP_STAGES - 1 chunks on
   }
   st_wait0();
-  // d0, d1: column n0 + 16·at + g, x rows 2·t4, 2·t4 + 1 of tile t; d2, d3: column + 8
+  // d0, d1: column n0 + 16·(at0 + a) + g, x rows 2·t4, 2·t4 + 1 of tile t; d2, d3: column + 8
   const bool direct = kw == 1;
   float* dst = direct ? nullptr : part + (long long)s * M * N;
 #pragma unroll
-  for (int t = 0; t < XT; ++t) {
-    if (8 * (mt0 + t) >= rows) continue;
-    const int m = m0 + 8 * (mt0 + t) + 2 * t4, c0 = n0 + 16 * at + g, c1 = c0 + 8;
-    for (int i = 0; i < 2; ++i) {
-      if (m + i >= M) continue;
-      const long long r = (long long)(m + i) * N;
-      if (direct) {
-        if (c0 < N) sg_store(y, r + c0, acc[t][i]);
-        if (c1 < N) sg_store(y, r + c1, acc[t][2 + i]);
-      } else {
-        if (c0 < N) dst[r + c0] = acc[t][i];
-        if (c1 < N) dst[r + c1] = acc[t][2 + i];
+  for (int a = 0; a < AT; ++a)
+#pragma unroll
+    for (int t = 0; t < XW; ++t) {
+      if (8 * (mt0 + t) >= rows) continue;
+      const int m = m0 + 8 * (mt0 + t) + 2 * t4, c0 = n0 + 16 * (at0 + a) + g, c1 = c0 + 8;
+      for (int i = 0; i < 2; ++i) {
+        if (m + i >= M) continue;
+        const long long r = (long long)(m + i) * N;
+        if (direct) {
+          if (c0 < N) sg_store(y, r + c0, acc[a][t][i]);
+          if (c1 < N) sg_store(y, r + c1, acc[a][t][2 + i]);
+        } else {
+          if (c0 < N) dst[r + c0] = acc[a][t][i];
+          if (c1 < N) dst[r + c1] = acc[a][t][2 + i];
+        }
       }
     }
-  }
   if (direct) return;
   // the tile's last block adds the partials in order
   __threadfence();
@@ -262,8 +274,8 @@ __device__ void stream_gemm_split(const bf16_t* x, const bf16_t* w, int M, int N
   __syncthreads();
   if (!sp_last) return;
   __threadfence();
-  for (int e = threadIdx.x; e < rows * ST_BN; e += blockDim.x) {
-    const int m = m0 + e / ST_BN, n = n0 + e % ST_BN;
+  for (int e = threadIdx.x; e < rows * BN; e += blockDim.x) {
+    const int m = m0 + e / BN, n = n0 + e % BN;
     if (n >= N) continue;
     const long long r = (long long)m * N + n;
     float v = __ldcg(part + r);
@@ -272,23 +284,34 @@ __device__ void stream_gemm_split(const bf16_t* x, const bf16_t* w, int M, int N
   }
 }
 
-// grid (ceil(M / (16·XT)), ceil(N / 64), kw), block 256 threads, dynamic shared memory
-// SP_STAGES · sizeof(SpStage<XT>); `part` [kw, M, N] f32 and `counters` (one per (x tile, weight
-// tile), zero) when kw > 1. (No activation prologue: the MLP's activation runs apart by default.)
-#define SP_KERNELS(XT)                                                                           \
-  extern "C" __global__ void stream_gemm_split_x##XT##_bf16(                                     \
-      const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, float* part,               \
-      unsigned int* counters, bf16_t* y) {                                                      \
+// grid (ceil(M / (16·XT)), ceil(N / BN), kw), block 256 threads, dynamic shared memory
+// SP_STAGES · sizeof(SpStage<BN, XT>); `part` [kw, M, N] f32 and `counters` (one per (x tile,
+// weight tile), zero) when kw > 1. (No activation prologue: the MLP's activation runs apart by
+// default.) `stream_gemm_split_x{XT}_*` are the BN = 64 kernels the crate launches;
+// `stream_gemm_split_b{BN}_x{XT}_*`, taller weight tiles (half or a quarter of the x rows' reloads
+// per weight byte — the x tiles, from L2, outweighed the weight tiles at 65+ rows), are compiled
+// for scripts/probe-stream-gemm.py alone (`SP_TALL_TILES`; built in session 31 after the last GPU
+// call, not yet run).
+#define SP_KERNELS(NAME, BN, XT)                                                                 \
+  extern "C" __global__ void NAME##_bf16(const bf16_t* x, const bf16_t* w, int M, int N, int K,  \
+                                         int kw, float* part, unsigned int* counters,           \
+                                         bf16_t* y) {                                           \
     PDL_ENTRY();                                                                                \
-    stream_gemm_split<XT>(x, w, M, N, K, kw, part, counters, y);                        \
+    stream_gemm_split<BN, XT>(x, w, M, N, K, kw, part, counters, y);                           \
   }                                                                                             \
-  extern "C" __global__ void stream_gemm_split_x##XT##_f32out(                                   \
-      const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, float* part,               \
-      unsigned int* counters, float* y) {                                                       \
+  extern "C" __global__ void NAME##_f32out(const bf16_t* x, const bf16_t* w, int M, int N,       \
+                                           int K, int kw, float* part, unsigned int* counters,  \
+                                           float* y) {                                          \
     PDL_ENTRY();                                                                                \
-    stream_gemm_split<XT>(x, w, M, N, K, kw, part, counters, y);                        \
+    stream_gemm_split<BN, XT>(x, w, M, N, K, kw, part, counters, y);                           \
   }
-SP_KERNELS(1)
-SP_KERNELS(2)
-SP_KERNELS(4)
-SP_KERNELS(5)
+SP_KERNELS(stream_gemm_split_x1, 64, 1)
+SP_KERNELS(stream_gemm_split_x2, 64, 2)
+SP_KERNELS(stream_gemm_split_x4, 64, 4)
+SP_KERNELS(stream_gemm_split_x5, 64, 5)
+#ifdef SP_TALL_TILES
+SP_KERNELS(stream_gemm_split_b128_x2, 128, 2)
+SP_KERNELS(stream_gemm_split_b128_x5, 128, 5)
+SP_KERNELS(stream_gemm_split_b256_x2, 256, 2)
+SP_KERNELS(stream_gemm_split_b256_x5, 256, 5)
+#endif
