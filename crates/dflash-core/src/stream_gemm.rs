@@ -312,12 +312,15 @@ pub fn split_call(rows: usize, w: &Tensor, logits: bool) -> bool {
         Some(from) => from.is_some_and(|from| rows >= from),
         None => {
             let bytes = w.elem_count() * w.dtype().size_in_bytes();
-            stream_policy() == StreamPolicy::All
-                && rows > 16
-                && bytes > STREAM_MAX_BYTES
-                && (rows <= 32 || rows > WIDE_MAX_ROWS || logits)
+            stream_policy() == StreamPolicy::All && split_by_default(rows, bytes, logits)
         }
     }
+}
+
+/// [`split_call`]'s default rule under [`StreamPolicy::All`], for a call of `rows` rows on a
+/// weight of `bytes` bytes (`logits`: an LM head's call).
+fn split_by_default(rows: usize, bytes: usize, logits: bool) -> bool {
+    rows > 16 && bytes > STREAM_MAX_BYTES && (rows <= 32 || rows > WIDE_MAX_ROWS || logits)
 }
 
 /// `DFLASH_STREAM_SPLIT` (read once): `Some(Some(n))` every call of n+ rows (`1`: 17), `Some(None)`
@@ -876,7 +879,32 @@ mod cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_bulk, BULK_VARIANTS};
+    use super::{parse_bulk, split_by_default, BULK_VARIANTS, STREAM_MAX_BYTES};
+
+    #[test]
+    fn bit_exact_calls_split_where_the_split_kernel_measured_faster() {
+        let large = 33 << 20; // Qwen3-8B's o projection
+                              // 17–32 rows and 81+ rows of large weights; LM heads from 17 rows
+        for rows in [17, 32, 81, 257, 288] {
+            assert!(split_by_default(rows, large, false), "{rows} rows");
+        }
+        for rows in [17, 65, 80] {
+            assert!(split_by_default(rows, large, true), "head, {rows} rows");
+        }
+        // the narrow kernel's AR steps and 16-row blocks, the wide kernel's 33–80 rows
+        for rows in [1, 4, 16, 33, 65, 80] {
+            assert!(!split_by_default(rows, large, false), "{rows} rows");
+        }
+        assert!(!split_by_default(16, large, true));
+        // small weights (SmolLM2's projections) keep the grouped narrow launch at any width
+        for rows in [17, 65, 257] {
+            assert!(
+                !split_by_default(rows, STREAM_MAX_BYTES, false),
+                "{rows} rows"
+            );
+            assert!(!split_by_default(rows, 3 << 20, true), "{rows} rows");
+        }
+    }
 
     #[test]
     fn the_bulk_switch_names_a_compiled_stage_shape_or_nothing() {
