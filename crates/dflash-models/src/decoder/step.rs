@@ -35,8 +35,9 @@ pub(crate) const MAX_DEVICE_ROWS: usize = 129;
 /// `--bit-exact` (`StreamPolicy::All`) every step of up to `MAX_STEP_ROWS` rows — the host path's
 /// cuBLAS attention is not row-invariant (a 257-node tree's root differed from the AR step by
 /// 3.6e-3, H200, session 14), while the device step's is, on the AR step's 64-key splits
-/// (`step_cuda::chunk_for`). Session 30; not yet run on a GPU (the GPU test
-/// `bit_exact_bf16_verify_rows_equal_sequential_ar_steps` now asks it of 256-node trees).
+/// (`step_cuda::chunk_for`). Session 30; the GPU test
+/// `bit_exact_bf16_verify_rows_equal_sequential_ar_steps` asks it of 256-node trees (passed on an
+/// H100, session 31).
 pub(crate) fn dense_max_device_rows() -> usize {
     use dflash_core::stream_gemm::{stream_policy, StreamPolicy};
     if stream_policy() == StreamPolicy::All {
