@@ -381,6 +381,7 @@ fn dtype_suffix(t: &Tensor, what: &str) -> Result<&'static str> {
 }
 
 /// See [`crate::gated_delta_layer::conv_and_rule_inputs`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn conv_and_rule_inputs(
     qkv: &Tensor,
     conv_state: &Tensor,
@@ -389,6 +390,7 @@ pub(crate) fn conv_and_rule_inputs(
     parents: &[i64],
     w: crate::gated_delta_layer::LayerWeights,
     heads: crate::gated_delta_layer::LayerHeads,
+    fused: bool,
 ) -> Result<crate::gated_delta_layer::RuleInputs> {
     let crate::gated_delta_layer::LayerHeads { hv, dk, dv, .. } = heads;
     let (n, c) = qkv.dims2()?;
@@ -412,7 +414,9 @@ pub(crate) fn conv_and_rule_inputs(
         g: empty(&[n, hv])?,
         beta: empty(&[n, hv])?,
     };
-    conv_and_rule_inputs_into(qkv, conv_state, b, a, &parents_t, w, heads, &u, &outs)?;
+    conv_and_rule_inputs_into_as(
+        qkv, conv_state, b, a, &parents_t, w, heads, &u, &outs, fused,
+    )?;
     Ok(outs)
 }
 
@@ -431,6 +435,24 @@ pub(crate) fn conv_and_rule_inputs_into(
     heads: crate::gated_delta_layer::LayerHeads,
     u: &Tensor,
     outs: &crate::gated_delta_layer::RuleInputs,
+) -> Result<()> {
+    let fused = fused_inputs();
+    conv_and_rule_inputs_into_as(qkv, conv_state, b, a, parents, w, heads, u, outs, fused)
+}
+
+/// [`conv_and_rule_inputs_into`] on the fused kernel or on the two (`u` their scratch).
+#[allow(clippy::too_many_arguments)]
+fn conv_and_rule_inputs_into_as(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    parents: &Tensor,
+    w: crate::gated_delta_layer::LayerWeights,
+    heads: crate::gated_delta_layer::LayerHeads,
+    u: &Tensor,
+    outs: &crate::gated_delta_layer::RuleInputs,
+    fused: bool,
 ) -> Result<()> {
     let crate::gated_delta_layer::LayerHeads { hk, hv, dk, dv } = heads;
     let (conv_w, dt_bias, neg_a) = (w.conv_w, w.dt_bias, w.neg_a);
@@ -475,24 +497,79 @@ pub(crate) fn conv_and_rule_inputs_into(
         )));
     }
     let f32c = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.contiguous());
-    let (qkv, b, a) = (qkv.contiguous()?, b.contiguous()?, a.contiguous()?);
     let (cs, cw, dtb, na) = (
         f32c(conv_state)?,
         f32c(conv_w)?,
         f32c(dt_bias)?,
         f32c(neg_a)?,
     );
-    let (xp, dev) = address(&qkv, "qkv")?;
     let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
     let (csp, cwp, pp) = (
         ptr(&cs, "conv state")?,
         ptr(&cw, "conv weight")?,
         ptr(parents, "parents")?,
     );
-    let (up, q32p) = (ptr(u, "u")?, ptr(&outs.qkv, "qkv f32")?);
-    let (ni, ci, ki) = (n as i32, c as i32, k as i32);
+    let (dtp, nap) = (ptr(&dtb, "dt_bias")?, ptr(&na, "-exp(A_log)")?);
+    let (qp, kp, vp, gp, betap) = (
+        ptr(&outs.q, "q")?,
+        ptr(&outs.k, "k")?,
+        ptr(&outs.v, "v")?,
+        ptr(&outs.g, "g")?,
+        ptr(&outs.beta, "beta")?,
+    );
+    let q32p = ptr(&outs.qkv, "qkv f32")?;
+    let (ni, ci, ki, hki, hvi, dvi) = (
+        n as i32, c as i32, k as i32, hk as i32, hv as i32, dv as i32,
+    );
     let module = format!("dflash_gated_delta_dk{dk}");
     let src = ptx(dk)?;
+    if fused {
+        // one launch over the rows as they are (column views of a stacked projection included)
+        let (xp, ld, dev) = rows_address(qkv, "qkv")?;
+        let (bp, bld, _) = rows_address(b, "beta projection")?;
+        let (ap, ald, _) = rows_address(a, "decay projection")?;
+        if bld != ald && n > 1 {
+            return Err(CoreError::InvalidInput(format!(
+                "conv_and_rule_inputs: gate rows {bld} and {ald} elements apart (one stride)"
+            )));
+        }
+        let (ldi, gldi) = (ld as i32, bld as i32);
+        let f =
+            dev.get_or_load_custom_func(&format!("gdn_conv_rule_inputs_{sfx}"), &module, src)?;
+        let mut l = f.builder();
+        l.arg(&xp)
+            .arg(&ldi)
+            .arg(&csp)
+            .arg(&cwp)
+            .arg(&pp)
+            .arg(&ki)
+            .arg(&bp)
+            .arg(&ap)
+            .arg(&gldi)
+            .arg(&dtp)
+            .arg(&nap)
+            .arg(&hki)
+            .arg(&hvi)
+            .arg(&dvi)
+            .arg(&q32p)
+            .arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&gp)
+            .arg(&betap);
+        let cfg = LaunchConfig {
+            grid_dim: ((n * hv) as u32, 1, 1),
+            block_dim: (dk.max(dv) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel's arguments in order; live tensors of the checked sizes, rows of
+        // `qkv`, `b`, `a` at the strides read off their layouts.
+        unsafe { l.launch(cfg) }.w()?;
+        return Ok(());
+    }
+    let (qkv, b, a) = (qkv.contiguous()?, b.contiguous()?, a.contiguous()?);
+    let (xp, dev) = address(&qkv, "qkv")?;
+    let up = ptr(u, "u")?;
     let f = dev.get_or_load_custom_func(&format!("gdn_conv_silu_{sfx}"), &module, src)?;
     let mut l = f.builder();
     l.arg(&xp)
@@ -506,20 +583,7 @@ pub(crate) fn conv_and_rule_inputs_into(
         .arg(&q32p);
     // SAFETY: the kernel's arguments in order, live contiguous tensors of the checked sizes.
     unsafe { l.launch(per_item(n * c)) }.w()?;
-    let (bp, ap, dtp, nap) = (
-        ptr(&b, "beta projection")?,
-        ptr(&a, "decay projection")?,
-        ptr(&dtb, "dt_bias")?,
-        ptr(&na, "-exp(A_log)")?,
-    );
-    let (qp, kp, vp, gp, betap) = (
-        ptr(&outs.q, "q")?,
-        ptr(&outs.k, "k")?,
-        ptr(&outs.v, "v")?,
-        ptr(&outs.g, "g")?,
-        ptr(&outs.beta, "beta")?,
-    );
-    let (hki, hvi, dvi) = (hk as i32, hv as i32, dv as i32);
+    let (bp, ap) = (ptr(&b, "beta projection")?, ptr(&a, "decay projection")?);
     let f = dev.get_or_load_custom_func(&format!("gdn_rule_inputs_{sfx}"), &module, src)?;
     let mut l = f.builder();
     l.arg(&up)
@@ -541,6 +605,34 @@ pub(crate) fn conv_and_rule_inputs_into(
     Ok(())
 }
 
+/// Whether the convolution and the rule's inputs run as one kernel (`gdn_conv_rule_inputs`, the
+/// same bits as the two; the default): not when `DFLASH_GDN_FUSED_INPUTS=0` (read once; a
+/// documented override for A/B runs).
+pub(crate) fn fused_inputs() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_GDN_FUSED_INPUTS").as_deref() != Ok("0"))
+}
+
+/// The address of a 2-D tensor's first row and its row stride in elements: contiguous rows, or
+/// a column view of wider rows (`narrow` on the last dim: stride `[ld, 1]`).
+fn rows_address(t: &Tensor, what: &str) -> Result<(u64, usize, candle_core::CudaDevice)> {
+    let (rows, cols) = t.dims2()?;
+    let stride = t.stride().to_vec();
+    let ld = if rows <= 1 { cols } else { stride[0] };
+    if t.is_contiguous() {
+        let (p, dev) = address(t, what)?;
+        return Ok((p, cols.max(ld), dev));
+    }
+    if stride[1] != 1 || ld < cols {
+        return Err(CoreError::InvalidInput(format!(
+            "{what}: rows of stride {stride:?} (the layer kernels take contiguous rows)"
+        )));
+    }
+    // the view's start: the address of its first row as a one-row contiguous view
+    let (p, dev) = address(&t.narrow(0, 0, 1)?, what)?;
+    Ok((p, ld, dev))
+}
+
 /// See [`crate::gated_delta_layer::gated_norm`].
 pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let (n, hv, dv) = o.dims3()?;
@@ -555,12 +647,13 @@ pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result
         )));
     }
     let dk_module = 16; // the norm does not depend on DK: any compiled module holds it
-    let (o, z) = (o.contiguous()?, z.contiguous()?);
+    let o = o.contiguous()?;
     let w = w.to_dtype(DType::F32)?.contiguous()?;
     // SAFETY: every element is written by exactly one thread.
     let y = unsafe { Tensor::empty((n, hv * dv), z.dtype(), z.device())? };
     let (op, dev) = address(&o, "gated norm input")?;
-    let (zp, _) = address(&z, "gate")?;
+    let (zp, zld, _) = rows_address(z, "gate")?;
+    let zld = zld as i32;
     let (wp, _) = address(&w, "norm weight")?;
     let (yp, _) = address(&y, "gated norm output")?;
     let (ni, hvi, dvi, e) = (n as i32, hv as i32, dv as i32, eps as f32);
@@ -570,6 +663,7 @@ pub(crate) fn gated_norm(o: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result
     let mut l = f.builder();
     l.arg(&op)
         .arg(&zp)
+        .arg(&zld)
         .arg(&wp)
         .arg(&ni)
         .arg(&hvi)

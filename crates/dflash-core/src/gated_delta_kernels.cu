@@ -415,17 +415,17 @@ __device__ __forceinline__ float gd_silu(float x) { return x / (1.0f + expf(-x))
 // channel c): window row j (oldest first, K rows) is the input of the ancestor K-1-j steps up
 // (`qkv`), or, past the tree's root, a row of the convolution state (its newest row first).
 // Writes u [n, C] = silu(Σ_j w[c, j] · window_j) and the f32 inputs [n, C] (the record's).
+// `gdn_conv_one` is the per-channel code, shared with the fused kernel below (rows of `qkv`
+// `ld` elements apart), so both give the same bits.
 template <typename T>
-__device__ void gdn_conv_silu(const T* qkv, const float* conv_state, const float* w,
-                              const int* parents, int n, int C, int K, float* u, float* qkv32) {
-    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (size_t)n * C) return;
-    const int i = (int)(idx / C), c = (int)(idx % C);
+__device__ __forceinline__ float gdn_conv_one(const T* qkv, size_t ld, const float* conv_state,
+                                              const float* w, const int* parents, int C, int K,
+                                              int i, int c) {
     float win[8];
     int node = i, back = 0;
     for (int j = K - 1; j >= 0; --j) {
         if (node >= 0) {
-            win[j] = gd_ld(qkv, (size_t)node * C + c);
+            win[j] = gd_ld(qkv, (size_t)node * ld + c);
             node = parents[node];
         } else {
             ++back;
@@ -434,7 +434,15 @@ __device__ void gdn_conv_silu(const T* qkv, const float* conv_state, const float
     }
     float acc = win[0] * w[(size_t)c * K];
     for (int j = 1; j < K; ++j) acc = acc + win[j] * w[(size_t)c * K + j];
-    u[idx] = gd_silu(acc);
+    return gd_silu(acc);
+}
+template <typename T>
+__device__ void gdn_conv_silu(const T* qkv, const float* conv_state, const float* w,
+                              const int* parents, int n, int C, int K, float* u, float* qkv32) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)n * C) return;
+    const int i = (int)(idx / C), c = (int)(idx % C);
+    u[idx] = gdn_conv_one(qkv, (size_t)C, conv_state, w, parents, C, K, i, c);
     qkv32[idx] = gd_ld(qkv, idx);
 }
 extern "C" __global__ void gdn_conv_silu_f32(const float* qkv, const float* conv_state,
@@ -503,13 +511,100 @@ extern "C" __global__ void gdn_rule_inputs_bf16(const float* u, const bf16_t* b,
     gdn_rule_inputs(u, b, a, dt_bias, neg_a, n, Hk, Hv, dv, q, k, v, g, beta);
 }
 
-// The gated RMSNorm per value head: thread (token i, head h, channel c) gives
+// The convolution and the rule's inputs in one launch (`gdn_conv_silu` then `gdn_rule_inputs`
+// without `u` between them; `DFLASH_GDN_FUSED_INPUTS=0` keeps the two): block (token i, value
+// head h), thread e < E = max(DK, dv). Phase one: thread e convolves the channels it owns — q's
+// and k's channel e of key head kh = h / (Hv / Hk) (e < DK) into shared rows, v's channel e of
+// head h (e < dv) into `v` — with `gdn_conv_one`, and writes the record's f32 inputs of its
+// channels (q's and k's by the key head's first value head only: one writer an element). Phase
+// two, after a barrier: `gdn_rule_inputs`'s arithmetic on the shared rows (the sums of squares
+// over the head's DK rows in order, each thread the same), so every output has the two kernels'
+// bits. Rows of `qkv` are `ld` elements apart and rows of `b` and `a` `gld` (column views of one
+// stacked projection, no copies). The phases are functions of their own so that the host
+// emulation can run every thread of a block through phase one before phase two.
+template <typename T>
+__device__ __forceinline__ void gdn_fused_conv_phase(const T* qkv, int ld, const float* conv_state,
+                                                     const float* w, const int* parents, int K,
+                                                     int Hk, int Hv, int dv, float* qkv32,
+                                                     float* v, float* xq, float* xk) {
+    const int idx = blockIdx.x, e = threadIdx.x;
+    const int i = idx / Hv, h = idx % Hv, kh = h / (Hv / Hk);
+    const int C = 2 * Hk * DK + Hv * dv;
+    const size_t rec = (size_t)i * C, in = (size_t)i * ld;
+    if (e < DK) {
+        const int cq = kh * DK + e, ck = Hk * DK + kh * DK + e;
+        xq[e] = gdn_conv_one(qkv, (size_t)ld, conv_state, w, parents, C, K, i, cq);
+        xk[e] = gdn_conv_one(qkv, (size_t)ld, conv_state, w, parents, C, K, i, ck);
+        if (h % (Hv / Hk) == 0) {
+            qkv32[rec + cq] = gd_ld(qkv, in + cq);
+            qkv32[rec + ck] = gd_ld(qkv, in + ck);
+        }
+    }
+    if (e < dv) {
+        const int cv = 2 * Hk * DK + h * dv + e;
+        v[(size_t)idx * dv + e] = gdn_conv_one(qkv, (size_t)ld, conv_state, w, parents, C, K, i, cv);
+        qkv32[rec + cv] = gd_ld(qkv, in + cv);
+    }
+}
+template <typename T>
+__device__ __forceinline__ void gdn_fused_inputs_phase(const T* b, const T* a, int gld,
+                                                       const float* dt_bias, const float* neg_a,
+                                                       int Hv, const float* xq, const float* xk,
+                                                       float* q, float* k, float* g, float* beta) {
+    const int idx = blockIdx.x, e = threadIdx.x;
+    const int i = idx / Hv, h = idx % Hv;
+    if (e < DK) {
+        float sq = 0.0f, sk = 0.0f;
+        for (int r = 0; r < DK; ++r) {
+            sq += xq[r] * xq[r];
+            sk += xk[r] * xk[r];
+        }
+        const float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+        const float scale = 1.0f / sqrtf((float)DK);
+        q[(size_t)idx * DK + e] = xq[e] * iq * scale;
+        k[(size_t)idx * DK + e] = xk[e] * ik;
+    }
+    if (e == 0) {
+        const size_t gi = (size_t)i * gld + h;
+        beta[idx] = 1.0f / (1.0f + expf(-gd_ld(b, gi)));
+        const float x = gd_ld(a, gi) + dt_bias[h];
+        const float softplus = fmaxf(x, 0.0f) + logf(expf(-fabsf(x)) + 1.0f);
+        g[idx] = softplus * neg_a[h];
+    }
+}
+template <typename T>
+__device__ void gdn_conv_rule_inputs(const T* qkv, int ld, const float* conv_state, const float* w,
+                                     const int* parents, int K, const T* b, const T* a, int gld,
+                                     const float* dt_bias, const float* neg_a, int Hk, int Hv,
+                                     int dv, float* qkv32, float* q, float* k, float* v, float* g,
+                                     float* beta) {
+    __shared__ float xs[2 * DK];
+    gdn_fused_conv_phase(qkv, ld, conv_state, w, parents, K, Hk, Hv, dv, qkv32, v, xs, xs + DK);
+    __syncthreads();
+    gdn_fused_inputs_phase(b, a, gld, dt_bias, neg_a, Hv, xs, xs + DK, q, k, g, beta);
+}
+extern "C" __global__ void gdn_conv_rule_inputs_f32(
+    const float* qkv, int ld, const float* conv_state, const float* w, const int* parents, int K,
+    const float* b, const float* a, int gld, const float* dt_bias, const float* neg_a, int Hk,
+    int Hv, int dv, float* qkv32, float* q, float* k, float* v, float* g, float* beta) {
+    gdn_conv_rule_inputs(qkv, ld, conv_state, w, parents, K, b, a, gld, dt_bias, neg_a, Hk, Hv, dv,
+                         qkv32, q, k, v, g, beta);
+}
+extern "C" __global__ void gdn_conv_rule_inputs_bf16(
+    const bf16_t* qkv, int ld, const float* conv_state, const float* w, const int* parents, int K,
+    const bf16_t* b, const bf16_t* a, int gld, const float* dt_bias, const float* neg_a, int Hk,
+    int Hv, int dv, float* qkv32, float* q, float* k, float* v, float* g, float* beta) {
+    gdn_conv_rule_inputs(qkv, ld, conv_state, w, parents, K, b, a, gld, dt_bias, neg_a, Hk, Hv, dv,
+                         qkv32, q, k, v, g, beta);
+}
+
+// The gated RMSNorm per value head (rows of z `zld` elements apart): thread (token i, head h, channel c) gives
 // y[i, h·dv + c] = o[i, h, c] / sqrt(mean_c o² + eps) · w[c] · silu(z[i, h·dv + c]), in T (the
 // head's sum of squares in channel order, the same in every thread of the head: one thread per
 // output element, broadcast reads, coalesced writes).
 template <typename T>
-__device__ void gdn_gated_norm(const float* o, const T* z, const float* w, int n, int Hv, int dv,
-                               float eps, T* y) {
+__device__ void gdn_gated_norm(const float* o, const T* z, int zld, const float* w, int n, int Hv,
+                               int dv, float eps, T* y) {
     const size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (size_t)n * Hv * dv) return;
     const size_t idx = t / dv;
@@ -518,15 +613,18 @@ __device__ void gdn_gated_norm(const float* o, const T* z, const float* w, int n
     float ss = 0.0f;
     for (int r = 0; r < dv; ++r) ss += oh[r] * oh[r];
     const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
-    gd_st(y, t, oh[c] * inv * w[c] * gd_silu(gd_ld(z, t)));
+    const size_t zi = (idx / Hv) * (size_t)zld + (idx % Hv) * (size_t)dv + c;
+    gd_st(y, t, oh[c] * inv * w[c] * gd_silu(gd_ld(z, zi)));
 }
-extern "C" __global__ void gdn_gated_norm_f32(const float* o, const float* z, const float* w,
-                                              int n, int Hv, int dv, float eps, float* y) {
-    gdn_gated_norm(o, z, w, n, Hv, dv, eps, y);
+extern "C" __global__ void gdn_gated_norm_f32(const float* o, const float* z, int zld,
+                                              const float* w, int n, int Hv, int dv, float eps,
+                                              float* y) {
+    gdn_gated_norm(o, z, zld, w, n, Hv, dv, eps, y);
 }
-extern "C" __global__ void gdn_gated_norm_bf16(const float* o, const bf16_t* z, const float* w,
-                                               int n, int Hv, int dv, float eps, bf16_t* y) {
-    gdn_gated_norm(o, z, w, n, Hv, dv, eps, y);
+extern "C" __global__ void gdn_gated_norm_bf16(const float* o, const bf16_t* z, int zld,
+                                               const float* w, int n, int Hv, int dv, float eps,
+                                               bf16_t* y) {
+    gdn_gated_norm(o, z, zld, w, n, Hv, dv, eps, y);
 }
 
 // The convolution windows after n kept tokens, for L layers at once (the state commit's other

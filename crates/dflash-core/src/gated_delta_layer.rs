@@ -1,7 +1,7 @@
 //! The Gated DeltaNet layer's ops around the gated delta rule ([`crate::gated_delta`]) as CUDA
 //! kernels (`gated_delta_kernels.cu`): the short convolution, q/k/v heads and gates before the
 //! rule, the gated RMSNorm after it — the host composite of `dflash_models::gated_deltanet` in
-//! three launches instead of some thirty candle ops.
+//! two launches (three with `DFLASH_GDN_FUSED_INPUTS=0`) instead of some thirty candle ops.
 //!
 //! Invariants:
 //! - The same map as the host composite, computed in f32 whatever the compute dtype (bf16 inputs
@@ -56,8 +56,10 @@ pub fn layer_kernels_available(
         && (2..=8).contains(&conv_kernel)
 }
 
-/// The Gated DeltaNet layer's ops between its input projections and the rule, in two CUDA
-/// launches: the causal depthwise convolution of `qkv` (`[n, C]`, compute dtype) along each
+/// The Gated DeltaNet layer's ops between its input projections and the rule, in one CUDA
+/// launch (`gdn_conv_rule_inputs`; two — the convolution, then the rule's inputs — under
+/// `DFLASH_GDN_FUSED_INPUTS=0`, the same bits): `qkv`, `b`, `a` contiguous or column views of
+/// one stacked projection (rows at a stride, read in place); the causal depthwise convolution of `qkv` (`[n, C]`, compute dtype) along each
 /// token's ancestors (`parents`, as [`crate::gated_delta::tree_recurrent`] takes them; rows before a root come from
 /// `conv_state` `[K−1, C]`, newest last) with the weight `w.conv_w` `[C, K]`, then SiLU; q and
 /// k l2-normalised per key head (q times `dk^-½`) and repeated to the value heads; v; β =
@@ -78,12 +80,44 @@ pub fn conv_and_rule_inputs(
     #[cfg(feature = "cuda")]
     if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
         return crate::gated_delta_cuda::conv_and_rule_inputs(
-            qkv, conv_state, b, a, parents, w, heads,
+            qkv,
+            conv_state,
+            b,
+            a,
+            parents,
+            w,
+            heads,
+            crate::gated_delta_cuda::fused_inputs(),
         );
     }
     let _ = (qkv, conv_state, b, a, w, heads);
     Err(CoreError::InvalidInput(
         "conv_and_rule_inputs: the layer kernels run on CUDA only".into(),
+    ))
+}
+
+/// [`conv_and_rule_inputs`] on its two kernels (the convolution, then the rule's inputs from
+/// its output) whatever the default — the reference the fused kernel's bits are tested against.
+/// CUDA only.
+pub fn conv_and_rule_inputs_two_kernels(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    parents: &[i64],
+    w: LayerWeights,
+    heads: LayerHeads,
+) -> Result<RuleInputs> {
+    crate::gated_delta::tree_depths(parents)?;
+    #[cfg(feature = "cuda")]
+    if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
+        return crate::gated_delta_cuda::conv_and_rule_inputs(
+            qkv, conv_state, b, a, parents, w, heads, false,
+        );
+    }
+    let _ = (qkv, conv_state, b, a, w, heads);
+    Err(CoreError::InvalidInput(
+        "conv_and_rule_inputs_two_kernels: the layer kernels run on CUDA only".into(),
     ))
 }
 

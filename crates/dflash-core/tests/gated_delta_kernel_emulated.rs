@@ -191,10 +191,45 @@ static int gated_norm() {
     std::vector<float> y32((size_t)n * Hv * dv, NAN);
     std::vector<bf16_t> y16((size_t)n * Hv * dv, 0xffff);
     per_item((size_t)n * Hv * dv, [&] {
-        if (bf) gdn_gated_norm_bf16(o.data(), z16.data(), w.data(), n, Hv, dv, eps, y16.data());
-        else gdn_gated_norm_f32(o.data(), z32.data(), w.data(), n, Hv, dv, eps, y32.data());
+        if (bf) gdn_gated_norm_bf16(o.data(), z16.data(), Hv * dv, w.data(), n, Hv, dv, eps, y16.data());
+        else gdn_gated_norm_f32(o.data(), z32.data(), Hv * dv, w.data(), n, Hv, dv, eps, y32.data());
     });
     if (bf) put(y16); else put(y32);
+    return 0;
+}
+// the fused convolution + rule inputs over rows `ld` (qkv) and `gld` (gates) elements apart:
+// every thread of a block through phase one, then every thread through phase two (the barrier)
+static int fused_inputs() {
+    auto head = take<int>(8);
+    int n = head[0], Hk = head[1], Hv = head[2], dv = head[3], K = head[4], ld = head[5], gld = head[6], bf = head[7];
+    int C = 2 * Hk * DK + Hv * dv;
+    auto x32 = bf ? std::vector<float>() : take<float>((size_t)n * ld);
+    auto x16 = bf ? take<bf16_t>((size_t)n * ld) : std::vector<bf16_t>();
+    auto cs = take<float>((size_t)(K - 1) * C), w = take<float>((size_t)C * K);
+    auto parents = take<int>(n);
+    auto g32 = bf ? std::vector<float>() : take<float>((size_t)2 * n * gld);
+    auto g16 = bf ? take<bf16_t>((size_t)2 * n * gld) : std::vector<bf16_t>();
+    auto dtb = take<float>(Hv), na = take<float>(Hv);
+    std::vector<float> q32((size_t)n * C, NAN), q((size_t)n * Hv * DK, NAN), k((size_t)n * Hv * DK, NAN),
+        v((size_t)n * Hv * dv, NAN), g((size_t)n * Hv, NAN), beta((size_t)n * Hv, NAN);
+    const unsigned E = DK > dv ? DK : dv;
+    blockDim = {E, 1, 1};
+    float xs[2 * DK];
+    for (unsigned bx = 0; bx < (unsigned)(n * Hv); ++bx) {
+        blockIdx = {bx, 0, 0};
+        for (unsigned tx = 0; tx < E; ++tx) {
+            threadIdx = {tx, 0, 0};
+            if (bf) gdn_fused_conv_phase(x16.data(), ld, cs.data(), w.data(), parents.data(), K, Hk, Hv, dv, q32.data(), v.data(), xs, xs + DK);
+            else gdn_fused_conv_phase(x32.data(), ld, cs.data(), w.data(), parents.data(), K, Hk, Hv, dv, q32.data(), v.data(), xs, xs + DK);
+        }
+        for (unsigned tx = 0; tx < E; ++tx) {
+            threadIdx = {tx, 0, 0};
+            // b is the first gld-wide half of the gate rows, a the second
+            if (bf) gdn_fused_inputs_phase(g16.data(), g16.data() + (size_t)n * gld, gld, dtb.data(), na.data(), Hv, xs, xs + DK, q.data(), k.data(), g.data(), beta.data());
+            else gdn_fused_inputs_phase(g32.data(), g32.data() + (size_t)n * gld, gld, dtb.data(), na.data(), Hv, xs, xs + DK, q.data(), k.data(), g.data(), beta.data());
+        }
+    }
+    put(q32); put(q); put(k); put(v); put(g); put(beta);
     return 0;
 }
 int main() {
@@ -206,6 +241,7 @@ int main() {
         case 3: return gated_norm();
         case 4: return chain_layers();
         case 5: return conv_windows();
+        case 6: return fused_inputs();
     }
     return 2;
 }
@@ -626,6 +662,76 @@ fn the_many_layer_conv_windows_are_the_hosts() {
         for (l, wl) in want.iter().enumerate() {
             let got = &out[l * w * c..(l + 1) * w * c];
             assert_eq!(max_rel(got, wl), 0.0, "layer {l}, {n} kept");
+        }
+    }
+}
+
+/// The fused convolution + rule inputs (`gdn_conv_rule_inputs`, one block a token and value head,
+/// reading column views of a stacked projection) gives the two kernels' bits (`gdn_conv_silu`
+/// then `gdn_rule_inputs` on contiguous copies): the record's f32 inputs, q, k, v, g and β, for a
+/// tree with two roots, value heads wider and narrower than the key heads, f32 and bf16.
+#[test]
+fn the_fused_inputs_kernel_gives_the_two_kernels_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let dk = 16;
+    let exe = build(dir.path(), dk);
+    let parents: Vec<i64> = vec![-1, 0, 1, 0, 3, 1, -1, 6, 7];
+    let n = parents.len();
+    let pw: Vec<i32> = parents.iter().map(|&p| p as i32).collect();
+    for (hk, hv, dv) in [(2usize, 4usize, 24usize), (1, 3, 8)] {
+        let kw = 4usize;
+        let c = 2 * hk * dk + hv * dv;
+        let (ld, gld) = (c + 7, hv + 3);
+        let raw = uniform(n * c, 11);
+        let cs = uniform((kw - 1) * c, 12);
+        let w = uniform(c * kw, 13);
+        let gates: Vec<f32> = uniform(2 * n * hv, 14).iter().map(|x| x * 3.0).collect();
+        let dt_bias: Vec<f32> = (0..hv).map(|h| 0.1 * h as f32 - 0.2).collect();
+        let neg_a: Vec<f32> = (0..hv).map(|h| -0.5 - h as f32).collect();
+        for bf16 in [false, true] {
+            // the two kernels on contiguous rows
+            let (_, xb) = compute_dtype(&raw, bf16);
+            let mut input = bytes_i32(&[1, n as i32, c as i32, kw as i32, bf16 as i32]);
+            input.extend(&xb);
+            input.extend(f32s(&cs));
+            input.extend(f32s(&w));
+            input.extend(bytes_i32(&pw));
+            let conv = run(&exe, &input);
+            let (u, rec) = conv.split_at(4 * n * c);
+            let (_, bb) = compute_dtype(&gates[..n * hv], bf16);
+            let (_, ab) = compute_dtype(&gates[n * hv..], bf16);
+            let mut input = bytes_i32(&[2, n as i32, hk as i32, hv as i32, dv as i32, bf16 as i32]);
+            input.extend(u);
+            input.extend(bb);
+            input.extend(ab);
+            input.extend(f32s(&dt_bias));
+            input.extend(f32s(&neg_a));
+            let two = run(&exe, &input);
+            // the fused kernel on strided rows (padding NaN: a stray read would show)
+            let mut wide = vec![f32::NAN; n * ld];
+            for i in 0..n {
+                wide[i * ld..i * ld + c].copy_from_slice(&raw[i * c..(i + 1) * c]);
+            }
+            let mut gw = vec![f32::NAN; 2 * n * gld];
+            for (half, src) in gates.chunks(n * hv).enumerate() {
+                for i in 0..n {
+                    let at = half * n * gld + i * gld;
+                    gw[at..at + hv].copy_from_slice(&src[i * hv..(i + 1) * hv]);
+                }
+            }
+            let head = [6, n, hk, hv, dv, kw, ld, gld, bf16 as usize];
+            let mut input = bytes_i32(&head.map(|x| x as i32));
+            input.extend(compute_dtype(&wide, bf16).1);
+            input.extend(f32s(&cs));
+            input.extend(f32s(&w));
+            input.extend(bytes_i32(&pw));
+            input.extend(compute_dtype(&gw, bf16).1);
+            input.extend(f32s(&dt_bias));
+            input.extend(f32s(&neg_a));
+            let fused = run(&exe, &input);
+            let (frec, fin) = fused.split_at(4 * n * c);
+            assert_eq!(frec, rec, "the record's inputs (hv {hv}, bf16 {bf16})");
+            assert_eq!(fin, &two[..], "q, k, v, g, beta (hv {hv}, bf16 {bf16})");
         }
     }
 }

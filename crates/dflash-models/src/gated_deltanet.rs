@@ -100,8 +100,9 @@ enum InProjections {
     },
 }
 
-/// The input projections of `x` `[n, H]`: qkv `[n, C]`, z `[n, Hv·dv]`, b and a `[n, Hv]`, each
-/// contiguous, in the compute dtype.
+/// The input projections of `x` `[n, H]`: qkv `[n, C]`, z `[n, Hv·dv]`, b and a `[n, Hv]`, in
+/// the compute dtype; contiguous, or column views of one stacked output
+/// ([`InProjections::forward_views`]).
 struct Projected {
     qkv: Tensor,
     z: Tensor,
@@ -111,6 +112,17 @@ struct Projected {
 
 impl InProjections {
     fn forward(&self, x: &Tensor) -> Result<Projected> {
+        self.forward_as(x, false)
+    }
+
+    /// [`InProjections::forward`] where the stacked projection's four blocks stay column views
+    /// of its output (rows `Σ widths` apart, no copies): for the layer kernels, which read rows
+    /// at a stride.
+    fn forward_views(&self, x: &Tensor) -> Result<Projected> {
+        self.forward_as(x, true)
+    }
+
+    fn forward_as(&self, x: &Tensor, views: bool) -> Result<Projected> {
         match self {
             Self::Separate { qkv, z, b, a } => Ok(Projected {
                 qkv: project(qkv, x)?,
@@ -123,7 +135,8 @@ impl InProjections {
                 let mut start = 0;
                 let mut cols = Vec::with_capacity(4);
                 for &width in widths {
-                    cols.push(all.narrow(1, start, width)?.contiguous()?);
+                    let col = all.narrow(1, start, width)?;
+                    cols.push(if views { col } else { col.contiguous()? });
                     start += width;
                 }
                 let [qkv, z, b, a]: [Tensor; 4] = cols.try_into().expect("four blocks");
@@ -447,7 +460,7 @@ impl GatedDeltaNet {
         if !x.device().is_cuda() {
             return self.forward_device_emulated(x, bufs, shared);
         }
-        let proj = self.in_proj.forward(x)?;
+        let proj = self.in_proj.forward_views(x)?;
         gated_delta_layer::conv_and_rule_inputs_into(
             &proj.qkv,
             &bufs.conv,
@@ -500,7 +513,9 @@ impl GatedDeltaNet {
     }
 
     /// [`GatedDeltaNet::forward_tree`] on CUDA through the layer kernels
-    /// (`dflash_core::gated_delta_layer`): the same map in five launches around the projections.
+    /// (`dflash_core::gated_delta_layer`): the same map as kernels around the projections (the
+    /// convolution with the rule's inputs, the rule, the gated norm), reading the stacked
+    /// projection's blocks in place.
     fn forward_tree_kernels(
         &self,
         x: &Tensor,
@@ -511,7 +526,7 @@ impl GatedDeltaNet {
         let s = self.shape;
         let (n, _) = x.dims2()?;
         let (heads, weights) = (self.layer_heads(), self.layer_weights());
-        let proj = self.in_proj.forward(x)?;
+        let proj = self.in_proj.forward_views(x)?;
         let r = gated_delta_layer::conv_and_rule_inputs(
             &proj.qkv,
             &state.conv,

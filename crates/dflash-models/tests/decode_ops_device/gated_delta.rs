@@ -162,3 +162,92 @@ fn the_rules_kernels_give_the_same_bits() {
         }
     }
 }
+
+/// The fused convolution + rule inputs (`gdn_conv_rule_inputs`, the default), reading q/k/v and
+/// the gates as column views of one stacked projection, gives the bits of the two kernels it
+/// replaces (run on contiguous copies): the record's f32 inputs, q, k, v, g and β — at
+/// Qwen3.6-27B's heads (16 key, 48 value heads of 128) and a tiny layout whose value heads are
+/// wider than its key heads, for a 16-row chain and a tree with two roots, in f32 and bf16.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_fused_inputs_kernel_gives_the_two_kernels_bits() {
+    use candle_core::DType;
+    use dflash_core::gated_delta_layer::{self as layer, LayerHeads, LayerWeights};
+    let dev = device();
+    let trees: Vec<Vec<i64>> = vec![
+        (0..16).map(|i| i - 1).collect(),
+        vec![-1, 0, 1, 0, 2, 3, 1, 4, 5, 6, 2, 7, -1, 12],
+        vec![-1],
+    ];
+    for heads in [
+        LayerHeads {
+            hk: 16,
+            hv: 48,
+            dk: 128,
+            dv: 128,
+        },
+        LayerHeads {
+            hk: 2,
+            hv: 4,
+            dk: 16,
+            dv: 24,
+        },
+    ] {
+        let LayerHeads { hk, hv, dk, dv } = heads;
+        let (c, kw) = (2 * hk * dk + hv * dv, 4usize);
+        let width = c + hv * dv + 2 * hv; // qkv, z, b, a stacked
+        let r = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+        let conv_w = (r(&[c, kw]) * 0.5).unwrap();
+        let conv_state = r(&[kw - 1, c]);
+        let dt_bias = r(&[hv]);
+        let neg_a = r(&[hv]).abs().unwrap().neg().unwrap();
+        let w = LayerWeights {
+            conv_w: &conv_w,
+            dt_bias: &dt_bias,
+            neg_a: &neg_a,
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            for parents in &trees {
+                let n = parents.len();
+                let all = r(&[n, width]).to_dtype(dtype).unwrap();
+                let qkv = all.narrow(1, 0, c).unwrap();
+                let b = all.narrow(1, c + hv * dv, hv).unwrap();
+                let a = all.narrow(1, c + hv * dv + hv, hv).unwrap();
+                let fused =
+                    layer::conv_and_rule_inputs(&qkv, &conv_state, &b, &a, parents, w, heads)
+                        .unwrap();
+                let (qc, bc, ac) = (
+                    qkv.contiguous().unwrap(),
+                    b.contiguous().unwrap(),
+                    a.contiguous().unwrap(),
+                );
+                let two = layer::conv_and_rule_inputs_two_kernels(
+                    &qc,
+                    &conv_state,
+                    &bc,
+                    &ac,
+                    parents,
+                    w,
+                    heads,
+                )
+                .unwrap();
+                let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for (what, x, y) in [
+                    ("record", &fused.qkv, &two.qkv),
+                    ("q", &fused.q, &two.q),
+                    ("k", &fused.k, &two.k),
+                    ("v", &fused.v, &two.v),
+                    ("g", &fused.g, &two.g),
+                    ("beta", &fused.beta, &two.beta),
+                ] {
+                    let (x, y) = (bits(x), bits(y));
+                    let same = x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(
+                        same && x.len() == y.len(),
+                        "{what} differs ({heads:?}, {dtype:?}, {n} rows)"
+                    );
+                }
+            }
+        }
+    }
+}
