@@ -41,6 +41,7 @@ ROUNDS=${ROUNDS:-30}
 # rulestage: four lanes with each chunk of tokens staged in shared memory (DFLASH_GDN_RULE_STAGE=1; built in session 22, not yet run);
 # replaystaged / stagedboth: (session 23, before it became the default) the state commit's replays on the staged kernel sized for them (chunks of 8 tokens, 80 registers, 24 warps an SM) / and the forward's rule staged;
 # replayrule: the state commit's replays on the forward's rule kernel (DFLASH_GDN_REPLAY=rule, the default before session 23);
+# unfusedheads: the hybrids' gated attention heads op by op over three projections (DFLASH_GATED_HEADS=0; session 32 stacked q/k/v and made the heads one kernel); unfusedboth: that and unfusedinputs;
 # unfusedinputs: the Gated DeltaNet layers' convolution and rule inputs as two kernels (DFLASH_GDN_FUSED_INPUTS=0; session 32 fused them, reading the stacked projection in place);
 # replayvec: the state commit's replays with each key row stored by lane group in shared memory, read four floats at a time (DFLASH_GDN_REPLAY=vec; session 31; the same bits, no faster on an H100);
 # replayprefetch: the state commit's replays with the state's loads first and each chunk's keys in two batches of loads (DFLASH_GDN_REPLAY=prefetch; session 29; the same bits, no faster on an H200 in session 30);
@@ -153,7 +154,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    finputs="" split="" bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    gheads="" finputs="" split="" bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -183,6 +184,8 @@ for spec in $SHAPES; do
       replayprefetch) fused=1 graphs=1 replay=prefetch;;
       replayvec) fused=1 graphs=1 replay=vec;;
       unfusedinputs) fused=1 graphs=1 finputs=0;;
+      unfusedheads) fused=1 graphs=1 gheads=0;;
+      unfusedboth) fused=1 graphs=1 gheads=0 finputs=0;;
       splitvalues) fused=1 graphs=1 avalues=split;;
       treeattn1) fused=1 graphs=1 dattn=tree;;
       groupall) fused=1 graphs=1 gvec=100000;;
@@ -223,7 +226,7 @@ for spec in $SHAPES; do
       tiledpt) fused=1 graphs=1 stream=all tiled=1 attn=mma path=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_GATED_HEADS=$gheads DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

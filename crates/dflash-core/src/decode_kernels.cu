@@ -672,14 +672,19 @@ extern "C" __global__ void sample_rows(const float* x, int V, float inv_t, int t
 // (row, head), one thread per channel (blockDim.x = hd ≤ 1024).
 // With kb (the device step): out holds q only [H, n, hd], and k and v go straight into the cache
 // buffers kb / vb [KV, cap, hd] at rows meta[0] + r (meta: the step's metadata, step_kernels.cu).
-template <typename T>
-__device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const T* qw, const T* kw,
+// gated (the hybrids' gated attention): each q head of y is followed by its hd gate channels
+// (rows [H · 2hd | KV · hd | KV · hd]; the gates are left in y), and the norm weights are WT
+// (f32: the zero-centred norms' 1 + w). Otherwise rows are [(H + 2·KV) · hd], as before.
+template <typename T, typename WT>
+__device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const WT* qw, const WT* kw,
                           int n, int H, int KV, int hd, int rot, int has_norm, float eps, T* out,
-                          T* kb, T* vb, const unsigned int* meta, int cap) {
+                          T* kb, T* vb, const unsigned int* meta, int cap, int gated) {
   extern __shared__ float sh[];  // hd values + 32 partial sums
   const int r = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
-  const int heads = H + 2 * KV;
-  float v = ldv(y, ((long long)r * heads + h) * hd + c);
+  const long long qs = gated ? 2LL * hd : (long long)hd;  // a q head's width in y
+  const long long row = qs * H + 2LL * KV * hd;
+  const long long at = h < H ? qs * h : qs * H + (long long)(h - H) * hd;
+  float v = ldv(y, (long long)r * row + at + c);
   const bool is_v = h >= H + KV;
   if (!is_v && has_norm) {
     float sq = v * v;
@@ -693,7 +698,7 @@ __device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const T* q
     }
     __syncthreads();
     const float inv = rsqrtf(sh[hd] / hd + eps);
-    const T* w = h < H ? qw : kw;
+    const WT* w = h < H ? qw : kw;
     T tmp[1];
     stv(tmp, 0, v * inv * ldv(w, c));
     v = ldv(tmp, 0);
@@ -723,7 +728,7 @@ extern "C" __global__ void qkv_heads_f32(const float* y, const float* cs, const 
                                          int hd, int rot, int has_norm, float eps, float* out) {
   PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (float*)nullptr,
-            (float*)nullptr, nullptr, 0);
+            (float*)nullptr, nullptr, 0, 0);
 }
 
 extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, const bf16_t* sn,
@@ -731,7 +736,7 @@ extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, con
                                           int hd, int rot, int has_norm, float eps, bf16_t* out) {
   PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (bf16_t*)nullptr,
-            (bf16_t*)nullptr, nullptr, 0);
+            (bf16_t*)nullptr, nullptr, 0, 0);
 }
 
 extern "C" __global__ void qkv_heads_cache_f32(const float* y, const float* cs, const float* sn,
@@ -740,7 +745,7 @@ extern "C" __global__ void qkv_heads_cache_f32(const float* y, const float* cs, 
                                                float* q, float* kb, float* vb,
                                                const unsigned int* meta, int cap) {
   PDL_ENTRY();
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 0);
 }
 
 extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* cs,
@@ -750,7 +755,29 @@ extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* c
                                                 bf16_t* kb, bf16_t* vb, const unsigned int* meta,
                                                 int cap) {
   PDL_ENTRY();
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 0);
+}
+
+// The hybrids' gated attention in the device step: q (normed, rotated) out, k and v into the
+// cache, the gates left in y (see qkv_heads' `gated`); f32 norm weights.
+extern "C" __global__ void gated_qkv_heads_cache_f32(const float* y, const float* cs,
+                                                     const float* sn, const float* qw,
+                                                     const float* kw, int n, int H, int KV, int hd,
+                                                     int rot, int has_norm, float eps, float* q,
+                                                     float* kb, float* vb,
+                                                     const unsigned int* meta, int cap) {
+  PDL_ENTRY();
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 1);
+}
+
+extern "C" __global__ void gated_qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* cs,
+                                                      const bf16_t* sn, const float* qw,
+                                                      const float* kw, int n, int H, int KV,
+                                                      int hd, int rot, int has_norm, float eps,
+                                                      bf16_t* q, bf16_t* kb, bf16_t* vb,
+                                                      const unsigned int* meta, int cap) {
+  PDL_ENTRY();
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 1);
 }
 
 // add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w

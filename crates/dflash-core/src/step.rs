@@ -268,12 +268,50 @@ pub fn qkv_heads_into_cache(
     #[cfg(feature = "cuda")]
     if y.device().is_cuda() {
         return crate::step_cuda::qkv_heads_into_cache(
-            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta,
+            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta, false,
         );
     }
     let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta);
     Err(CoreError::InvalidInput(
         "device step: qkv_heads_into_cache needs a CUDA device".into(),
+    ))
+}
+
+/// [`qkv_heads_into_cache`] for the hybrids' gated attention: rows of `y` are
+/// `[heads × (q | gate) | kv × k | kv × v]` (each q head followed by its `head_dim` gate
+/// channels, which stay in `y`), and `norms` (q's then k's, `[2·head_dim]`) are f32 — the
+/// zero-centred norms' `1 + w`. The same per-element math (norm in f32 rounded once, then the
+/// rotate-half RoPE of the first `rot` channels rounded once). CUDA only.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_qkv_heads_into_cache(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: &Tensor,
+    heads: (usize, usize, usize),
+    rot: usize,
+    eps: f64,
+    kbuf: &Tensor,
+    vbuf: &Tensor,
+    meta: &Tensor,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() {
+        return crate::step_cuda::qkv_heads_into_cache(
+            y,
+            cos_sin,
+            Some(norms),
+            heads,
+            rot,
+            eps as f32,
+            kbuf,
+            vbuf,
+            meta,
+            true,
+        );
+    }
+    let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta);
+    Err(CoreError::InvalidInput(
+        "device step: gated_qkv_heads_into_cache needs a CUDA device".into(),
     ))
 }
 

@@ -765,11 +765,16 @@ pub(crate) fn qkv_heads_into_cache(
     kbuf: &Tensor,
     vbuf: &Tensor,
     meta: &Tensor,
+    gated: bool,
 ) -> Result<Tensor> {
     let (n, width) = y.dims2()?;
     let (_, kvb, cap, db) = kbuf.dims4()?;
     let dtype = y.dtype();
-    if width != (h + 2 * kv) * hd
+    // gated: each q head followed by its gate, and f32 norm weights (the hybrids')
+    let q_width = if gated { 2 * h * hd } else { h * hd };
+    let norm_dtype = if gated { DType::F32 } else { dtype };
+    if width != q_width + 2 * kv * hd
+        || norms.is_some_and(|w| w.elem_count() != 2 * hd || w.dtype() != norm_dtype)
         || kvb != kv
         || db != hd
         || vbuf.dims() != kbuf.dims()
@@ -797,7 +802,7 @@ pub(crate) fn qkv_heads_into_cache(
     let (qw, kw) = match norms {
         Some(w) => {
             let (wp, _) = address(w, "qkv_heads_into_cache norms")?;
-            (wp, wp + (hd * dtype.size_in_bytes()) as u64)
+            (wp, wp + (hd * norm_dtype.size_in_bytes()) as u64)
         }
         None => (yp, yp),
     };
@@ -814,7 +819,11 @@ pub(crate) fn qkv_heads_into_cache(
         block_dim: (hd as u32, 1, 1),
         shared_mem_bytes: ((hd + 33) * 4) as u32,
     };
-    let name = format!("qkv_heads_cache_{}", suffix(dtype)?);
+    let name = format!(
+        "{}qkv_heads_cache_{}",
+        if gated { "gated_" } else { "" },
+        suffix(dtype)?
+    );
     let f = dev.get_or_load_custom_func(
         &name,
         crate::decode_ops_cuda::MODULE,

@@ -85,13 +85,52 @@ pub struct Rope<'a> {
     pub emb: &'a RotaryEmbedding,
     pub cos: Tensor,
     pub sin: Tensor,
+    /// A device step's cos rows then sin rows (`[2·n, rotary_dim / 2]`), which the fused
+    /// heads kernel reads; `None` elsewhere.
+    pub packed: Option<Tensor>,
+}
+
+/// q (with its gate), k and v projections: separate, as the checkpoint lays them out, or —
+/// where the device step's fused heads kernel runs — their rows stacked into one weight
+/// (`[q | k | v]` outputs; one GEMM a forward instead of three, the same sums per output).
+enum QkvProjections {
+    Separate {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+    },
+    Stacked {
+        w: Linear,
+        /// output widths of q (gates included), k, v
+        widths: [usize; 3],
+    },
+}
+
+impl QkvProjections {
+    /// `(q, k, v)` of `x` `[b, n, H]` (column views of one output when stacked).
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        match self {
+            Self::Separate { q, k, v } => Ok((project(q, x)?, project(k, x)?, project(v, x)?)),
+            Self::Stacked { w, widths } => {
+                let y = project(w, x)?;
+                let last = y.rank() - 1;
+                let [q, k, v] = *widths;
+                Ok((
+                    y.narrow(last, 0, q)?,
+                    y.narrow(last, q, k)?,
+                    y.narrow(last, q + k, v)?,
+                ))
+            }
+        }
+    }
 }
 
 /// The gated full-attention layer (`self_attn`).
 pub struct GatedAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: QkvProjections,
+    /// q's then k's effective norm weight (`[2, head_dim]` f32) where the device step's fused
+    /// heads kernel runs ([`GatedAttention::fused_heads`]).
+    qk_norms: Option<Tensor>,
     o_proj: Linear,
     q_norm: ZeroCentredNorm,
     k_norm: ZeroCentredNorm,
@@ -115,13 +154,39 @@ impl GatedAttention {
         vb: VarBuilder,
     ) -> Result<Self> {
         let q_rows = n_heads * head_dim * if gated { 2 } else { 1 };
+        let kv_rows = n_kv_heads * head_dim;
+        let (q, k, v) = (
+            linear(&vb, hidden, q_rows, "q_proj")?,
+            linear(&vb, hidden, kv_rows, "k_proj")?,
+            linear(&vb, hidden, kv_rows, "v_proj")?,
+        );
+        let (q_norm, k_norm) = (
+            zero_centred_norm(vb.pp("q_norm"), head_dim, eps)?,
+            zero_centred_norm(vb.pp("k_norm"), head_dim, eps)?,
+        );
+        // the device step's fused heads (`DFLASH_GATED_HEADS=0`, read at load, keeps the
+        // separate projections and the op-by-op heads: a documented override for A/B runs)
+        let fused = gated
+            && vb.device().is_cuda()
+            && matches!(vb.dtype(), DType::F32 | DType::BF16)
+            && head_dim.is_multiple_of(32)
+            && head_dim <= 1024
+            && std::env::var("DFLASH_GATED_HEADS").as_deref() != Ok("0");
+        let (qkv, qk_norms) = if fused {
+            let w = Tensor::cat(&[q.weight(), k.weight(), v.weight()], 0)?;
+            let norms = Tensor::stack(&[q_norm.weight(), k_norm.weight()], 0)?;
+            let widths = [q_rows, kv_rows, kv_rows];
+            let w = Linear::new(w, None);
+            (QkvProjections::Stacked { w, widths }, Some(norms))
+        } else {
+            (QkvProjections::Separate { q, k, v }, None)
+        };
         Ok(Self {
-            q_proj: linear(&vb, hidden, q_rows, "q_proj")?,
-            k_proj: linear(&vb, hidden, n_kv_heads * head_dim, "k_proj")?,
-            v_proj: linear(&vb, hidden, n_kv_heads * head_dim, "v_proj")?,
+            qkv,
+            qk_norms,
             o_proj: linear(&vb, n_heads * head_dim, hidden, "o_proj")?,
-            q_norm: zero_centred_norm(vb.pp("q_norm"), head_dim, eps)?,
-            k_norm: zero_centred_norm(vb.pp("k_norm"), head_dim, eps)?,
+            q_norm,
+            k_norm,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -134,7 +199,7 @@ impl GatedAttention {
     fn heads(&self, x: &Tensor, rope: &Rope) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let (b, n, _) = x.dims3()?;
         let hd = self.head_dim;
-        let qg = project(&self.q_proj, x)?;
+        let (qg, k, v) = self.qkv.forward(x)?;
         let (q, gate) = if self.gated {
             let qg = qg.reshape((b, n, self.n_heads, 2 * hd))?;
             let gate = qg.narrow(3, hd, hd)?.reshape((b, n, self.n_heads * hd))?;
@@ -150,9 +215,9 @@ impl GatedAttention {
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
         let q = heads(q, Some(&self.q_norm))?;
-        let k = project(&self.k_proj, x)?.reshape((b, n, self.n_kv_heads, hd))?;
+        let k = k.reshape((b, n, self.n_kv_heads, hd))?;
         let k = heads(k, Some(&self.k_norm))?;
-        let v = project(&self.v_proj, x)?.reshape((b, n, self.n_kv_heads, hd))?;
+        let v = v.reshape((b, n, self.n_kv_heads, hd))?;
         let v = heads(v, None)?;
         let q = rope.emb.apply(&q, &rope.cos, &rope.sin, Grad::Off)?;
         let k = rope.emb.apply(&k, &rope.cos, &rope.sin, Grad::Off)?;
@@ -202,11 +267,44 @@ impl GatedAttention {
         visibility: StepVisibility,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let (q, k, v, gate) = self.heads(x, rope)?;
         let hd = self.head_dim;
-        let (kb, vb) = cache.buffers_for(self.n_kv_heads, hd, k.dtype(), k.device())?;
-        // the partial rotary leaves k strided (rotated and pass-through halves side by side)
-        dflash_core::step::kv_append_at(&kb, &vb, &k.contiguous()?, &v.contiguous()?, meta)?;
+        let (kb, vb) = cache.buffers_for(self.n_kv_heads, hd, x.dtype(), x.device())?;
+        let (q, gate) = match (&self.qkv, &self.qk_norms, &rope.packed) {
+            // one GEMM, then one kernel: q normed and rotated, k and v into the cache
+            (QkvProjections::Stacked { w, widths }, Some(norms), Some(cs)) => {
+                let (b, n, _) = x.dims3()?;
+                let y = project(w, x)?.reshape((b * n, ()))?;
+                let q = dflash_core::step::gated_qkv_heads_into_cache(
+                    &y,
+                    cs,
+                    norms,
+                    (self.n_heads, self.n_kv_heads, hd),
+                    rope.emb.rotary_dim(),
+                    self.q_norm.as_plain().eps(),
+                    &kb,
+                    &vb,
+                    meta,
+                )?;
+                let gate = y
+                    .narrow(1, 0, widths[0])?
+                    .reshape((b, n, self.n_heads, 2 * hd))?
+                    .narrow(3, hd, hd)?
+                    .reshape((b, n, self.n_heads * hd))?;
+                (q, Some(gate))
+            }
+            _ => {
+                let (q, k, v, gate) = self.heads(x, rope)?;
+                // the partial rotary leaves k strided (rotated and pass-through halves side by side)
+                dflash_core::step::kv_append_at(
+                    &kb,
+                    &vb,
+                    &k.contiguous()?,
+                    &v.contiguous()?,
+                    meta,
+                )?;
+                (q, gate)
+            }
+        };
         let scale = 1.0 / (hd as f64).sqrt();
         match visibility {
             // attention over the whole buffers (fixed shapes): on CUDA the scores' GEMM, the

@@ -291,6 +291,7 @@ impl TargetModel for HybridDecoder {
             emb: &self.rotary,
             cos,
             sin,
+            packed: None,
         };
         let ids = Tensor::from_slice(req.tokens, n, dev)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
@@ -362,6 +363,7 @@ impl TargetModel for HybridDecoder {
             emb: &self.rotary,
             cos: cos.reshape((b, n, half))?,
             sin: sin.reshape((b, n, half))?,
+            packed: None,
         };
         let mask = req.mask.to_dtype(DType::F32)?;
         // a recurrent layer reads left padding as zeros, which keep its state at zero (exact)

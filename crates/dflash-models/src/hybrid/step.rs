@@ -115,6 +115,7 @@ impl HybridDecoder {
             emb: &self.rotary,
             cos: packed.narrow(0, 0, rows)?,
             sin: packed.narrow(0, rows, rows)?,
+            packed: Some(packed.clone()),
         };
         let ids = StepMeta::tokens(meta, rows)?;
         let x = self.embed_tokens.forward(&ids)?.unsqueeze(0)?;
