@@ -508,6 +508,34 @@ extern "C" __global__ void silu_mul_bf16(const bf16_t* x, int rows, int inter, b
   silu_mul(x, rows, inter, out);
 }
 
+// gate_mul_{f32,bf16}: the hybrids' gated attention output, out[r, h·hd + c] = o[r, h·hd + c] ·
+// sigmoid(y[r, h·2hd + hd + c]) — y the rows (`ld` elements apart) of the stacked q/k/v
+// projection, whose q heads each carry their hd gate channels — in f32 with the sigmoid rounded
+// to T before the product (what candle's sigmoid then mul compute), one thread an element.
+template <typename T>
+__device__ void gate_mul(const T* o, const T* y, int rows, int H, int hd, long long ld, T* out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long width = (long long)H * hd;
+  if (i >= rows * width) return;
+  const long long r = i / width, j = i % width, h = j / hd, c = j % hd;
+  const float g = ldv(y, r * ld + h * 2 * hd + hd + c);
+  T s[1];
+  stv(s, 0, 1.0f / (1.0f + expf(-g)));
+  stv(out, i, ldv(o, i) * ldv(s, 0));
+}
+
+extern "C" __global__ void gate_mul_f32(const float* o, const float* y, int rows, int H, int hd,
+                                        long long ld, float* out) {
+  PDL_ENTRY();
+  gate_mul(o, y, rows, H, hd, ld, out);
+}
+
+extern "C" __global__ void gate_mul_bf16(const bf16_t* o, const bf16_t* y, int rows, int H, int hd,
+                                         long long ld, bf16_t* out) {
+  PDL_ENTRY();
+  gate_mul(o, y, rows, H, hd, ld, out);
+}
+
 // sample_rows: one token per row of logits x [rows, V] from softmax(x / T) cut by top-k (top_k ≤ 0
 // or ≥ V: off) and then top-p (top_p ≥ 1: off), for a uniform u[row] ∈ [0, 1) drawn by the host's
 // seeded RNG. Masses exp((x − max) / T) are fixed point (units of 2^-40, 64-bit integer sums), so

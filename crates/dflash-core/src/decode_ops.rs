@@ -234,6 +234,25 @@ pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
     Ok((candle_nn::ops::silu(&gate)? * up)?)
 }
 
+/// The hybrids' gated attention output `o · sigmoid(gate)`, `o` `[…, heads·head_dim]`, each
+/// head's gates read in place from `y` `[rows, ≥ 2·heads·head_dim]` — the stacked q/k/v
+/// projection, whose q heads each carry their `head_dim` gate channels after their queries — as
+/// candle's `sigmoid` then `mul` compute it (f32, the sigmoid rounded to the dtype). One kernel on
+/// CUDA (f32, bf16); elsewhere the same ops over a copy of the gates.
+pub fn gate_mul(o: &Tensor, y: &Tensor, heads: usize, head_dim: usize) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if o.device().is_cuda() && matches!(o.dtype(), DType::F32 | DType::BF16) {
+        return crate::gated_attention_cuda::gate_mul(o, y, heads, head_dim);
+    }
+    let rows = y.dim(0)?;
+    let gate = y
+        .narrow(1, 0, 2 * heads * head_dim)?
+        .reshape((rows, heads, 2 * head_dim))?
+        .narrow(2, head_dim, head_dim)?
+        .reshape(o.shape())?;
+    Ok((o * candle_nn::ops::sigmoid(&gate)?)?)
+}
+
 /// Attention probabilities `softmax(scale·scores + mask)` in f32, returned in the scores' dtype:
 /// `scores` `[b, rows_per_b, kv]` whose row `r` is query `(r mod rows_per_b) mod q_len`; `mask`
 /// additive f32 `[q_len, kv]` or `[b, q_len, kv]`. One kernel on CUDA (f32, bf16); `None` where

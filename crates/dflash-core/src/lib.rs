@@ -21,6 +21,8 @@ pub mod flash_block;
 mod flash_block_cuda;
 pub mod fs;
 pub mod fused_grad;
+#[cfg(feature = "cuda")]
+mod gated_attention_cuda;
 pub mod gated_delta;
 #[cfg(feature = "cuda")]
 mod gated_delta_cuda;

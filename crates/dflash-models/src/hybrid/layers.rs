@@ -225,16 +225,19 @@ impl GatedAttention {
     }
 
     /// The attention output `o` (`[b, heads, n, d]`) gated and projected.
-    fn output(&self, o: Tensor, gate: Option<Tensor>) -> Result<Tensor> {
+    fn output(&self, o: Tensor, gate: Gate) -> Result<Tensor> {
         let (b, _, n, hd) = o.dims4()?;
         self.output_rows(o.transpose(1, 2)?.reshape((b, n, self.n_heads * hd))?, gate)
     }
 
     /// The attention output in the o_proj layout (`[b, n, heads·d]`) gated and projected.
-    fn output_rows(&self, o: Tensor, gate: Option<Tensor>) -> Result<Tensor> {
+    fn output_rows(&self, o: Tensor, gate: Gate) -> Result<Tensor> {
         let o = match gate {
-            Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
-            None => o,
+            Gate::Separate(Some(g)) => (o * candle_nn::ops::sigmoid(&g)?)?,
+            Gate::Separate(None) => o,
+            Gate::InRows(y) => {
+                dflash_core::decode_ops::gate_mul(&o, &y, self.n_heads, self.head_dim)?
+            }
         };
         project(&self.o_proj, &o)
     }
@@ -252,7 +255,7 @@ impl GatedAttention {
         let (k_all, v_all) = cache.append(&k, &v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let o = attention(&q, &k_all, &v_all, mask, scale, Grad::Off)?;
-        self.output(o, gate)
+        self.output(o, Gate::Separate(gate))
     }
 
     /// The layer in a hybrid device step (one sequence): keys and values written into the
@@ -285,12 +288,8 @@ impl GatedAttention {
                     &vb,
                     meta,
                 )?;
-                let gate = y
-                    .narrow(1, 0, widths[0])?
-                    .reshape((b, n, self.n_heads, 2 * hd))?
-                    .narrow(3, hd, hd)?
-                    .reshape((b, n, self.n_heads * hd))?;
-                (q, Some(gate))
+                debug_assert_eq!(widths[0], 2 * self.n_heads * hd);
+                (q, Gate::InRows(y))
             }
             _ => {
                 let (q, k, v, gate) = self.heads(x, rope)?;
@@ -302,7 +301,7 @@ impl GatedAttention {
                     &v.contiguous()?,
                     meta,
                 )?;
-                (q, gate)
+                (q, Gate::Separate(gate))
             }
         };
         let scale = 1.0 / (hd as f64).sqrt();
@@ -328,6 +327,14 @@ impl GatedAttention {
             }
         }
     }
+}
+
+/// Where the gated attention's output gate comes from: its own tensor (`[b, n, heads·d]`, or
+/// none), or the rows of the stacked q/k/v projection (`[n, width]`; the device step's fused
+/// heads), read in place by [`dflash_core::decode_ops::gate_mul`].
+enum Gate {
+    Separate(Option<Tensor>),
+    InRows(Tensor),
 }
 
 /// What a hybrid device step's gated attention reads a row's visible keys from: the additive mask

@@ -251,3 +251,51 @@ fn the_fused_inputs_kernel_gives_the_two_kernels_bits() {
         }
     }
 }
+
+/// The hybrids' gated attention output (`decode_ops::gate_mul`: one kernel on CUDA reading each
+/// head's gates in place from the stacked q/k/v rows) against candle's `sigmoid` then `mul` of
+/// the gates copied out, on the CPU in f32: within f32 rounding, and within one bf16 step of the
+/// product in bf16.
+#[test]
+fn gate_mul_is_the_sigmoid_gate_product() {
+    use candle_core::DType;
+    let dev = device();
+    let (n, heads, hd) = (5usize, 3usize, 32usize);
+    let width = 2 * heads * hd + 2 * 2 * hd; // q|gate per head, then k and v of 2 kv heads
+    let o = Tensor::randn(0f32, 1.0, (1, n, heads * hd), &Device::Cpu).unwrap();
+    let y = (Tensor::randn(0f32, 1.0, (n, width), &Device::Cpu).unwrap() * 3.0).unwrap();
+    let gate = y
+        .narrow(1, 0, 2 * heads * hd)
+        .unwrap()
+        .reshape((n, heads, 2 * hd))
+        .unwrap()
+        .narrow(2, hd, hd)
+        .unwrap()
+        .reshape((1, n, heads * hd))
+        .unwrap();
+    let want = (&o * candle_nn::ops::sigmoid(&gate).unwrap()).unwrap();
+    for (dtype, tol) in [(DType::F32, 1e-6f32), (DType::BF16, 1.6e-2)] {
+        let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+        let got = dflash_core::decode_ops::gate_mul(&on(&o), &on(&y), heads, hd).unwrap();
+        assert_eq!(got.dims(), o.dims());
+        let got = got
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let scale = want.abs().unwrap().max_keepdim(2).unwrap();
+        let err = (got - &want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .broadcast_div(&(scale + 1e-6).unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err <= tol, "{dtype:?}: off by {err} of the row's scale");
+    }
+}
