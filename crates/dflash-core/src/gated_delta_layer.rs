@@ -76,24 +76,7 @@ pub fn conv_and_rule_inputs(
     w: LayerWeights,
     heads: LayerHeads,
 ) -> Result<RuleInputs> {
-    crate::gated_delta::tree_depths(parents)?;
-    #[cfg(feature = "cuda")]
-    if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
-        return crate::gated_delta_cuda::conv_and_rule_inputs(
-            qkv,
-            conv_state,
-            b,
-            a,
-            parents,
-            w,
-            heads,
-            crate::gated_delta_cuda::fused_inputs(),
-        );
-    }
-    let _ = (qkv, conv_state, b, a, w, heads);
-    Err(CoreError::InvalidInput(
-        "conv_and_rule_inputs: the layer kernels run on CUDA only".into(),
-    ))
+    conv_and_rule_inputs_as(qkv, conv_state, b, a, parents, w, heads, None)
 }
 
 /// [`conv_and_rule_inputs`] on its two kernels (the convolution, then the rule's inputs from
@@ -108,16 +91,32 @@ pub fn conv_and_rule_inputs_two_kernels(
     w: LayerWeights,
     heads: LayerHeads,
 ) -> Result<RuleInputs> {
+    conv_and_rule_inputs_as(qkv, conv_state, b, a, parents, w, heads, Some(false))
+}
+
+/// [`conv_and_rule_inputs`] on the fused kernel or the two (`None`: the default).
+#[allow(clippy::too_many_arguments)]
+fn conv_and_rule_inputs_as(
+    qkv: &Tensor,
+    conv_state: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    parents: &[i64],
+    w: LayerWeights,
+    heads: LayerHeads,
+    fused: Option<bool>,
+) -> Result<RuleInputs> {
     crate::gated_delta::tree_depths(parents)?;
     #[cfg(feature = "cuda")]
     if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
+        let fused = fused.unwrap_or_else(crate::gated_delta_cuda::fused_inputs);
         return crate::gated_delta_cuda::conv_and_rule_inputs(
-            qkv, conv_state, b, a, parents, w, heads, false,
+            qkv, conv_state, b, a, parents, w, heads, fused,
         );
     }
-    let _ = (qkv, conv_state, b, a, w, heads);
+    let _ = (qkv, conv_state, b, a, w, heads, fused);
     Err(CoreError::InvalidInput(
-        "conv_and_rule_inputs_two_kernels: the layer kernels run on CUDA only".into(),
+        "conv_and_rule_inputs: the layer kernels run on CUDA only".into(),
     ))
 }
 

@@ -265,16 +265,7 @@ pub fn qkv_heads_into_cache(
     vbuf: &Tensor,
     meta: &Tensor,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if y.device().is_cuda() {
-        return crate::step_cuda::qkv_heads_into_cache(
-            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta, false,
-        );
-    }
-    let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta);
-    Err(CoreError::InvalidInput(
-        "device step: qkv_heads_into_cache needs a CUDA device".into(),
-    ))
+    heads_into_cache(y, cos_sin, norms, heads, rot, eps, (kbuf, vbuf), meta, false)
 }
 
 /// [`qkv_heads_into_cache`] for the hybrids' gated attention: rows of `y` are
@@ -294,24 +285,32 @@ pub fn gated_qkv_heads_into_cache(
     vbuf: &Tensor,
     meta: &Tensor,
 ) -> Result<Tensor> {
+    let cache = (kbuf, vbuf);
+    heads_into_cache(y, cos_sin, Some(norms), heads, rot, eps, cache, meta, true)
+}
+
+/// [`qkv_heads_into_cache`] (`gated` false) or [`gated_qkv_heads_into_cache`].
+#[allow(clippy::too_many_arguments)]
+fn heads_into_cache(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: Option<&Tensor>,
+    heads: (usize, usize, usize),
+    rot: usize,
+    eps: f64,
+    (kbuf, vbuf): (&Tensor, &Tensor),
+    meta: &Tensor,
+    gated: bool,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if y.device().is_cuda() {
         return crate::step_cuda::qkv_heads_into_cache(
-            y,
-            cos_sin,
-            Some(norms),
-            heads,
-            rot,
-            eps as f32,
-            kbuf,
-            vbuf,
-            meta,
-            true,
+            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta, gated,
         );
     }
-    let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta);
+    let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta, gated);
     Err(CoreError::InvalidInput(
-        "device step: gated_qkv_heads_into_cache needs a CUDA device".into(),
+        "device step: the fused q/k/v heads need a CUDA device".into(),
     ))
 }
 
