@@ -414,7 +414,7 @@ pub(crate) fn conv_and_rule_inputs(
         g: empty(&[n, hv])?,
         beta: empty(&[n, hv])?,
     };
-    conv_and_rule_inputs_into_as(
+    conv_and_rule_inputs_into(
         qkv, conv_state, b, a, &parents_t, w, heads, &u, &outs, fused,
     )?;
     Ok(outs)
@@ -422,27 +422,12 @@ pub(crate) fn conv_and_rule_inputs(
 
 /// [`conv_and_rule_inputs`] into caller-given buffers (launches only, so a CUDA graph can
 /// capture it): `parents` a u32 device tensor of at least n words (i32 bits, as the step's
-/// metadata holds them), `u` `[n, C]` f32 scratch, `outs` the outputs (contiguous f32 of the
-/// shapes [`conv_and_rule_inputs`] returns; views into larger buffers are fine).
+/// metadata holds them), `u` `[n, C]` f32 scratch (of the two kernels only), `outs` the outputs
+/// (contiguous f32 of the shapes [`conv_and_rule_inputs`] returns; views into larger buffers are
+/// fine); `fused`: the one kernel (`gdn_conv_rule_inputs`, which reads `qkv`, `b`, `a` at their
+/// row strides) or the two.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn conv_and_rule_inputs_into(
-    qkv: &Tensor,
-    conv_state: &Tensor,
-    b: &Tensor,
-    a: &Tensor,
-    parents: &Tensor,
-    w: crate::gated_delta_layer::LayerWeights,
-    heads: crate::gated_delta_layer::LayerHeads,
-    u: &Tensor,
-    outs: &crate::gated_delta_layer::RuleInputs,
-) -> Result<()> {
-    let fused = fused_inputs();
-    conv_and_rule_inputs_into_as(qkv, conv_state, b, a, parents, w, heads, u, outs, fused)
-}
-
-/// [`conv_and_rule_inputs_into`] on the fused kernel or on the two (`u` their scratch).
-#[allow(clippy::too_many_arguments)]
-fn conv_and_rule_inputs_into_as(
     qkv: &Tensor,
     conv_state: &Tensor,
     b: &Tensor,

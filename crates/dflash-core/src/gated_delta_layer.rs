@@ -138,8 +138,9 @@ pub fn conv_and_rule_inputs_into(
 ) -> Result<()> {
     #[cfg(feature = "cuda")]
     if layer_kernels_available(qkv.device(), heads.dk, qkv.dtype(), w.conv_w.dim(1)?) {
+        let fused = crate::gated_delta_cuda::fused_inputs();
         return crate::gated_delta_cuda::conv_and_rule_inputs_into(
-            qkv, conv_state, b, a, parents, w, heads, u, outs,
+            qkv, conv_state, b, a, parents, w, heads, u, outs, fused,
         );
     }
     let _ = (qkv, conv_state, b, a, parents, w, heads, u, outs);

@@ -265,7 +265,8 @@ pub fn qkv_heads_into_cache(
     vbuf: &Tensor,
     meta: &Tensor,
 ) -> Result<Tensor> {
-    heads_into_cache(y, cos_sin, norms, heads, rot, eps, (kbuf, vbuf), meta, false)
+    let cache = (kbuf, vbuf);
+    heads_into_cache(y, cos_sin, norms, heads, rot, eps, cache, meta, false)
 }
 
 /// [`qkv_heads_into_cache`] for the hybrids' gated attention: rows of `y` are

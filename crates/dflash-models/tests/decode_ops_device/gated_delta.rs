@@ -254,8 +254,8 @@ fn the_fused_inputs_kernel_gives_the_two_kernels_bits() {
 
 /// The hybrids' gated attention output (`decode_ops::gate_mul`: one kernel on CUDA reading each
 /// head's gates in place from the stacked q/k/v rows) against candle's `sigmoid` then `mul` of
-/// the gates copied out, on the CPU in f32: within f32 rounding, and within one bf16 step of the
-/// product in bf16.
+/// the gates copied out, on the CPU in f32: within f32 rounding, and within about one bf16 step
+/// (of the output's largest value) in bf16.
 #[test]
 fn gate_mul_is_the_sigmoid_gate_product() {
     use candle_core::DType;
@@ -278,24 +278,14 @@ fn gate_mul_is_the_sigmoid_gate_product() {
         let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
         let got = dflash_core::decode_ops::gate_mul(&on(&o), &on(&y), heads, hd).unwrap();
         assert_eq!(got.dims(), o.dims());
-        let got = got
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap();
-        let scale = want.abs().unwrap().max_keepdim(2).unwrap();
-        let err = (got - &want)
-            .unwrap()
+        let scale = want
             .abs()
             .unwrap()
-            .broadcast_div(&(scale + 1e-6).unwrap())
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
+            .max_all()
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        assert!(err <= tol, "{dtype:?}: off by {err} of the row's scale");
+        let err = max_abs(&got, &want) / scale;
+        assert!(err <= tol, "{dtype:?}: off by {err} of the output's scale");
     }
 }
