@@ -12,6 +12,12 @@
 //!   `o_proj`. q and k are normed per head before a partial NeoX rotary (the first
 //!   `rotary_dim` channels; for text, Qwen3.5's interleaved M-RoPE is exactly this). Causal GQA,
 //!   scale `head_dim^-½`, keys and values in a croppable [`KvCache`].
+//! - On CUDA (f32, bf16, heads a multiple of 32 wide) q/k/v are one stacked GEMM, and the device
+//!   step computes the heads in one kernel (`dflash_core::step::gated_qkv_heads_into_cache`: the
+//!   norms in f32 with the `1 + w` weights, the partial RoPE, k and v into the cache) and the gate
+//!   in one more (`dflash_core::decode_ops::gate_mul`, reading the gates in place) — the same map,
+//!   rounded in other places than the op-by-op heads, which the host forwards keep (over the
+//!   stacked GEMM's columns) and `DFLASH_GATED_HEADS=0` restores everywhere.
 
 use crate::projection::project;
 use crate::{ModelError, Result};
@@ -129,7 +135,7 @@ impl QkvProjections {
 pub struct GatedAttention {
     qkv: QkvProjections,
     /// q's then k's effective norm weight (`[2, head_dim]` f32) where the device step's fused
-    /// heads kernel runs ([`GatedAttention::fused_heads`]).
+    /// heads kernel runs (the projections then `Stacked`).
     qk_norms: Option<Tensor>,
     o_proj: Linear,
     q_norm: ZeroCentredNorm,

@@ -14,8 +14,9 @@
 //!   bit for bit, and the step never reads a host-made tensor.
 //! - Attention layers write keys and values at the length held on the device and attend over the
 //!   whole cache buffer through GEMMs of fixed shape under a device-built mask (committed keys
-//!   and each row's own path); the rest (projections, norms, MLP, LM head) are the host path's
-//!   kernels. Outputs agree with the host path to rounding (a GPU test checks it).
+//!   and each row's own path), their heads and output gate as one kernel each after one q/k/v
+//!   GEMM; the rest (projections, norms, MLP, LM head) are the host path's kernels. Outputs agree
+//!   with the host path to rounding (a GPU test checks it).
 //! - A tree is padded to a bucket size (root-level dummy rows no real row sees); the caches count
 //!   only the real rows. Causal blocks are never padded.
 
