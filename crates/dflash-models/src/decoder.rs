@@ -9,7 +9,7 @@
 //! f32 input against a low-precision head, training's input gradient).
 
 use crate::config::{Architecture, DecoderConfig};
-use crate::projection::project;
+use crate::projection::{project, Projections};
 use crate::target::{
     BatchForwardRequest, ForwardOutput, ForwardRequest, LogitRows, TargetInfo, TargetModel,
 };
@@ -30,19 +30,10 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<
     ))
 }
 
-/// The q/k/v projections: three GEMMs (the checkpoint's layout), or on CUDA one GEMM over their
-/// rows stacked `[q; k; v]` (decided at load, [`dflash_core::decode_ops::fused_decode`]).
-enum QkvProj {
-    Separate {
-        q_proj: Linear,
-        k_proj: Linear,
-        v_proj: Linear,
-    },
-    Fused(Linear),
-}
-
 struct Attention {
-    qkv: QkvProj,
+    /// q, k, v: three GEMMs (the checkpoint's layout), or on CUDA one GEMM over their rows
+    /// stacked `[q; k; v]` (decided at load, [`dflash_core::decode_ops::fused_decode`]).
+    qkv: Projections,
     /// q_norm then k_norm weights `[2, head_dim]` (Qwen3, fused decode only).
     qk_norms: Option<Tensor>,
     /// The one-kernel q/k/v heads path applies (fused projection, a supported head shape).
@@ -65,16 +56,7 @@ impl Attention {
             linear(&vb, h, nkv * hd, "k_proj")?,
             linear(&vb, h, nkv * hd, "v_proj")?,
         );
-        let qkv = if fused {
-            let w = Tensor::cat(&[q_proj.weight(), k_proj.weight(), v_proj.weight()], 0)?;
-            QkvProj::Fused(Linear::new(w, None))
-        } else {
-            QkvProj::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            }
-        };
+        let qkv = Projections::new(vec![q_proj, k_proj, v_proj], fused)?;
         let q_norm = if norms {
             Some(RmsNorm::load(vb.pp("q_norm"), hd, cfg.rms_norm_eps)?)
         } else {
@@ -106,29 +88,10 @@ impl Attention {
 
     /// Queries, keys and values `[b, n, heads·head_dim]` of `x`.
     fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        Ok(match &self.qkv {
-            QkvProj::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => (
-                project(q_proj, x)?,
-                project(k_proj, x)?,
-                project(v_proj, x)?,
-            ),
-            QkvProj::Fused(w) => {
-                let y = project(w, x)?;
-                let (nq, nk) = (
-                    self.n_heads * self.head_dim,
-                    self.n_kv_heads * self.head_dim,
-                );
-                (
-                    y.narrow(2, 0, nq)?,
-                    y.narrow(2, nq, nk)?,
-                    y.narrow(2, nq + nk, nk)?,
-                )
-            }
-        })
+        match self.qkv.forward(x)?.as_slice() {
+            [q, k, v] => Ok((q.clone(), k.clone(), v.clone())),
+            _ => Err(ModelError::InvalidInput("q/k/v: three projections".into())),
+        }
     }
 
     /// `causal_from`: `mask` is causal with each sequence's keys before its entry hidden (see
@@ -156,8 +119,8 @@ impl Attention {
             };
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
-        let one_kernel = match (&self.qkv, &rope.packed) {
-            (QkvProj::Fused(w), Some(cs)) if self.fast_heads && b == 1 => {
+        let one_kernel = match (self.qkv.stacked(), &rope.packed) {
+            (Some(w), Some(cs)) if self.fast_heads && b == 1 => {
                 let y = project(w, x)?.reshape((n, ()))?;
                 let eps = self.q_norm.as_ref().map(|q| q.eps()).unwrap_or(0.0);
                 dflash_core::decode_ops::qkv_heads(
@@ -214,7 +177,7 @@ impl Attention {
         ancestors: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let (QkvProj::Fused(w), Some(_)) = (&self.qkv, &rope.packed) else {
+        let (Some(w), Some(_)) = (self.qkv.stacked(), &rope.packed) else {
             return Err(ModelError::InvalidInput(
                 "device step without the fused q/k/v projection".into(),
             ));
@@ -226,8 +189,8 @@ impl Attention {
 
     /// The fused q/k/v projection's weight, when the device step can take this layer.
     fn fused_qkv_weight(&self, rope: &Rope) -> Option<&Tensor> {
-        match (&self.qkv, &rope.packed) {
-            (QkvProj::Fused(w), Some(_)) => Some(w.weight()),
+        match (self.qkv.stacked(), &rope.packed) {
+            (Some(w), Some(_)) => Some(w.weight()),
             _ => None,
         }
     }

@@ -17,7 +17,7 @@
 //! - Checked against transformers through the whole model (fixtures/tiny-qwen3.5, the reference
 //!   tests) and the rule alone (dflash-core's fixture).
 
-use crate::projection::project;
+use crate::projection::{project, Projections};
 use crate::{ModelError, Result};
 use candle_core::{DType, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
@@ -83,26 +83,9 @@ impl DeltaNetShape {
     }
 }
 
-/// The layer's four input projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`):
-/// separate, as the checkpoint lays them out, or — where the layer kernels run (CUDA) — their
-/// rows stacked into one weight, one GEMM a forward instead of four (same sums per output).
-enum InProjections {
-    Separate {
-        qkv: Linear,
-        z: Linear,
-        b: Linear,
-        a: Linear,
-    },
-    Stacked {
-        w: Linear,
-        /// output widths of qkv, z, b, a (the column blocks of the stacked output)
-        widths: [usize; 4],
-    },
-}
-
 /// The input projections of `x` `[n, H]`: qkv `[n, C]`, z `[n, Hv·dv]`, b and a `[n, Hv]`, in
-/// the compute dtype; contiguous, or column views of one stacked output
-/// ([`InProjections::forward_views`]).
+/// the compute dtype; contiguous, or column views of one stacked output (`views`, for the layer
+/// kernels, which read rows at a stride).
 struct Projected {
     qkv: Tensor,
     z: Tensor,
@@ -110,44 +93,31 @@ struct Projected {
     a: Tensor,
 }
 
-impl InProjections {
-    fn forward(&self, x: &Tensor) -> Result<Projected> {
-        self.forward_as(x, false)
-    }
-
-    /// [`InProjections::forward`] where the stacked projection's four blocks stay column views
-    /// of its output (rows `Σ widths` apart, no copies): for the layer kernels, which read rows
-    /// at a stride.
-    fn forward_views(&self, x: &Tensor) -> Result<Projected> {
-        self.forward_as(x, true)
-    }
-
-    fn forward_as(&self, x: &Tensor, views: bool) -> Result<Projected> {
-        match self {
-            Self::Separate { qkv, z, b, a } => Ok(Projected {
-                qkv: project(qkv, x)?,
-                z: project(z, x)?,
-                b: project(b, x)?,
-                a: project(a, x)?,
+impl Projected {
+    /// The layer's four input projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+    /// `in_proj_a`, in that order) of `x`.
+    fn of(in_proj: &Projections, x: &Tensor, views: bool) -> Result<Self> {
+        let parts = in_proj.forward(x)?;
+        let own =
+            |t: &Tensor| -> Result<Tensor> { Ok(if views { t.clone() } else { t.contiguous()? }) };
+        match parts.as_slice() {
+            [qkv, z, b, a] => Ok(Self {
+                qkv: own(qkv)?,
+                z: own(z)?,
+                b: own(b)?,
+                a: own(a)?,
             }),
-            Self::Stacked { w, widths } => {
-                let all = project(w, x)?;
-                let mut start = 0;
-                let mut cols = Vec::with_capacity(4);
-                for &width in widths {
-                    let col = all.narrow(1, start, width)?;
-                    cols.push(if views { col } else { col.contiguous()? });
-                    start += width;
-                }
-                let [qkv, z, b, a]: [Tensor; 4] = cols.try_into().expect("four blocks");
-                Ok(Projected { qkv, z, b, a })
-            }
+            _ => Err(ModelError::InvalidInput(
+                "Gated DeltaNet: four input projections".into(),
+            )),
         }
     }
 }
 
 pub struct GatedDeltaNet {
-    in_proj: InProjections,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`: as the checkpoint lays them out,
+    /// or — where the layer kernels run (CUDA) — stacked into one weight, one GEMM a forward.
+    in_proj: Projections,
     /// `[C, K]` f32 (the checkpoint's `[C, 1, K]`).
     conv1d: Tensor,
     /// `[Hv]` f32.
@@ -191,15 +161,7 @@ impl GatedDeltaNet {
             vb.dtype(),
             shape.conv_kernel,
         ) && std::env::var("DFLASH_GDN_IN_PROJ").as_deref() != Ok("separate");
-        let in_proj = if stacked {
-            let w = Tensor::cat(&[qkv.weight(), z.weight(), b.weight(), a.weight()], 0)?;
-            InProjections::Stacked {
-                w: Linear::new(w, None),
-                widths: [c, vdim, hv, hv],
-            }
-        } else {
-            InProjections::Separate { qkv, z, b, a }
-        };
+        let in_proj = Projections::new(vec![qkv, z, b, a], stacked)?;
         Ok(Self {
             in_proj,
             conv1d,
@@ -290,7 +252,7 @@ impl GatedDeltaNet {
         if gated_delta_layer::layer_kernels_available(x.device(), dk, x.dtype(), k) {
             return self.forward_tree_kernels(x, state, parents, is_chain);
         }
-        let proj = self.in_proj.forward(x)?;
+        let proj = Projected::of(&self.in_proj, x, false)?;
         // causal depthwise convolution over [state ; qkv] along each token's ancestors, then SiLU
         let qkv = proj.qkv.to_dtype(DType::F32)?; // [n, C]
         let padded = Tensor::cat(&[&state.conv, &qkv], 0)?; // [K − 1 + n, C] f32
@@ -460,7 +422,7 @@ impl GatedDeltaNet {
         if !x.device().is_cuda() {
             return self.forward_device_emulated(x, bufs, shared);
         }
-        let proj = self.in_proj.forward_views(x)?;
+        let proj = Projected::of(&self.in_proj, x, true)?;
         gated_delta_layer::conv_and_rule_inputs_into(
             &proj.qkv,
             &bufs.conv,
@@ -526,7 +488,7 @@ impl GatedDeltaNet {
         let s = self.shape;
         let (n, _) = x.dims2()?;
         let (heads, weights) = (self.layer_heads(), self.layer_weights());
-        let proj = self.in_proj.forward_views(x)?;
+        let proj = Projected::of(&self.in_proj, x, true)?;
         let r = gated_delta_layer::conv_and_rule_inputs(
             &proj.qkv,
             &state.conv,

@@ -27,3 +27,95 @@ pub(crate) fn project_with(lin: &Linear, x: &Tensor, grad: Grad) -> Result<Tenso
         Grad::Off => project(lin, x),
     }
 }
+
+/// Several projections of one input (a checkpoint's `q_proj`, `k_proj`, `v_proj`, …): separate
+/// weights, or — where the fused decode runs — their rows stacked into one weight, one GEMM a
+/// forward instead of one a part, each part's output a column block of it (the same sums per
+/// output).
+pub(crate) enum Projections {
+    Separate(Vec<Linear>),
+    Stacked {
+        w: Linear,
+        /// each part's output width, in order
+        widths: Vec<usize>,
+    },
+}
+
+impl Projections {
+    /// `parts` as they are, or stacked into one weight when `stack`.
+    pub(crate) fn new(parts: Vec<Linear>, stack: bool) -> Result<Self> {
+        if !stack {
+            return Ok(Self::Separate(parts));
+        }
+        let weights: Vec<&Tensor> = parts.iter().map(|p| p.weight()).collect();
+        let widths = weights
+            .iter()
+            .map(|w| w.dim(0))
+            .collect::<candle_core::Result<_>>()?;
+        let w = Linear::new(Tensor::cat(&weights, 0)?, None);
+        Ok(Self::Stacked { w, widths })
+    }
+
+    /// Each part's output of `x`, along the last dim (column views of one output when stacked).
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Self::Separate(parts) => parts.iter().map(|p| project(p, x)).collect(),
+            Self::Stacked { w, widths } => {
+                let y = project(w, x)?;
+                let last = y.rank() - 1;
+                let mut start = 0;
+                let mut out = Vec::with_capacity(widths.len());
+                for &width in widths {
+                    out.push(y.narrow(last, start, width)?);
+                    start += width;
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// The stacked weight's projection, when stacked.
+    pub(crate) fn stacked(&self) -> Option<&Linear> {
+        match self {
+            Self::Stacked { w, .. } => Some(w),
+            Self::Separate(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Stacked parts give each separate part's output as a column block, in order.
+    #[test]
+    fn stacked_projections_are_the_separate_ones_side_by_side() {
+        let dev = Device::Cpu;
+        let w = |rows: usize, seed: f64| {
+            let t = Tensor::arange(0f32, (rows * 8) as f32, &dev).unwrap();
+            Linear::new(
+                ((t * 0.01).unwrap() + seed)
+                    .unwrap()
+                    .reshape((rows, 8))
+                    .unwrap(),
+                None,
+            )
+        };
+        let parts = || vec![w(6, 0.1), w(2, -0.3), w(4, 0.7)];
+        let x = Tensor::randn(0f32, 1.0, (1, 3, 8), &dev).unwrap();
+        let sep = Projections::new(parts(), false)
+            .unwrap()
+            .forward(&x)
+            .unwrap();
+        let stacked = Projections::new(parts(), true).unwrap();
+        assert!(stacked.stacked().is_some());
+        let st = stacked.forward(&x).unwrap();
+        assert_eq!(st.len(), 3);
+        for (a, b) in sep.iter().zip(&st) {
+            assert_eq!(a.dims(), b.dims());
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(d.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap() < 1e-5);
+        }
+    }
+}

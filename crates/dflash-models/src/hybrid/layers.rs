@@ -19,7 +19,7 @@
 //!   rounded in other places than the op-by-op heads, which the host forwards keep (over the
 //!   stacked GEMM's columns) and `DFLASH_GATED_HEADS=0` restores everywhere.
 
-use crate::projection::project;
+use crate::projection::{project, Projections};
 use crate::{ModelError, Result};
 use candle_core::{DType, Tensor};
 use candle_nn::{Linear, VarBuilder};
@@ -96,46 +96,12 @@ pub struct Rope<'a> {
     pub packed: Option<Tensor>,
 }
 
-/// q (with its gate), k and v projections: separate, as the checkpoint lays them out, or —
-/// where the device step's fused heads kernel runs — their rows stacked into one weight
-/// (`[q | k | v]` outputs; one GEMM a forward instead of three, the same sums per output).
-enum QkvProjections {
-    Separate {
-        q: Linear,
-        k: Linear,
-        v: Linear,
-    },
-    Stacked {
-        w: Linear,
-        /// output widths of q (gates included), k, v
-        widths: [usize; 3],
-    },
-}
-
-impl QkvProjections {
-    /// `(q, k, v)` of `x` `[b, n, H]` (column views of one output when stacked).
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        match self {
-            Self::Separate { q, k, v } => Ok((project(q, x)?, project(k, x)?, project(v, x)?)),
-            Self::Stacked { w, widths } => {
-                let y = project(w, x)?;
-                let last = y.rank() - 1;
-                let [q, k, v] = *widths;
-                Ok((
-                    y.narrow(last, 0, q)?,
-                    y.narrow(last, q, k)?,
-                    y.narrow(last, q + k, v)?,
-                ))
-            }
-        }
-    }
-}
-
 /// The gated full-attention layer (`self_attn`).
 pub struct GatedAttention {
-    qkv: QkvProjections,
+    /// q (with its gates), k and v: stacked where the device step's fused heads kernel runs.
+    qkv: Projections,
     /// q's then k's effective norm weight (`[2, head_dim]` f32) where the device step's fused
-    /// heads kernel runs (the projections then `Stacked`).
+    /// heads kernel runs (the projections then stacked).
     qk_norms: Option<Tensor>,
     o_proj: Linear,
     q_norm: ZeroCentredNorm,
@@ -178,15 +144,11 @@ impl GatedAttention {
             && head_dim.is_multiple_of(32)
             && head_dim <= 1024
             && std::env::var("DFLASH_GATED_HEADS").as_deref() != Ok("0");
-        let (qkv, qk_norms) = if fused {
-            let w = Tensor::cat(&[q.weight(), k.weight(), v.weight()], 0)?;
-            let norms = Tensor::stack(&[q_norm.weight(), k_norm.weight()], 0)?;
-            let widths = [q_rows, kv_rows, kv_rows];
-            let w = Linear::new(w, None);
-            (QkvProjections::Stacked { w, widths }, Some(norms))
-        } else {
-            (QkvProjections::Separate { q, k, v }, None)
+        let qk_norms = match fused {
+            true => Some(Tensor::stack(&[q_norm.weight(), k_norm.weight()], 0)?),
+            false => None,
         };
+        let qkv = Projections::new(vec![q, k, v], fused)?;
         Ok(Self {
             qkv,
             qk_norms,
@@ -205,7 +167,11 @@ impl GatedAttention {
     fn heads(&self, x: &Tensor, rope: &Rope) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let (b, n, _) = x.dims3()?;
         let hd = self.head_dim;
-        let (qg, k, v) = self.qkv.forward(x)?;
+        let [qg, k, v]: [Tensor; 3] = self
+            .qkv
+            .forward(x)?
+            .try_into()
+            .map_err(|_| ModelError::InvalidInput("q/k/v: three projections".into()))?;
         let (q, gate) = if self.gated {
             let qg = qg.reshape((b, n, self.n_heads, 2 * hd))?;
             let gate = qg.narrow(3, hd, hd)?.reshape((b, n, self.n_heads * hd))?;
@@ -278,9 +244,9 @@ impl GatedAttention {
     ) -> Result<Tensor> {
         let hd = self.head_dim;
         let (kb, vb) = cache.buffers_for(self.n_kv_heads, hd, x.dtype(), x.device())?;
-        let (q, gate) = match (&self.qkv, &self.qk_norms, &rope.packed) {
+        let (q, gate) = match (self.qkv.stacked(), &self.qk_norms, &rope.packed) {
             // one GEMM, then one kernel: q normed and rotated, k and v into the cache
-            (QkvProjections::Stacked { w, widths }, Some(norms), Some(cs)) => {
+            (Some(w), Some(norms), Some(cs)) => {
                 let (b, n, _) = x.dims3()?;
                 let y = project(w, x)?.reshape((b * n, ()))?;
                 let q = dflash_core::step::gated_qkv_heads_into_cache(
@@ -294,7 +260,6 @@ impl GatedAttention {
                     &vb,
                     meta,
                 )?;
-                debug_assert_eq!(widths[0], 2 * self.n_heads * hd);
                 (q, Gate::InRows(y))
             }
             _ => {
