@@ -110,7 +110,7 @@ fn tree_chunk(columns: usize, cap: usize, rows: bool, dev: &CudaDevice) -> usize
 
 /// The device's multiprocessor count (read once; 132 on an H100 or H200, and taken as 132 if the
 /// driver will not say).
-fn multiprocessors(dev: &CudaDevice) -> usize {
+pub(crate) fn multiprocessors(dev: &CudaDevice) -> usize {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
     static SMS: OnceLock<usize> = OnceLock::new();
     *SMS.get_or_init(|| {
@@ -542,7 +542,7 @@ pub(crate) fn tree_attention(
     // cached-splits-only launch of keys by position would leave its merge to no one)
     let rows_ok = mma
         && (n > 1 || logical == 0)
-        && d == 128
+        && crate::tree_attn_rows_cuda::width_ok(d, choice == crate::step::StepKernel::Rows)
         && !general
         && !wide
         && match choice {
@@ -551,7 +551,7 @@ pub(crate) fn tree_attention(
         };
     if choice == crate::step::StepKernel::Rows && !rows_ok {
         return Err(CoreError::InvalidInput(format!(
-            "tree_attention: the row kernel takes bf16 steps of 128-wide heads, one-row steps with keys by step row (rows {n}, width {d}, {dtype:?})"
+            "tree_attention: the row kernel takes bf16 steps of 128- or 64-wide heads, one-row steps with keys by step row (rows {n}, width {d}, {dtype:?})"
         )));
     }
     let rows = rows_ok && logical == 0;
@@ -618,7 +618,7 @@ pub(crate) fn tree_attention(
         };
         // a one-row step merges its splits in the kernel (the counters are there for n = 1)
         let merge = counters.filter(|_| n == 1).map(|c| (c, op));
-        crate::tree_attn_rows_cuda::launch(&dev, cfg, &args, merge)?;
+        crate::tree_attn_rows_cuda::launch(&dev, cfg, d, &args, merge)?;
     }
     if let Some(group) = &group {
         launch!(

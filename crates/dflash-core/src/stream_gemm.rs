@@ -373,6 +373,25 @@ pub fn wide_calls() -> bool {
     wide_override().unwrap_or_else(|| stream_policy() == StreamPolicy::All)
 }
 
+/// Whether a call of a weight with `n` outputs takes the wide kernel (when [`wide_calls`]) on a GPU
+/// of `multiprocessors` SMs: only where its blocks (one per 16 outputs) fill the GPU, `n / 16 ≥`
+/// the SM count; a weight with fewer outputs takes one narrow block per 16-row group instead (the
+/// same bits: the wide kernel is the narrow one's arithmetic). Measured on an H100 (session 31's
+/// probe, SmolLM2's weights at 65 rows, µs a call, grouped narrow against wide): q/k/v (60 tiles)
+/// 5.29 against 6.16, o (36) 3.91 against 6.12, down (36) 5.47 against 8.16, but gate-up (192)
+/// 10.94 against 8.45; Qwen3-8B's weights (256+ tiles) all faster wide. `DFLASH_STREAM_WIDE_MIN_TILES=N`
+/// (read once; a documented override for A/B runs) fixes the threshold; 0 takes every call wide
+/// (the rule before session 33).
+pub fn wide_fills(n: usize, multiprocessors: usize) -> bool {
+    static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *MIN.get_or_init(|| {
+        std::env::var("DFLASH_STREAM_WIDE_MIN_TILES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+    });
+    n.div_ceil(16) >= forced.unwrap_or(multiprocessors)
+}
+
 /// Whether the fast policy streams tree verifies' calls on the wide kernel (`DFLASH_STREAM_WIDE=1`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn wide_fast_calls() -> bool {
@@ -669,7 +688,8 @@ mod cuda {
         let wide = m > 16
             && m <= super::WIDE_MAX_ROWS
             && epilogue != Epilogue::Silu
-            && super::wide_calls();
+            && super::wide_calls()
+            && super::wide_fills(n, crate::step_cuda::multiprocessors(&dev));
         let tiled = !wide && super::tiled_from_rows().is_some_and(|from| m >= from);
         if epilogue != Epilogue::Silu && super::split_call(m, w, epilogue == Epilogue::F32) {
             if let Some(y) = split_matmul(&x, w, epilogue == Epilogue::F32, &dev)? {
@@ -879,7 +899,29 @@ mod cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_bulk, split_by_default, BULK_VARIANTS, STREAM_MAX_BYTES};
+    use super::{parse_bulk, split_by_default, wide_fills, BULK_VARIANTS, STREAM_MAX_BYTES};
+
+    #[test]
+    fn wide_calls_take_weights_whose_blocks_fill_the_gpu() {
+        // 132 SMs (H100 / H200): SmolLM2's q/k/v, o and down stay narrow, its gate-up and every
+        // Qwen3-8B projection go wide (unless DFLASH_STREAM_WIDE_MIN_TILES overrides it)
+        if std::env::var("DFLASH_STREAM_WIDE_MIN_TILES").is_ok() {
+            return;
+        }
+        for (n, wide) in [
+            (960, false),
+            (576, false),
+            (3072, true),
+            (2112, true),
+            (2096, false),
+        ] {
+            assert_eq!(wide_fills(n, 132), wide, "{n} outputs");
+        }
+        for n in [6144, 4096, 24576] {
+            assert!(wide_fills(n, 132));
+        }
+        assert!(!wide_fills(4096, 300));
+    }
 
     #[test]
     fn bit_exact_calls_split_where_the_split_kernel_measured_faster() {

@@ -222,3 +222,4 @@ __device__ void tree_attn_rows(const bf16_t* q, const bf16_t* kb, const bf16_t* 
                             part, window, logical, counters, out);                              \
   }
 TREE_ATTN_ROWS(128)
+TREE_ATTN_ROWS(64)

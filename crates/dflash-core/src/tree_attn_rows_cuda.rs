@@ -11,9 +11,32 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use std::sync::OnceLock;
 
-/// Dynamic shared memory of `tree_attn_rows_bf16_d128`: two tile buffers of 64 K and 64 V rows of
-/// 128 + 8 bf16 (`tree_attn_rows.cu`).
-const ROWS_SHARED_BYTES: usize = 2 * 2 * 64 * (128 + 8) * 2;
+/// Dynamic shared memory of `tree_attn_rows_bf16_d{d}`: two tile buffers of 64 K and 64 V rows of
+/// `d` + 8 bf16 (`tree_attn_rows.cu`).
+const fn rows_shared_bytes(d: usize) -> usize {
+    2 * 2 * 64 * (d + 8) * 2
+}
+
+/// Whether a step of heads `d` wide may take the row kernel (compiled at 128 and 64), as
+/// [`takes`] decides for 128-wide heads. 64-wide heads (SmolLM2) only when `forced` (a test's
+/// kernel choice) or `DFLASH_ATTN_ROWS_D64=1` (read once; opt-in, keys by step row and by
+/// position alike). Measured on an H100 (session 33, SmolLM2 bf16 at context 512, one call): by
+/// step row the DDTree-64 verify 1.379 against 1.434 / 1.438 ms on the general kernel (its loop
+/// step 1.764 against 1.786 / 1.796), 16-row chains unchanged (their splits stay 64 keys, the AR
+/// step's); under `--bit-exact` the cached splits on it and the step splits on the general kernel
+/// cost the DDTree-64 verify 2.45 ms against 2.17 with the general kernel alone (ncu: the general
+/// kernel's launch over the step splits alone still took 32 µs a layer, the row kernel 11 more).
+pub(crate) fn width_ok(d: usize, forced: bool) -> bool {
+    static D64: OnceLock<bool> = OnceLock::new();
+    match d {
+        128 => true,
+        64 => {
+            forced
+                || *D64.get_or_init(|| std::env::var("DFLASH_ATTN_ROWS_D64").as_deref() == Ok("1"))
+        }
+        _ => false,
+    }
+}
 
 /// Whether a bf16 step of 2+ rows of 128-wide heads with keys by step row takes the row kernel
 /// (`tree_attn_rows.cu`, on [`crate::step::row_kernel_chunk`]'s splits). `DFLASH_ATTN_ROWS` (read
@@ -56,25 +79,34 @@ pub(crate) struct RowKernelArgs {
     pub scale: f32,
 }
 
-/// Launches `tree_attn_rows_bf16_d128` over `cfg`'s grid with [`ROWS_SHARED_BYTES`] of dynamic
-/// shared memory; with `merge` (a one-row step's split counters and output, device addresses)
-/// `tree_attn_rows_one_bf16_d128`, whose last block of each kv head merges the splits into the
+/// Launches `tree_attn_rows_bf16_d{d}` (`d` 128 or 64) over `cfg`'s grid with its dynamic shared
+/// memory; with `merge` (a one-row step's split counters and output, device addresses)
+/// `tree_attn_rows_one_bf16_d{d}`, whose last block of each kv head merges the splits into the
 /// output.
 pub(crate) fn launch(
     dev: &CudaDevice,
     cfg: LaunchConfig,
+    d: usize,
     args: &RowKernelArgs,
     merge: Option<(u64, u64)>,
 ) -> Result<()> {
-    let name = match merge {
-        Some(_) => "tree_attn_rows_one_bf16_d128",
-        None => "tree_attn_rows_bf16_d128",
+    let name = match (merge, d) {
+        (Some(_), 128) => "tree_attn_rows_one_bf16_d128",
+        (None, 128) => "tree_attn_rows_bf16_d128",
+        (Some(_), 64) => "tree_attn_rows_one_bf16_d64",
+        (None, 64) => "tree_attn_rows_bf16_d64",
+        _ => {
+            return Err(crate::CoreError::InvalidInput(format!(
+                "the row kernel is compiled for 128- and 64-wide heads, not {d}"
+            )))
+        }
     };
+    let bytes = rows_shared_bytes(d);
     let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
     crate::pdl::mark(&f);
-    crate::step_cuda::allow_dynamic_shared_memory(&f, dev, name, ROWS_SHARED_BYTES)?;
+    crate::step_cuda::allow_dynamic_shared_memory(&f, dev, name, bytes)?;
     let cfg = LaunchConfig {
-        shared_mem_bytes: ROWS_SHARED_BYTES as u32,
+        shared_mem_bytes: bytes as u32,
         ..cfg
     };
     let [q, k, v, meta, anc, part] = &args.pointers;
