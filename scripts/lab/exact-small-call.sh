@@ -5,7 +5,8 @@
 # path's steps, opt-in). Tests: the row kernel's bits at d 64 against the general kernel, the bit-exact
 # verify (= AR steps) under the new rule, the tree rows by position. Then `bench decode` A/B at
 # SmolLM2 bf16 512, then (PARTS profile) ncu of the bit-exact DDTree-64 verify.
-# Knobs: PARTS (default "tests bench profile"), ROUNDS (20), VS (the variants).
+# Knobs: PARTS (default "tests bench profile"; also bench8b: Qwen3-8B at 2048), ROUNDS (20), VS / V8
+# (the variants).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
@@ -21,6 +22,7 @@ if has tests; then
   echo "== tests done $(el)"
 fi
 has bench && bench small "${VS:-graphs exact exactwideall exactrowsd64 rowsd64 graphs exact}" "smollm2-135m:bf16:512"
+has bench8b && bench b8 "${V8:-graphs exact graphs exact}" "qwen3-8b:bf16:2048"
 if has profile; then
   echo "== ncu: --bit-exact DDTree-64 verify $(el)"
   mkdir -p "$R/profile"

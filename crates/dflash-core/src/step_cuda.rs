@@ -469,6 +469,7 @@ pub(crate) fn tree_attention(
         kernel: choice,
         window,
         chunk: fixed_chunk,
+        causal_block,
     } = how;
     let general = choice == crate::step::StepKernel::General;
     let (_, h, n, d) = q.dims4()?;
@@ -508,6 +509,17 @@ pub(crate) fn tree_attention(
     let mma = crate::step::tensor_core_attention(dtype, d);
     let logical = (ancestors.dim(1)? == crate::step::ANCESTOR_WORDS
         && crate::step::keys_by_position(mma)) as i32;
+    // a causal block with keys by position on the tensor cores (`--bit-exact`): its keys by step
+    // row are its keys by position (each row's path is the step rows before it), so it is read by
+    // step row — the few-vector kernel, never the row kernel — on the AR step's splits
+    // ([`chunk_for`]), which the few-vector kernel shares bit for bit with the general kernel
+    // (`causal_block_attention`)
+    let block_by_row = causal_block
+        && mma
+        && logical != 0
+        && window == 0
+        && choice == crate::step::StepKernel::Auto;
+    let logical = if block_by_row { 0 } else { logical };
     if window > 0 && (logical != 0 || window < n) {
         // a window is the drafter's block's: rows at consecutive positions, keys by cache row,
         // every step row inside every row's window
@@ -534,15 +546,22 @@ pub(crate) fn tree_attention(
     } else {
         group_kernel(mma, logical != 0, n, h / kv, d).filter(|_| !general)
     };
-    // the row kernel (tree_attn_rows.cu) for bf16 steps of 2+ rows of 128-wide heads: every split
+    // the row kernel (tree_attn_rows.cu) for bf16 steps of 2+ rows of 128-wide heads (64-wide
+    // heads: DDTree trees with keys by step row, `tree_attn_rows_cuda::width_ok`): every split
     // with keys by step row; with keys by position (`--bit-exact`) the splits of cached keys alone,
     // the general kernel taking those holding step keys (which bent rows read one by one) — the
     // general kernel's bits everywhere
     // (a one-row step only with keys by step row: its entry merges the splits itself, and the
     // cached-splits-only launch of keys by position would leave its merge to no one)
     let rows_ok = mma
+        && !block_by_row
         && (n > 1 || logical == 0)
-        && crate::tree_attn_rows_cuda::width_ok(d, choice == crate::step::StepKernel::Rows)
+        && crate::tree_attn_rows_cuda::width_ok(
+            d,
+            n,
+            logical != 0,
+            choice == crate::step::StepKernel::Rows,
+        )
         && !general
         && !wide
         && match choice {
@@ -568,7 +587,7 @@ pub(crate) fn tree_attention(
         fixed_chunk
     } else if let Some(c) = one_row_chunk(n, mma && d == 128, (kv * groups, cap), &dev) {
         c // (on the row kernel or not: the same splits, so the same bits either way)
-    } else if mma && logical == 0 && (n > TREE_CHUNK_FROM_ROWS || rows) {
+    } else if mma && logical == 0 && !block_by_row && (n > TREE_CHUNK_FROM_ROWS || rows) {
         tree_chunk(kv * groups, cap, rows, &dev)
     } else {
         chunk_for(n)

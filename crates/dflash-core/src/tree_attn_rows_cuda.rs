@@ -17,23 +17,37 @@ const fn rows_shared_bytes(d: usize) -> usize {
     2 * 2 * 64 * (d + 8) * 2
 }
 
-/// Whether a step of heads `d` wide may take the row kernel (compiled at 128 and 64), as
-/// [`takes`] decides for 128-wide heads. 64-wide heads (SmolLM2) only when `forced` (a test's
-/// kernel choice) or `DFLASH_ATTN_ROWS_D64=1` (read once; opt-in, keys by step row and by
-/// position alike). Measured on an H100 (session 33, SmolLM2 bf16 at context 512, one call): by
-/// step row the DDTree-64 verify 1.379 against 1.434 / 1.438 ms on the general kernel (its loop
-/// step 1.764 against 1.786 / 1.796), 16-row chains unchanged (their splits stay 64 keys, the AR
-/// step's); under `--bit-exact` the cached splits on it and the step splits on the general kernel
-/// cost the DDTree-64 verify 2.45 ms against 2.17 with the general kernel alone (ncu: the general
-/// kernel's launch over the step splits alone still took 32 µs a layer, the row kernel 11 more).
-pub(crate) fn width_ok(d: usize, forced: bool) -> bool {
-    static D64: OnceLock<bool> = OnceLock::new();
+/// Whether a step of heads `d` wide may take the row kernel (compiled at 128 and 64), beside
+/// [`takes`]: 128-wide heads always; 64-wide heads (SmolLM2) when `forced` (a test's kernel
+/// choice), never with keys by position, and otherwise by `DFLASH_ATTN_ROWS_D64` (read once; a
+/// documented override for A/B runs): `1` (the default since session 33) steps of more than 16
+/// rows (DDTree trees; 64-wide heads take the few-vector kernel at every width otherwise), `2`
+/// every step of 2+ rows (DFlash blocks too), `0` none. Measured on an H100 (session 33, SmolLM2
+/// bf16 at context 512, two calls, variants interleaved, every 2+-row step on it): the DDTree-64
+/// verify 1.379 / 1.412 / 1.376 ms against 1.438 / 1.434 / 1.439 / 1.446 on the few-vector kernel
+/// (−3.4 %), its loop step 1.771 against 1.806 (−2 %), the 17-node tree −1.5 %; 16-row chains −1 %
+/// but they stay off by default (on the row kernel's split rule a long context would give them
+/// other splits than the AR step's, and SmolLM2's bf16 DFlash output equals AR's because they
+/// share them). Under
+/// `--bit-exact` its cached splits cost more than they save at 64-wide heads: the DDTree-64 verify
+/// 2.45 ms with them against 2.17 on the general kernel alone (ncu: the general kernel's launch
+/// over the step splits alone still took 32 µs a layer, the row kernel 11 more).
+pub(crate) fn width_ok(d: usize, rows: usize, keys_by_position: bool, forced: bool) -> bool {
+    static D64: OnceLock<u8> = OnceLock::new();
     match d {
         128 => true,
-        64 => {
-            forced
-                || *D64.get_or_init(|| std::env::var("DFLASH_ATTN_ROWS_D64").as_deref() == Ok("1"))
-        }
+        64 if forced => true,
+        64 if keys_by_position => false,
+        64 => match *D64.get_or_init(|| {
+            std::env::var("DFLASH_ATTN_ROWS_D64")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(1)
+        }) {
+            0 => false,
+            1 => rows > 16,
+            _ => true,
+        },
         _ => false,
     }
 }

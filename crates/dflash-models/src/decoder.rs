@@ -107,9 +107,11 @@ impl Attention {
         let (b, n, _) = x.dims3()?;
         let (mask, causal_from) = match keys {
             KeyLayout::Host { mask, causal_from } => (*mask, *causal_from),
-            KeyLayout::Device { meta, ancestors } => {
-                return self.forward_device(x, rope, meta, ancestors, cache)
-            }
+            KeyLayout::Device {
+                meta,
+                ancestors,
+                causal,
+            } => return self.forward_device(x, rope, meta, (ancestors, *causal), cache),
         };
         let heads = |t: Tensor, nh: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let t = t.reshape((b, n, nh, self.head_dim))?;
@@ -174,7 +176,7 @@ impl Attention {
         x: &Tensor,
         rope: &Rope,
         meta: &Tensor,
-        ancestors: &Tensor,
+        ancestors: (&Tensor, bool),
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (Some(w), Some(_)) = (self.qkv.stacked(), &rope.packed) else {
@@ -195,13 +197,14 @@ impl Attention {
         }
     }
 
-    /// [`Self::forward_device`] from the q/k/v projection's output `y` (`[n, (H + 2·KV)·d]`).
+    /// [`Self::forward_device`] from the q/k/v projection's output `y` (`[n, (H + 2·KV)·d]`);
+    /// `ancestors`: the step's ancestor records and whether the step is a causal block.
     fn forward_device_from_qkv(
         &self,
         y: Tensor,
         rope: &Rope,
         meta: &Tensor,
-        ancestors: &Tensor,
+        (ancestors, causal): (&Tensor, bool),
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let Some(cs) = &rope.packed else {
@@ -223,7 +226,11 @@ impl Attention {
             meta,
         )?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
-        let o = dflash_core::step::tree_attention(&q, &kb, &vb, meta, ancestors, scale)?;
+        let o = if causal {
+            dflash_core::step::causal_block_attention(&q, &kb, &vb, meta, ancestors, scale)?
+        } else {
+            dflash_core::step::tree_attention(&q, &kb, &vb, meta, ancestors, scale)?
+        };
         project(&self.o_proj, &o)
     }
 }
@@ -239,6 +246,9 @@ pub(crate) enum KeyLayout<'a> {
         meta: &'a Tensor,
         /// Each row's ancestors-or-self: bits, depth and path (`dflash_core::step::tree_ancestors`).
         ancestors: &'a Tensor,
+        /// A causal block (its rows at consecutive positions, each seeing the ones before it), not
+        /// a tree: `dflash_core::step::causal_block_attention`.
+        causal: bool,
     },
 }
 
@@ -454,7 +464,11 @@ impl Decoder {
         // add and norm run as the prologue of the next layer's q/k/v projection
         let fuse = self.fused && dflash_core::stream_gemm::fused_add_norm();
         let device = match keys {
-            KeyLayout::Device { meta, ancestors } if fuse => Some((*meta, *ancestors)),
+            KeyLayout::Device {
+                meta,
+                ancestors,
+                causal,
+            } if fuse => Some((*meta, (*ancestors, *causal))),
             _ => None,
         };
         let mut pending: Option<Tensor> = None;

@@ -111,7 +111,9 @@ impl StepPlan {
         }
         let key = StepKey {
             rows,
-            outputs: logits_code(req.logits),
+            // a causal block and a tree of as many rows are captured apart (their attention
+            // may take different kernels: `dflash_core::step::causal_block_attention`)
+            outputs: logits_code(req.logits) | if parents.is_some() { 0x80 } else { 0 },
             taps: req.taps.to_vec(),
         };
         Some(Self {
@@ -265,19 +267,21 @@ impl Decoder {
         let meta = plan.meta(past, table)?;
         let rows = plan.rows;
         let table = self.rope_table()?.clone();
+        let causal = plan.tree.is_none();
         let outputs = plan.run(cache, &meta.words, &self.info.device, &mut |m, cache| {
-            self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
+            self.device_step_body(m, (rows, causal), &table, req.logits, req.taps, cache)
         })?;
         cache.advance(plan.n)?;
         Ok(Some(plan.output(outputs, req, self.info.hidden_size)?))
     }
 
     /// The step itself, from the device metadata `meta` alone: `[logits?, taps?]`, each with
-    /// `rows` rows (logits `[rows | 1, vocab]` f32, the taps side by side `[rows, T·hidden]`).
+    /// `rows` rows (logits `[rows | 1, vocab]` f32, the taps side by side `[rows, T·hidden]`);
+    /// `causal`: a causal block, not a tree.
     fn device_step_body(
         &self,
         meta: &Tensor,
-        rows: usize,
+        (rows, causal): (usize, bool),
         table: &Tensor,
         logits: LogitRows,
         taps: &[usize],
@@ -296,6 +300,7 @@ impl Decoder {
         let keys = KeyLayout::Device {
             meta,
             ancestors: &ancestors,
+            causal,
         };
         let (x, tap_out) = self.layers_forward(x, &rope, &keys, cache, taps)?;
         body_outputs(x, logits, &tap_out, &|h| {
