@@ -47,6 +47,8 @@ mod step_graph_cuda;
 pub mod stream_gemm;
 #[cfg(feature = "cuda")]
 mod stream_gemm_bulk;
+#[cfg(feature = "cuda")]
+mod stream_gemm_cuda;
 #[cfg(test)]
 mod test_util;
 #[cfg(feature = "cuda")]

@@ -28,10 +28,10 @@ const fn rows_shared_bytes(d: usize) -> usize {
 /// (−3.4 %), its loop step 1.771 against 1.806 (−2 %), the 17-node tree −1.5 %; 16-row chains −1 %
 /// but they stay off by default (on the row kernel's split rule a long context would give them
 /// other splits than the AR step's, and SmolLM2's bf16 DFlash output equals AR's because they
-/// share them). Under
-/// `--bit-exact` its cached splits cost more than they save at 64-wide heads: the DDTree-64 verify
-/// 2.45 ms with them against 2.17 on the general kernel alone (ncu: the general kernel's launch
-/// over the step splits alone still took 32 µs a layer, the row kernel 11 more).
+/// share them). Under `--bit-exact` its cached splits cost more than they save at 64-wide heads:
+/// the DDTree-64 verify 2.45 ms with them against 2.17 on the general kernel alone (ncu: the
+/// general kernel's launch over the step splits alone still took 32 µs a layer, the row kernel 11
+/// more).
 pub(crate) fn width_ok(d: usize, rows: usize, keys_by_position: bool, forced: bool) -> bool {
     static D64: OnceLock<u8> = OnceLock::new();
     match d {
