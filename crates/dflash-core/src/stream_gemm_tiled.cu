@@ -1,5 +1,5 @@
 // A tiled row-invariant GEMM for wide steps (issue 18: bit-exact tree verifies at the speed of the
-// default path), appended to stream_gemm.cu at compile time (stream_gemm.rs: SOURCE). Opt-in
+// default path), appended to stream_gemm.cu at compile time (stream_gemm_cuda.rs: SOURCE). Opt-in
 // (`DFLASH_STREAM_TILED=1`: calls of more than 16 rows on the streaming GEMM take it): written at the
 // end of session 14 and moved here in session 20; first run on an H100 in session 21: bit for bit
 // the narrow kernel's outputs, but far slower (one block per 64×64 output tile walking the whole K
