@@ -4,7 +4,10 @@
 //!
 //! Invariants: each timing runs on a cache of its own (a state settled in place cannot return
 //! into the verify it ended); a round is timed between device synchronisations, from the crop or
-//! path compaction to the settled states; `None` for attention-only targets.
+//! path compaction to the settled states; `None` for attention-only targets. The folded commit
+//! (CUDA's default: the next step replays the kept rows inside its rule kernels) has no launch of
+//! its own: [`folded_commit`] times the verify that folds it against the same verify with nothing
+//! pending, alternating, and reports the difference.
 
 use crate::bench::Timing;
 use crate::bench_decode::{accepted_path, in_profile, PREFILL_CHUNK};
@@ -94,4 +97,90 @@ pub(crate) fn state_commit(
         }
     }
     Ok(Some((Timing::of(v), Timing::of(submit))))
+}
+
+/// The folded state commit's cost, for a target whose cache folds it (hybrids on CUDA; `None`
+/// otherwise): on a cache of its own, per round pair, the verify of `block` (or `tree`) after a
+/// crop to half of it (or its accepted path kept) — which folds that commit in — and, after the
+/// same crop settled separately (untimed), the same verify with nothing pending; each timed
+/// between device synchronisations. Returns (verify folding a commit, verify alone). Fails if a
+/// verify that should fold did not.
+pub(crate) fn folded_commit(
+    target: &dyn TargetModel,
+    ids: &[u32],
+    block: &[u32],
+    tree: Option<&DraftTree>,
+    taps: &[usize],
+    (warmup, timed): (usize, usize),
+) -> Result<Option<(Timing, Timing)>> {
+    let path = tree.map(accepted_path);
+    let half = path.as_ref().map_or(block.len() / 2, Vec::len);
+    let rows = tree.map_or(block.len(), |t| t.tokens.len());
+    let rounds = 2 * (warmup + timed) + 1;
+    let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;
+    if !cache.fold_commit() {
+        return Ok(None);
+    }
+    let positions: Vec<u32> = (0..ids.len() as u32).collect();
+    for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
+        let e = (s + PREFILL_CHUNK).min(ids.len());
+        let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
+        target.forward(&req, &mut cache)?;
+    }
+    let dev = cache.device().clone();
+    let verify = |cache: &mut dflash_core::SequenceCache| -> Result<usize> {
+        let base = cache.len();
+        let pos: Vec<u32> = match tree {
+            Some(t) => t.positions(base),
+            None => (base as u32..(base + block.len()) as u32).collect(),
+        };
+        let req = match tree {
+            Some(t) => t.verify_request(&pos, taps),
+            None => ForwardRequest {
+                tokens: block,
+                positions: &pos,
+                mask: AttentionMask::Causal,
+                taps,
+                logits: LogitRows::All,
+            },
+        };
+        black_box(target.forward(&req, cache)?);
+        Ok(base)
+    };
+    let keep = |cache: &mut dflash_core::SequenceCache, base: usize| -> Result<()> {
+        match &path {
+            Some(p) => cache.keep_rows(base, p)?,
+            None => cache.crop(base + half),
+        }
+        Ok(())
+    };
+    let mut base = verify(&mut cache)?;
+    let (mut folding, mut alone) = (vec![], vec![]);
+    for round in 0..rounds - 1 {
+        keep(&mut cache, base)?;
+        let fold = round % 2 == 0;
+        if !fold {
+            cache.settle_recurrent()?;
+        }
+        dev.synchronize()?;
+        let before = cache.folded_commits();
+        let t0 = Instant::now();
+        base = verify(&mut cache)?;
+        dev.synchronize()?;
+        let t = t0.elapsed().as_secs_f64();
+        let folded = cache.folded_commits() - before;
+        if folded != usize::from(fold) {
+            anyhow::bail!(
+                "folded commit: a verify folded {folded} commits (expected {})",
+                fold as u8
+            );
+        }
+        if round >= 2 * warmup {
+            match fold {
+                true => folding.push(t),
+                false => alone.push(t),
+            }
+        }
+    }
+    Ok(Some((Timing::of(folding), Timing::of(alone))))
 }

@@ -21,7 +21,7 @@
 //!   with code 2 before any model is built.
 
 use crate::bench::{timings, write_report, Timing};
-use crate::bench_commit::state_commit;
+use crate::bench_commit::{folded_commit, state_commit};
 use crate::bench_shapes::{
     copy_bandwidth, named_shape, step_bytes, target_params, DrafterLayout, SHAPE_NAMES,
 };
@@ -253,6 +253,23 @@ fn push(ops: &mut Vec<Op>, key: String, label: String, t: Timing) {
     ops.push(Op { key, label, t });
 }
 
+/// [`folded_commit`]'s pair under `{commit}_folding` / `{commit}_alone`: the
+/// verify (`what`) that folds the commit in, and the same with nothing pending.
+fn push_fold_pair(ops: &mut Vec<Op>, commit: &str, what: &str, folding: Timing, alone: Timing) {
+    push(
+        ops,
+        format!("{commit}_folding"),
+        format!("{what}, folding the commit in"),
+        folding,
+    );
+    push(
+        ops,
+        format!("{commit}_alone"),
+        format!("{what}, nothing pending"),
+        alone,
+    );
+}
+
 pub fn run(a: DecodeArgs) -> Result<()> {
     // every flag is checked before anything heavy happens
     let dev = dflash_core::parse_device(&a.device)?;
@@ -459,6 +476,19 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             submit,
         );
     }
+    // where the next step folds that commit in (hybrids on CUDA): the verify that does, against
+    // the same verify with nothing pending — the commit's cost is the difference
+    if let Some((folding, alone)) =
+        folded_commit(target, &ids, &block, None, &taps, (a.warmup, a.rounds))?
+    {
+        push_fold_pair(
+            &mut ops,
+            "state_commit",
+            &format!("verify {chain}"),
+            folding,
+            alone,
+        );
+    }
 
     // verify of DDTree trees, as spec.rs's DDTree step (compaction included)
     let mut tree_info = Map::new();
@@ -515,6 +545,16 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 "  of which host until submitted".into(),
                 submit,
             );
+        }
+        if let Some((folding, alone)) = folded_commit(
+            target,
+            &ids,
+            &block,
+            Some(&tree),
+            &taps,
+            (a.warmup, a.rounds),
+        )? {
+            push_fold_pair(&mut ops, "tree_commit", "verify tree64", folding, alone);
         }
     }
 

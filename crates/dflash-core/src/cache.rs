@@ -222,8 +222,21 @@ pub struct SequenceCache {
     pub recurrent_step: Option<crate::recurrent_step::SharedStepBuffers>,
     /// The fixed tables of the recurrent layers' state commit (CUDA; made with their buffers).
     recurrent_commit: Option<crate::recurrent_step::CommitTables>,
+    /// Whether device steps fold a pending chain commit into their rule kernels
+    /// ([`crate::recurrent_step`]'s invariants; fixed for the graphs captured under it).
+    fold_commit: bool,
+    /// Commits folded into device steps so far (tests and benchmarks check that they ran).
+    folded_commits: usize,
     capacity: usize,
     device: Device,
+}
+
+/// Whether the rule's kernel in force takes a folded commit (CUDA builds).
+fn fold_kernel_takes_it() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::gated_delta_cuda::fold_supported();
+    #[cfg(not(feature = "cuda"))]
+    false
 }
 
 impl SequenceCache {
@@ -246,6 +259,8 @@ impl SequenceCache {
             step_graphs: Default::default(),
             recurrent_step: None,
             recurrent_commit: None,
+            fold_commit: device.is_cuda() && crate::gated_delta_layer::fold_commit_default(),
+            folded_commits: 0,
             capacity,
             device: device.clone(),
         }
@@ -299,9 +314,21 @@ impl SequenceCache {
     /// the general path must run (nothing pending, a compacted tree path, a host forward's
     /// record, no tables).
     fn settle_step_chains(&mut self) -> Result<bool> {
-        let Some(tables) = &self.recurrent_commit else {
+        let Some(n) = self.uniform_step_chain() else {
             return Ok(false);
         };
+        self.recurrent_commit
+            .as_ref()
+            .expect("a uniform step chain has tables")
+            .commit_chains(n)?;
+        self.count_step_chains_settled()?;
+        Ok(true)
+    }
+
+    /// The rows every recurrent layer keeps when each one's pending state is a chain replay of
+    /// its last device step's record of the same length, and the commit tables cover them all.
+    fn uniform_step_chain(&self) -> Option<usize> {
+        let tables = self.recurrent_commit.as_ref()?;
         let mut n = None;
         let mut layers = 0;
         for l in &self.layers {
@@ -310,20 +337,87 @@ impl SequenceCache {
                 match (c.pending_step_chain(), n) {
                     (Some(k), None) => n = Some(k),
                     (Some(k), Some(m)) if k == m => {}
-                    _ => return Ok(false),
+                    _ => return None,
                 }
             }
         }
-        let Some(n) = n.filter(|_| layers == tables.layers()) else {
-            return Ok(false);
-        };
-        tables.commit_chains(n)?;
+        n.filter(|_| layers == tables.layers())
+    }
+
+    fn count_step_chains_settled(&mut self) -> Result<()> {
         for l in &mut self.layers {
             if let LayerCache::Recurrent(c) = l {
                 c.settled_in_place()?;
             }
         }
-        Ok(true)
+        Ok(())
+    }
+
+    /// Turns the folded state commit of hybrid device steps on or off (on only where the rule's
+    /// kernel takes it: [`crate::gated_delta_layer::fold_commit_default`]'s conditions but the
+    /// switch). The graphs captured under the other setting are dropped.
+    pub fn set_fold_commit(&mut self, on: bool) {
+        let on = on && cfg!(feature = "cuda") && self.device.is_cuda() && fold_kernel_takes_it();
+        if on != self.fold_commit {
+            self.step_graphs = Default::default();
+        }
+        self.fold_commit = on;
+        if let Some(s) = &mut self.recurrent_step {
+            s.fold = on;
+        }
+    }
+
+    /// Whether hybrid device steps fold the state commit in.
+    pub fn fold_commit(&self) -> bool {
+        self.fold_commit
+    }
+
+    /// The pending rows the next device step folds into its rule kernels (the pending count of
+    /// its metadata): a uniform chain replay of the last step's records of at most
+    /// [`crate::recurrent_step::FOLD_ROWS`] rows while the fold is on; `None` where the state
+    /// must settle before the step ([`SequenceCache::load_recurrent_step_states`]).
+    pub fn foldable_step_chain(&self) -> Option<usize> {
+        let shared = self.recurrent_step.as_ref()?;
+        if !(self.fold_commit && shared.fold) {
+            return None;
+        }
+        self.uniform_step_chain()
+            .filter(|&n| n <= crate::recurrent_step::FOLD_ROWS)
+    }
+
+    /// The folded commit's prologue in the device step (see
+    /// [`crate::recurrent_step::CommitTables::fold_prologue`]); nothing where the fold is off.
+    pub fn fold_prologue(&self) -> Result<()> {
+        match (&self.recurrent_step, &self.recurrent_commit) {
+            (Some(s), Some(t)) if s.fold => t.fold_prologue(&s.pending_count()?),
+            _ => Ok(()),
+        }
+    }
+
+    /// Counts the chain [`SequenceCache::foldable_step_chain`] named as committed: the device
+    /// step that folded it in has been queued, so the state buffers hold it.
+    pub fn count_folded_commit(&mut self) -> Result<()> {
+        self.count_step_chains_settled()?;
+        self.folded_commits += 1;
+        Ok(())
+    }
+
+    /// How many commits device steps have folded in on this cache.
+    pub fn folded_commits(&self) -> usize {
+        self.folded_commits
+    }
+
+    /// After a device step that was to fold a commit failed: whether its kernels ran is unknown,
+    /// so every recurrent layer's state is lost (a later step or crop fails with the reason)
+    /// instead of being replayed a second time.
+    pub fn abandon_folded_commit(&mut self, why: &str) {
+        for l in &mut self.layers {
+            if let LayerCache::Recurrent(c) = l {
+                c.lose(format!(
+                    "a device step that folded the state commit failed: {why}"
+                ));
+            }
+        }
     }
 
     pub fn keep_rows(&mut self, base: usize, rows: &[u32]) -> Result<()> {
@@ -421,7 +515,8 @@ impl SequenceCache {
                 )))
             }
             None => {
-                let s = SharedStepBuffers::new(shape, &self.device)?;
+                let mut s = SharedStepBuffers::new(shape, &self.device)?;
+                s.fold = self.fold_commit;
                 self.recurrent_step = Some(s.clone());
                 s
             }

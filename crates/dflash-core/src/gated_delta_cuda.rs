@@ -166,12 +166,47 @@ pub(crate) fn launch_table(
     launch_table_as(table, layers, dims, rule_kernel())
 }
 
+/// Whether the rule's kernel in force takes a folded commit (`gated_delta_tree_fold_f32`: the
+/// one-lane and the four-lane kernels; the staged ones do not).
+pub(crate) fn fold_supported() -> bool {
+    matches!(rule_kernel(), RuleKernel::OneLane | RuleKernel::FourLanes)
+}
+
+/// One layer's device-step rule ([`launch_table`], `layers` = 1) with the last verify's commit
+/// folded in: `fold` is the layer's table of [`upload_fold_table`] (its pending inputs and the
+/// step's pending count, which may be 0). Only where [`fold_supported`].
+pub(crate) fn launch_table_folding(
+    table: &Tensor,
+    fold: &Tensor,
+    dims: (usize, usize, usize, usize),
+) -> Result<()> {
+    if !fold_supported() {
+        return Err(CoreError::InvalidInput(
+            "the staged rule kernels take no folded commit".into(),
+        ));
+    }
+    let (fp, _) = address(fold, "folded commit table")?;
+    launch_rule(table, 1, dims, rule_kernel(), Some(fp))
+}
+
 /// [`launch_table`] with the rule's kernel chosen here.
 fn launch_table_as(
     table: &Tensor,
     layers: usize,
+    dims: (usize, usize, usize, usize),
+    kernel: RuleKernel,
+) -> Result<()> {
+    launch_rule(table, layers, dims, kernel, None)
+}
+
+/// The rule's launch: `gated_delta_tree_layers_f32`, or with `fold` (a folded commit table's
+/// address; one layer) `gated_delta_tree_fold_f32`.
+fn launch_rule(
+    table: &Tensor,
+    layers: usize,
     (t, h, dk, dv): (usize, usize, usize, usize),
     kernel: RuleKernel,
+    fold: Option<u64>,
 ) -> Result<()> {
     let (mp, dev) = address(table, "gated delta pointer table")?;
     let (ti, hi, dvi) = (t as i32, h as i32, dv as i32);
@@ -197,13 +232,17 @@ fn launch_table_as(
         RuleKernel::FourLanesStagedReplayVec => "_l4rv",
     };
     let module = format!("dflash_gated_delta_dk{dk}{suffix}");
-    let f = dev.get_or_load_custom_func(
-        "gated_delta_tree_layers_f32",
-        &module,
-        ptx_variant(dk, kernel)?,
-    )?;
+    let entry = match fold {
+        Some(_) => "gated_delta_tree_fold_f32",
+        None => "gated_delta_tree_layers_f32",
+    };
+    let f = dev.get_or_load_custom_func(entry, &module, ptx_variant(dk, kernel)?)?;
     let mut b = f.builder();
-    b.arg(&mp).arg(&ti).arg(&hi).arg(&dvi);
+    b.arg(&mp);
+    if let Some(fp) = &fold {
+        b.arg(fp);
+    }
+    b.arg(&ti).arg(&hi).arg(&dvi);
     // SAFETY: the table holds, per layer, device addresses of live contiguous tensors of the sizes
     // the kernel reads and writes (or 0 where the kernel checks for null); `table` outlives the
     // launch on this stream.
@@ -748,13 +787,27 @@ pub(crate) fn upload_commit_tables(
     replay: &Tensor,
     windows: &Tensor,
     gather: &Tensor,
+    pending: &Tensor,
     layers: &[&crate::recurrent_step::RecurrentStepBuffers],
 ) -> Result<()> {
     let ptr = |t: &Tensor, what: &str| address(t, what).map(|p| p.0);
     let mut args = Vec::with_capacity(layers.len());
     let mut words = Vec::with_capacity(6 * layers.len());
     let mut gathered = Vec::with_capacity(crate::recurrent_step::GATHER_WORDS * layers.len());
+    let mut copies = Vec::with_capacity(24 * layers.len());
     for b in layers {
+        let p = &b.pending;
+        for (src, dst) in [(&b.k, &p.k), (&b.v, &p.v), (&b.g, &p.g), (&b.beta, &p.beta)] {
+            let width = (src.elem_count() / src.dim(0)?) as u64;
+            for w in [
+                ptr(src, "record buffer")?,
+                ptr(dst, "pending buffer")?,
+                width,
+            ] {
+                copies.push(w as u32);
+                copies.push((w >> 32) as u32);
+            }
+        }
         for t in [&b.conv_in, &b.k, &b.v, &b.g, &b.beta] {
             let width = (t.elem_count() / t.dim(0)?) as u64;
             for w in [ptr(t, "record buffer")?, width] {
@@ -785,7 +838,73 @@ pub(crate) fn upload_commit_tables(
     }
     crate::step_cuda::upload_meta(replay, &table_words(&args, &[]))?;
     crate::step_cuda::upload_meta(gather, &gathered)?;
+    crate::step_cuda::upload_meta(pending, &copies)?;
     crate::step_cuda::upload_meta(windows, &words)
+}
+
+/// Writes one layer's folded commit table (u32 `[10]`: its pending k, v, g, beta and the shared
+/// pending count's address) into `table`; uploaded once, with the buffers.
+pub(crate) fn upload_fold_table(
+    table: &Tensor,
+    pending: &crate::recurrent_step::PendingInputs,
+    count: &Tensor,
+) -> Result<()> {
+    let mut words = Vec::with_capacity(10);
+    for (t, what) in [
+        (&pending.k, "pending k"),
+        (&pending.v, "pending v"),
+        (&pending.g, "pending g"),
+        (&pending.beta, "pending beta"),
+        (count, "pending count"),
+    ] {
+        let p = address(t, what)?.0;
+        words.push(p as u32);
+        words.push((p >> 32) as u32);
+    }
+    crate::step_cuda::upload_meta(table, &words)
+}
+
+/// The folded commit's prologue over every layer (see
+/// [`crate::recurrent_step::CommitTables::fold_prologue`]): the windows of `windows` moved over
+/// the record's first `*count` rows, the rule inputs of the `pending` table copied aside. Two
+/// launches that read the count on the device (capturable); `widest`: the widest record row.
+pub(crate) fn fold_prologue(
+    windows: &Tensor,
+    pending: &Tensor,
+    count: &Tensor,
+    layers: usize,
+    widest: usize,
+    shape: crate::recurrent_step::StepShape,
+) -> Result<()> {
+    let (wp, dev) = address(windows, "conv window table")?;
+    let (pp, _) = address(pending, "pending copy table")?;
+    let (cp, _) = address(count, "pending count")?;
+    let module = "dflash_gated_delta_dk16"; // neither depends on DK
+    let (w, c) = ((shape.conv_kernel - 1) as i32, shape.channels);
+    let f = dev.get_or_load_custom_func("gdn_conv_window_layers_pending", module, ptx(16)?)?;
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(128) as u32, layers as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let ci = c as i32;
+    let mut b = f.builder();
+    b.arg(&wp).arg(&cp).arg(&w).arg(&ci);
+    // SAFETY: the table names every layer's live window and record buffers (fixed for the
+    // cache's life, contiguous f32 of the step shape); the count is at most the records' rows.
+    unsafe { b.launch(cfg) }.w()?;
+    let f = dev.get_or_load_custom_func("gdn_record_pending_rows", module, ptx(16)?)?;
+    let cfg = LaunchConfig {
+        grid_dim: ((4 * layers) as u32, widest.div_ceil(256) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = f.builder();
+    b.arg(&pp).arg(&cp);
+    // SAFETY: the table names each layer's record buffers and pending copies (FOLD_ROWS rows,
+    // the count at most that: `SequenceCache::foldable_step_chain`) with their row widths.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// The accepted root path's record rows `rows` (strictly increasing, below the records' row

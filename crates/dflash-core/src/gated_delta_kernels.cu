@@ -32,6 +32,47 @@ __device__ __forceinline__ float RELOAD(const float* p) {
 }
 #endif
 
+// A coherent load (L2, never the read-only path) of a state row this kernel may have written: a
+// folded commit (`gated_delta_tree_fold_f32`) writes the state before a later root of the tree
+// reads it back (the host emulation defines it as a plain read).
+#ifndef STATE_RELOAD
+__device__ __forceinline__ float STATE_RELOAD(const float* p) {
+    float x;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(x) : "l"(p));
+    return x;
+}
+#endif
+
+// The folded commit's pending tokens: the chain `pk`, `pv`, `pg`, `pbeta` ([np, H, ·], the rows a
+// commit would replay) applied to thread (head h, column j)'s column of `state` — loaded into
+// `s`, advanced with exactly the walk's arithmetic for a node without outputs (so the replay's
+// bits), and written back in place (each thread reads its column before it writes it).
+__device__ __forceinline__ void gated_delta_pending(
+    float* s, float* state_h, const float* __restrict__ pk, const float* __restrict__ pv,
+    const float* __restrict__ pg, const float* __restrict__ pbeta, int np, int H, int dv, int h,
+    int j) {
+#pragma unroll
+    for (int r = 0; r < DK; ++r) s[r] = state_h[(size_t)r * dv + j];
+#pragma unroll 1
+    for (int i = 0; i < np; ++i) {
+        const size_t th = (size_t)i * H + h;
+        const float alpha = expf(pg[th]);
+        const float* kk = pk + th * DK;
+        float pred[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < DK; ++r) {
+            s[r] *= alpha;
+            pred[r & 3] += kk[r] * s[r];
+        }
+        const float d =
+            pbeta[th] * (pv[th * dv + j] - ((pred[0] + pred[1]) + (pred[2] + pred[3])));
+#pragma unroll
+        for (int r = 0; r < DK; ++r) s[r] += RELOAD(kk + r) * d;
+    }
+#pragma unroll
+    for (int r = 0; r < DK; ++r) state_h[(size_t)r * dv + j] = s[r];
+}
+
 // The rule over the tree for thread (head h, column j) of one layer (see the invariants).
 __device__ __forceinline__ void gated_delta_tree(
     const float* __restrict__ q,       // [T, H, DK], l2-normalised and scaled
@@ -45,17 +86,30 @@ __device__ __forceinline__ void gated_delta_tree(
     float* __restrict__ out,           // [T, H, dv] or null
     float* __restrict__ scratch,       // [T, H, DK, dv] (rows of kept nodes only)
     float* __restrict__ last,          // [H, DK, dv], the state after node T-1, or null
-    int T, int H, int dv, int h, int j) {
+    int T, int H, int dv, int h, int j,
+    const float* const* pending = nullptr,  // a folded commit's [pk, pv, pg, pbeta], or null
+    int np = 0) {                           // its token count (0: none)
     const size_t head = (size_t)DK * dv;
     float s[DK];
+    // a folded commit: the state advanced over the pending tokens and written back first; the
+    // first root continues from the registers, a later root reads the written state back
+    const bool warm = np > 0;
+    if (warm)
+        gated_delta_pending(s, (float*)state + (size_t)h * head, pending[0], pending[1],
+                            pending[2], pending[3], np, H, dv, h, j);
 #pragma unroll 1
     for (int i = 0; i < T; ++i) {
         const int p = parents ? parents[i] : i - 1;
-        if (p != i - 1 || i == 0) {
+        if ((p != i - 1 || i == 0) && !(i == 0 && warm)) {
             const float* src = p < 0 ? state + (size_t)h * head
                                      : scratch + ((size_t)p * H + h) * head;
+            if (warm && p < 0) {
 #pragma unroll
-            for (int r = 0; r < DK; ++r) s[r] = src[(size_t)r * dv + j];
+                for (int r = 0; r < DK; ++r) s[r] = STATE_RELOAD(src + (size_t)r * dv + j);
+            } else {
+#pragma unroll
+                for (int r = 0; r < DK; ++r) s[r] = src[(size_t)r * dv + j];
+            }
         }
         const size_t th = (size_t)i * H + h;
         const float alpha = expf(g[th]);
@@ -109,19 +163,52 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
     const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ state,
     const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
     float* __restrict__ scratch, float* __restrict__ last, int T, int H, int dv, int h, int j,
-    int t) {
+    int t, const float* const* pending = nullptr, int np = 0) {
     const size_t head = (size_t)DK * dv;
     const bool col = j < dv;
     const int jc = col ? j : 0;  // a column to read for the shuffles' sake; nothing is written
     float s[DK / 4];
+    // a folded commit (see `gated_delta_tree`): the pending tokens first, the state written back
+    const bool warm = np > 0;
+    if (warm) {
+        float* sh = (float*)state + (size_t)h * head;
+        const float *pk = pending[0], *pv = pending[1], *pg = pending[2], *pb = pending[3];
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) s[m] = sh[(size_t)(4 * m + t) * dv + jc];
+#pragma unroll 1
+        for (int i = 0; i < np; ++i) {
+            const size_t th = (size_t)i * H + h;
+            const float alpha = expf(pg[th]);
+            const float* kk = pk + th * DK;
+            float pred = 0.0f;
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) {
+                s[m] *= alpha;
+                pred += kk[4 * m + t] * s[m];
+            }
+            const float d = pb[th] * (pv[th * dv + jc] - rule_sum4(pred));
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) s[m] += RELOAD(kk + 4 * m + t) * d;
+        }
+        if (col) {
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) sh[(size_t)(4 * m + t) * dv + j] = s[m];
+        }
+    }
 #pragma unroll 1
     for (int i = 0; i < T; ++i) {
         const int p = parents ? parents[i] : i - 1;
-        if (p != i - 1 || i == 0) {
+        if ((p != i - 1 || i == 0) && !(i == 0 && warm)) {
             const float* src = p < 0 ? state + (size_t)h * head
                                      : scratch + ((size_t)p * H + h) * head;
+            if (warm && p < 0) {
 #pragma unroll
-            for (int m = 0; m < DK / 4; ++m) s[m] = src[(size_t)(4 * m + t) * dv + jc];
+                for (int m = 0; m < DK / 4; ++m)
+                    s[m] = STATE_RELOAD(src + (size_t)(4 * m + t) * dv + jc);
+            } else {
+#pragma unroll
+                for (int m = 0; m < DK / 4; ++m) s[m] = src[(size_t)(4 * m + t) * dv + jc];
+            }
         }
         const size_t th = (size_t)i * H + h;
         const float alpha = expf(g[th]);
@@ -368,11 +455,15 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
 #ifndef RULE_MIN_BLOCKS
 #define RULE_MIN_BLOCKS 1
 #endif
-extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tree_layers_f32(
-    const unsigned long long* __restrict__ ptrs, int T, int H, int dv) {
-    const unsigned long long* p = ptrs + (size_t)blockIdx.z * 11;
+// Layer `p`'s eleven arguments (see above) through the compiled rule, after `np` pending tokens
+// (`pending`: a folded commit's inputs; np = 0: none — every kernel but the step's fold).
+__device__ __forceinline__ void gated_delta_rule_call(const unsigned long long* p, int T, int H,
+                                                      int dv, const float* const* pending,
+                                                      int np) {
 #ifdef RULE_LANES4
 #ifdef RULE_STAGED
+    (void)pending;
+    (void)np;  // (the staged kernels take no folded commit: the host never asks them to)
     gated_delta_tree_lanes4_staged(
 #else
     gated_delta_tree_lanes4(
@@ -381,15 +472,39 @@ extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tr
                             (const float*)p[3], (const float*)p[4], (const float*)p[5],
                             (const int*)p[6], (const int*)p[7], (float*)p[8], (float*)p[9],
                             (float*)p[10], T, H, dv, blockIdx.y,
-                            blockIdx.x * 8 + (threadIdx.x & 7), threadIdx.x >> 3);
-    return;
+                            blockIdx.x * 8 + (threadIdx.x & 7), threadIdx.x >> 3
+#ifndef RULE_STAGED
+                            , pending, np
 #endif
+    );
+    return;
+#else
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= dv) return;
     gated_delta_tree((const float*)p[0], (const float*)p[1], (const float*)p[2],
                      (const float*)p[3], (const float*)p[4], (const float*)p[5],
                      (const int*)p[6], (const int*)p[7], (float*)p[8], (float*)p[9],
-                     (float*)p[10], T, H, dv, blockIdx.y, j);
+                     (float*)p[10], T, H, dv, blockIdx.y, j, pending, np);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tree_layers_f32(
+    const unsigned long long* __restrict__ ptrs, int T, int H, int dv) {
+    gated_delta_rule_call(ptrs + (size_t)blockIdx.z * 11, T, H, dv, nullptr, 0);
+}
+
+// The hybrid device step's rule with the last verify's state commit folded in (one layer,
+// `ptrs` [11] as above): `fold` [5] holds the pending inputs k, v, g, beta (copied out of the
+// record by `gdn_record_pending_rows` before the step overwrote it) and the address of their
+// count (a word of the step's metadata: 0 when nothing is pending). The state buffer is advanced
+// over them in place — the commit — and the step's tree continues from it. The same arithmetic
+// as the replay (so the same bits), with one read of the state instead of two.
+extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tree_fold_f32(
+    const unsigned long long* __restrict__ ptrs, const unsigned long long* __restrict__ fold,
+    int T, int H, int dv) {
+    const float* pending[4] = {(const float*)fold[0], (const float*)fold[1],
+                               (const float*)fold[2], (const float*)fold[3]};
+    const int np = *(const int*)fold[4];
+    gated_delta_rule_call(ptrs, T, H, dv, pending, np);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -633,11 +748,10 @@ extern "C" __global__ void gdn_gated_norm_bf16(const float* o, const bf16_t* z, 
 // holds each layer's start [W, C], conv_in [≥ n, C] and out [W, C] (f32). `out` may be `start`
 // (the hybrid device step commits in place): a thread reads row n + r ≥ r of its own channel
 // before it writes row r, and no other thread touches the channel.
-extern "C" __global__ void gdn_conv_window_layers(const unsigned long long* __restrict__ ptrs,
-                                                  int n, int W, int C) {
+__device__ __forceinline__ void gdn_conv_window_layer(const unsigned long long* p, int n, int W,
+                                                      int C) {
     const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= (size_t)C) return;
-    const unsigned long long* p = ptrs + (size_t)blockIdx.y * 3;
     const float* start = (const float*)p[0];
     const float* conv_in = (const float*)p[1];
     float* out = (float*)p[2];
@@ -646,6 +760,33 @@ extern "C" __global__ void gdn_conv_window_layers(const unsigned long long* __re
         const float x = row < W ? start[(size_t)row * C + c] : conv_in[(size_t)(row - W) * C + c];
         out[(size_t)r * C + c] = x;
     }
+}
+extern "C" __global__ void gdn_conv_window_layers(const unsigned long long* __restrict__ ptrs,
+                                                  int n, int W, int C) {
+    gdn_conv_window_layer(ptrs + (size_t)blockIdx.y * 3, n, W, C);
+}
+// The same with n read from the device (`count`: the hybrid device step's folded commit, in its
+// graph, before any layer's convolution reads the window or overwrites the record; 0: nothing).
+extern "C" __global__ void gdn_conv_window_layers_pending(
+    const unsigned long long* __restrict__ ptrs, const int* __restrict__ count, int W, int C) {
+    const int n = *count;
+    if (n > 0) gdn_conv_window_layer(ptrs + (size_t)blockIdx.y * 3, n, W, C);
+}
+
+// The folded commit's other half of the prologue: rows 0..n (n = *count, at most the
+// destination's rows) of each record buffer copied aside before the step's layers overwrite
+// them. `bufs` [B][3]: source, destination, row width in floats. Block (buffer, channel chunk),
+// a thread per channel.
+extern "C" __global__ void gdn_record_pending_rows(const unsigned long long* __restrict__ bufs,
+                                                   const int* __restrict__ count) {
+    const unsigned long long* b = bufs + 3 * (size_t)blockIdx.x;
+    const float* src = (const float*)b[0];
+    float* dst = (float*)b[1];
+    const size_t d = (size_t)b[2];
+    const size_t c = (size_t)blockIdx.y * blockDim.x + threadIdx.x;
+    const int n = *count;
+    if (c >= d) return;
+    for (int i = 0; i < n; ++i) dst[(size_t)i * d + c] = src[(size_t)i * d + c];
 }
 
 // The path compaction of the hybrids' device-step records after a tree verify, every recurrent

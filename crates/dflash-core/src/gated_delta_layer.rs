@@ -198,6 +198,46 @@ pub fn rule_from_table(table: &Tensor, rows: usize, heads: LayerHeads) -> Result
     ))
 }
 
+/// [`rule_from_table`] with the last verify's state commit folded in (see
+/// [`crate::recurrent_step`]): `fold` is the layer's [`RecurrentStepBuffers::fold_table`]; the
+/// state buffer first moves over the step's pending count of pending rows (0: not at all).
+///
+/// [`RecurrentStepBuffers::fold_table`]: crate::recurrent_step::RecurrentStepBuffers
+pub fn rule_from_table_folding(
+    table: &Tensor,
+    fold: &Tensor,
+    rows: usize,
+    heads: LayerHeads,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() {
+        return crate::gated_delta_cuda::launch_table_folding(
+            table,
+            fold,
+            (rows, heads.hv, heads.dk, heads.dv),
+        );
+    }
+    let _ = (table, fold, rows, heads);
+    Err(CoreError::InvalidInput(
+        "rule_from_table_folding: the layer kernels run on CUDA only".into(),
+    ))
+}
+
+/// Whether device steps fold the state commit into their rule kernels here: CUDA builds whose
+/// rule kernel takes it (not the staged opt-ins), unless `DFLASH_GDN_FOLD=0` (read once).
+pub fn fold_commit_default() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            std::env::var("DFLASH_GDN_FOLD").map_or(true, |v| v.trim() != "0")
+                && crate::gated_delta_cuda::fold_supported()
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 /// The gated RMSNorm after the rule, one CUDA launch: `o` `[n, Hv, dv]` (f32) normed per value
 /// head (`1/sqrt(mean o² + eps)`), times `w` `[dv]`, times SiLU of the gate `z` `[n, Hv·dv]`;
 /// returned `[n, Hv·dv]` in `z`'s dtype. CUDA only ([`layer_kernels_available`]).

@@ -279,6 +279,13 @@ impl RecurrentCache {
         self.len
     }
 
+    /// No state can be given any more (`why`): a later `state` or device step fails with it.
+    pub(crate) fn lose(&mut self, why: String) {
+        self.at = At::Lost(why);
+        self.last = None;
+        self.step_record = false;
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

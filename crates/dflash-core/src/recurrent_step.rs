@@ -11,8 +11,17 @@
 //!   the state moves on at the commit ([`crate::RecurrentCache::commit_step`]) as a replay of the
 //!   kept tokens written over the state buffers in place — the same kernel, so the same bits, as
 //!   every other forward and replay.
-//! - [`SharedStepBuffers::tree`] holds the step's parents (rows `0..R`) and kept-state flags
-//!   (rows `R..2R`), copied from the step's metadata at the start of each step (no upload).
+//! - [`SharedStepBuffers::tree`] holds the step's parents (rows `0..R`), kept-state flags
+//!   (rows `R..2R`) and the folded commit's pending count (word `2R`), copied from the step's
+//!   metadata at the start of each step (no upload).
+//! - The folded commit (CUDA, on by default; `DFLASH_GDN_FOLD=0` or
+//!   [`crate::SequenceCache::set_fold_commit`] turns it off): a chain replay pending from the last
+//!   step ([`crate::RecurrentCache::pending_step_chain`], at most [`FOLD_ROWS`] rows) is not
+//!   launched before the next step but done inside it — the step's prologue
+//!   ([`CommitTables::fold_prologue`]) moves every convolution window and copies the pending rule
+//!   inputs aside ([`RecurrentStepBuffers::pending`]) before any layer overwrites the record, and
+//!   each layer's rule kernel advances its state over them in place before its own rows. The
+//!   state is read once instead of twice; the arithmetic is the replay's (the same bits).
 
 use crate::gated_delta_layer::{LayerHeads, StepRuleBuffers};
 use crate::{CoreError, Result};
@@ -30,10 +39,14 @@ pub struct StepShape {
     pub rows: usize,
 }
 
+/// The most pending rows a folded commit takes (a DFlash block's or a tree path's accepted
+/// tokens; more settle through the separate replay before the step).
+pub const FOLD_ROWS: usize = 32;
+
 /// Scratch every recurrent layer of one sequence's device step shares (layers run one after
 /// another): the convolved inputs `u` `[R, C]`, the rule's queries `[R, Hv, dk]`, outputs
 /// `[R, Hv, dv]`, kept node states `[R, Hv, dk, dv]` (f32), and the
-/// step's parents then kept flags (u32 `[2R]`).
+/// step's parents then kept flags then the folded commit's pending count (u32 `[2R + 1]`).
 #[derive(Debug, Clone)]
 pub struct SharedStepBuffers {
     pub shape: StepShape,
@@ -42,6 +55,9 @@ pub struct SharedStepBuffers {
     pub out: Tensor,
     pub scratch: Tensor,
     pub tree: Tensor,
+    /// Whether the steps over these buffers fold the state commit in (the cache's setting,
+    /// [`crate::SequenceCache::set_fold_commit`]).
+    pub fold: bool,
 }
 
 impl SharedStepBuffers {
@@ -55,8 +71,14 @@ impl SharedStepBuffers {
             q: z(&[r, hv, dk])?,
             out: z(&[r, hv, dv])?,
             scratch: z(&[r, hv, dk, dv])?,
-            tree: Tensor::zeros(2 * r, DType::U32, device)?,
+            tree: Tensor::zeros(2 * r + 1, DType::U32, device)?,
+            fold: false,
         })
+    }
+
+    /// The folded commit's pending count (word `2R` of [`SharedStepBuffers::tree`]; 0: none).
+    pub fn pending_count(&self) -> Result<Tensor> {
+        Ok(self.tree.narrow(0, 2 * self.shape.rows, 1)?)
     }
 
     /// The step's parents (first `rows` entries).
@@ -64,12 +86,12 @@ impl SharedStepBuffers {
         Ok(self.tree.narrow(0, 0, rows)?)
     }
 
-    /// Copies the step's parents and kept flags from its metadata (`[past, tokens[n],
-    /// rope_rows[2n], parents[n], kept[n]]`, [`crate::step::StepMeta`] plus the flags) into
-    /// [`SharedStepBuffers::tree`]: two device copies, capturable.
+    /// Copies the step's parents, kept flags and pending count from its metadata (`[past,
+    /// tokens[n], rope_rows[2n], parents[n], kept[n], pending]`, [`crate::step::StepMeta`] plus
+    /// the flags and the count) into [`SharedStepBuffers::tree`]: three device copies, capturable.
     pub fn load_tree(&self, meta: &Tensor, rows: usize) -> Result<()> {
         let r = self.shape.rows;
-        if rows == 0 || rows > r || meta.elem_count() < 1 + 5 * rows {
+        if rows == 0 || rows > r || meta.elem_count() < 2 + 5 * rows {
             return Err(CoreError::InvalidInput(format!(
                 "recurrent step: {rows} rows (at most {r}), metadata of {} words",
                 meta.elem_count()
@@ -78,13 +100,16 @@ impl SharedStepBuffers {
         let parents = meta.narrow(0, 1 + 3 * rows, rows)?;
         let kept = meta.narrow(0, 1 + 4 * rows, rows)?;
         copy(&self.tree.narrow(0, 0, rows)?, &parents)?;
-        copy(&self.tree.narrow(0, r, rows)?, &kept)
+        copy(&self.tree.narrow(0, r, rows)?, &kept)?;
+        copy(&self.pending_count()?, &meta.narrow(0, 1 + 5 * rows, 1)?)
     }
 }
 
 /// One recurrent layer's buffers: its state (`conv` `[K − 1, C]`, `ssm` `[Hv, dk, dv]`, f32), the
 /// record of its last step (`conv_in` `[R, C]`, `k` `[R, Hv, dk]`, `v` `[R, Hv, dv]`, `g`, `beta`
-/// `[R, Hv]`, f32) and the rule's pointer table over them and the shared scratch (u32 `[22]`).
+/// `[R, Hv]`, f32), the rule's pointer table over them and the shared scratch (u32 `[22]`), and
+/// the folded commit's pending rule inputs ([`PendingInputs`]) with their table (u32 `[10]`: k, v,
+/// g, beta, the shared pending count).
 #[derive(Debug, Clone)]
 pub struct RecurrentStepBuffers {
     pub conv: Tensor,
@@ -95,6 +120,18 @@ pub struct RecurrentStepBuffers {
     pub g: Tensor,
     pub beta: Tensor,
     pub table: Tensor,
+    pub pending: PendingInputs,
+    pub fold_table: Tensor,
+}
+
+/// A folded commit's pending rule inputs, copied out of the record at the step's start: k
+/// `[P, Hv, dk]`, v `[P, Hv, dv]`, g and beta `[P, Hv]` (f32, `P` = [`FOLD_ROWS`]).
+#[derive(Debug, Clone)]
+pub struct PendingInputs {
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
 }
 
 impl RecurrentStepBuffers {
@@ -114,6 +151,13 @@ impl RecurrentStepBuffers {
             g: z(&[r, hv])?,
             beta: z(&[r, hv])?,
             table: Tensor::zeros(22, DType::U32, device)?,
+            pending: PendingInputs {
+                k: z(&[FOLD_ROWS, hv, dk])?,
+                v: z(&[FOLD_ROWS, hv, dv])?,
+                g: z(&[FOLD_ROWS, hv])?,
+                beta: z(&[FOLD_ROWS, hv])?,
+            },
+            fold_table: Tensor::zeros(10, DType::U32, device)?,
         };
         if !device.is_cuda() {
             // the host's emulation reads the buffers themselves, not a pointer table
@@ -134,6 +178,12 @@ impl RecurrentStepBuffers {
                 out: &shared.out,
                 scratch: &shared.scratch,
             },
+        )?;
+        #[cfg(feature = "cuda")]
+        crate::gated_delta_cuda::upload_fold_table(
+            &b.fold_table,
+            &b.pending,
+            &shared.pending_count()?,
         )?;
         Ok(b)
     }
@@ -180,6 +230,9 @@ pub struct CommitTables {
     gather: Tensor,
     /// The kept path's record rows of the last gather (u32 `[R]`).
     path: Tensor,
+    /// Every layer's rule records and their pending copies with row widths (the folded commit's
+    /// prologue copy: 4 buffers × 3 words (u64) a layer).
+    pending: Tensor,
     layers: usize,
     shape: StepShape,
 }
@@ -199,16 +252,47 @@ impl CommitTables {
         let windows = Tensor::zeros(6 * layers.len(), DType::U32, device)?;
         let gather = Tensor::zeros(GATHER_WORDS * layers.len(), DType::U32, device)?;
         let path = Tensor::zeros(shape.rows, DType::U32, device)?;
+        let pending = Tensor::zeros(24 * layers.len(), DType::U32, device)?;
         #[cfg(feature = "cuda")]
-        crate::gated_delta_cuda::upload_commit_tables(&replay, &windows, &gather, layers)?;
+        crate::gated_delta_cuda::upload_commit_tables(
+            &replay, &windows, &gather, &pending, layers,
+        )?;
         Ok(Some(Self {
             replay,
             windows,
             gather,
             path,
+            pending,
             layers: layers.len(),
             shape,
         }))
+    }
+
+    /// The folded commit's prologue, at the start of a device step (capturable; `count`: the
+    /// step's pending count, [`SharedStepBuffers::pending_count`], 0 for none): every layer's
+    /// convolution window moved over its record's first `count` rows, and its rule inputs of
+    /// those rows copied to [`RecurrentStepBuffers::pending`] — two launches, before any layer
+    /// reads a window or overwrites its record.
+    pub fn fold_prologue(&self, count: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let LayerHeads { hv, dk, dv, .. } = self.shape.heads;
+            crate::gated_delta_cuda::fold_prologue(
+                &self.windows,
+                &self.pending,
+                count,
+                self.layers,
+                hv * dk.max(dv),
+                self.shape,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (count, &self.pending);
+            Err(CoreError::InvalidInput(
+                "commit tables exist on CUDA only".into(),
+            ))
+        }
     }
 
     /// Layers the tables cover.
@@ -356,6 +440,13 @@ mod tests {
             g: z(&[R, H]),
             beta: z(&[R, H]),
             table: Tensor::zeros(22, DType::U32, &Device::Cpu).unwrap(),
+            pending: PendingInputs {
+                k: z(&[FOLD_ROWS, H, DK]),
+                v: z(&[FOLD_ROWS, H, DV]),
+                g: z(&[FOLD_ROWS, H]),
+                beta: z(&[FOLD_ROWS, H]),
+            },
+            fold_table: Tensor::zeros(10, DType::U32, &Device::Cpu).unwrap(),
         }
     }
 

@@ -31,6 +31,7 @@ const PRELUDE: &str = r#"
 #define __shared__ static
 #define __syncthreads()
 #define RELOAD(p) (*(p))
+#define STATE_RELOAD(p) (*(p))
 #include <string.h>
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
@@ -145,6 +146,75 @@ static int tree() {
     put(last);
     return 0;
 }
+// the hybrid step's rule with a folded commit (gated_delta_tree_fold_f32, one layer): np pending
+// tokens' k, v, g, beta, then the step's tree from the state they leave; out: the outputs, the
+// state buffer after the kernel (the commit, in place), the scratch of kept nodes not compared
+static int fold() {
+    auto head = take<int>(5);
+    int T = head[0], H = head[1], dk = head[2], dv = head[3], np = head[4];
+    if (dk != DK) { fprintf(stderr, "dk %d but DK %d\n", dk, DK); return 2; }
+    auto parents = take<int>(T);
+    auto keep = take<int>(T);
+    auto q = take<float>((size_t)T * H * dk), k = take<float>((size_t)T * H * dk);
+    auto v = take<float>((size_t)T * H * dv);
+    auto g = take<float>((size_t)T * H), beta = take<float>((size_t)T * H);
+    auto pk = take<float>((size_t)np * H * dk), pv = take<float>((size_t)np * H * dv);
+    auto pg = take<float>((size_t)np * H), pb = take<float>((size_t)np * H);
+    auto state = take<float>((size_t)H * dk * dv);
+    std::vector<float> out((size_t)T * H * dv, NAN), scratch((size_t)T * H * dk * dv, NAN);
+    unsigned long long table[11] = {
+        (unsigned long long)q.data(), (unsigned long long)k.data(), (unsigned long long)v.data(),
+        (unsigned long long)g.data(), (unsigned long long)beta.data(),
+        (unsigned long long)state.data(), (unsigned long long)parents.data(),
+        (unsigned long long)keep.data(), (unsigned long long)out.data(),
+        (unsigned long long)scratch.data(), 0ull};
+    int count = np;
+    unsigned long long fold[5] = {(unsigned long long)pk.data(), (unsigned long long)pv.data(),
+                                  (unsigned long long)pg.data(), (unsigned long long)pb.data(),
+                                  (unsigned long long)&count};
+    const unsigned threads = 32;
+    blockDim = {threads, 1, 1};
+    for (unsigned by = 0; by < (unsigned)H; ++by)
+        for (unsigned bx = 0; bx < (dv + threads - 1) / threads; ++bx)
+            for (unsigned tx = 0; tx < threads; ++tx) {
+                blockIdx = {bx, by, 0};
+                threadIdx = {tx, 0, 0};
+                gated_delta_tree_fold_f32(table, fold, T, H, dv);
+            }
+    put(out);
+    put(state);
+    return 0;
+}
+// rows 0..n of B record buffers copied aside (gdn_record_pending_rows): per buffer its width,
+// then its rows [rows, width]; out: each destination [n, width]
+static int pending_rows() {
+    auto head = take<int>(3);
+    int B = head[0], n = head[1], rows = head[2];
+    auto widths = take<int>(B);
+    std::vector<std::vector<float>> src, dst;
+    std::vector<unsigned long long> table;
+    for (int b = 0; b < B; ++b) {
+        src.push_back(take<float>((size_t)rows * widths[b]));
+        dst.push_back(std::vector<float>((size_t)n * widths[b], NAN));
+    }
+    int widest = 0;
+    for (int b = 0; b < B; ++b) {
+        table.push_back((unsigned long long)src[b].data());
+        table.push_back((unsigned long long)dst[b].data());
+        table.push_back((unsigned long long)widths[b]);
+        widest = widths[b] > widest ? widths[b] : widest;
+    }
+    blockDim = {256, 1, 1};
+    for (unsigned bx = 0; bx < (unsigned)B; ++bx)
+        for (unsigned by = 0; by < (unsigned)(widest + 255) / 256; ++by)
+            for (unsigned tx = 0; tx < 256; ++tx) {
+                blockIdx = {bx, by, 0};
+                threadIdx = {tx, 0, 0};
+                gdn_record_pending_rows(table.data(), &n);
+            }
+    for (auto& d : dst) put(d);
+    return 0;
+}
 static int conv() {
     auto head = take<int>(4);
     int n = head[0], C = head[1], K = head[2], bf = head[3];
@@ -242,6 +312,8 @@ int main() {
         case 4: return chain_layers();
         case 5: return conv_windows();
         case 6: return fused_inputs();
+        case 7: return fold();
+        case 8: return pending_rows();
     }
     return 2;
 }
@@ -733,5 +805,104 @@ fn the_fused_inputs_kernel_gives_the_two_kernels_bits() {
             assert_eq!(frec, rec, "the record's inputs (hv {hv}, bf16 {bf16})");
             assert_eq!(fin, &two[..], "q, k, v, g, beta (hv {hv}, bf16 {bf16})");
         }
+    }
+}
+
+/// The hybrid step's rule with the last verify's commit folded in (`gated_delta_tree_fold_f32`):
+/// the state buffer it leaves is, bit for bit, the chain replay of the pending tokens (the
+/// commit it replaces), and the step's outputs are the tree forward's from that state — for a
+/// chain, and a tree with a second root (which reads the written state back); with nothing
+/// pending, the state is untouched and the outputs are the plain forward's.
+#[test]
+fn the_folded_commit_is_the_replay_then_the_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    let trees: Vec<Vec<i64>> = vec![
+        (0..7).map(|i| i - 1).collect(),
+        vec![-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4],
+    ];
+    for (dk, dv, h) in [(16usize, 40usize, 3usize), (64, 32, 2)] {
+        let exe = build(dir.path(), dk);
+        for (ti, parents) in trees.iter().enumerate() {
+            for np in [0usize, 1, 3] {
+                let t = parents.len();
+                let (x, s0) = inputs(t, h, dk, dv, 90 + ti as u64);
+                let (px, _) = inputs(np.max(1), h, dk, dv, 120 + ti as u64);
+                let px: Vec<Tensor> = px.iter().map(|a| a.narrow(0, 0, np).unwrap()).collect();
+                let mut input =
+                    bytes_i32(&[7, t as i32, h as i32, dk as i32, dv as i32, np as i32]);
+                input.extend(bytes_i32(
+                    &parents.iter().map(|&p| p as i32).collect::<Vec<_>>(),
+                ));
+                input.extend(bytes_i32(
+                    &kept_states(parents)
+                        .iter()
+                        .map(|&b| b as i32)
+                        .collect::<Vec<_>>(),
+                ));
+                for a in [&x[0], &x[1], &x[2], &x[3], &x[4]] {
+                    input.extend(bytes_f32(a));
+                }
+                for a in [&px[1], &px[2], &px[3], &px[4]] {
+                    input.extend(bytes_f32(a));
+                }
+                input.extend(bytes_f32(&s0));
+                let f = floats(&run(&exe, &input));
+                let n_out = t * h * dv;
+                assert_eq!(f.len(), n_out + h * dk * dv, "output size");
+                let (out, committed) = f.split_at(n_out);
+                // the commit it replaces: the chain replay through the same kernel (mode 4)
+                let want_state: Vec<f32> = if np == 0 {
+                    s0.flatten_all().unwrap().to_vec1().unwrap()
+                } else {
+                    let mut rin = bytes_i32(&[4, 1, np as i32, h as i32, dk as i32, dv as i32]);
+                    for a in [&px[1], &px[2], &px[3], &px[4], &s0] {
+                        rin.extend(bytes_f32(a));
+                    }
+                    floats(&run(&exe, &rin))
+                };
+                assert!(
+                    committed == want_state.as_slice(),
+                    "dk {dk} tree {ti} np {np}: the folded commit is not the replay, bit for bit"
+                );
+                // the step from the committed state: the plain forward's outputs, bit for bit
+                let start = Tensor::from_vec(want_state, (h, dk, dv), &Device::Cpu).unwrap();
+                let (want_out, _) = emulate(&exe, &view(&x), &start, parents, true);
+                assert!(
+                    out == want_out.unwrap().as_slice(),
+                    "dk {dk} tree {ti} np {np}: the step's outputs are not the forward's"
+                );
+            }
+        }
+    }
+}
+
+/// The folded commit's record copy (`gdn_record_pending_rows`): rows 0..n of each buffer, at its
+/// own width, and nothing past them.
+#[test]
+fn the_pending_rows_copy_takes_the_first_rows_of_each_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = build(dir.path(), 16);
+    let widths = [300usize, 7, 513];
+    let rows = 6;
+    let data: Vec<Vec<f32>> = widths
+        .iter()
+        .enumerate()
+        .map(|(b, &w)| uniform(rows * w, 200 + b as u64))
+        .collect();
+    for n in [0usize, 1, 4] {
+        let mut input = bytes_i32(&[8, widths.len() as i32, n as i32, rows as i32]);
+        input.extend(bytes_i32(
+            &widths.iter().map(|&w| w as i32).collect::<Vec<_>>(),
+        ));
+        for d in &data {
+            input.extend(f32s(d));
+        }
+        let out = floats(&run(&exe, &input));
+        let mut at = 0;
+        for (d, &w) in data.iter().zip(&widths) {
+            assert_eq!(&out[at..at + n * w], &d[..n * w], "width {w}, {n} rows");
+            at += n * w;
+        }
+        assert_eq!(at, out.len());
     }
 }

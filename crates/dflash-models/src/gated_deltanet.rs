@@ -402,9 +402,10 @@ impl GatedDeltaNet {
 
     /// The layer in a hybrid device step (CUDA, layer kernels; launches only, so a CUDA graph
     /// captures it): `x` `[rows, H]`, the step's parents and kept flags already in
-    /// `shared.tree`, the state in `bufs`' state buffers (left unchanged); the rule's inputs land
-    /// in `bufs`' record rows `0..rows`, which the cache's commit replays. The same kernels, in
-    /// the same order, as [`GatedDeltaNet::forward_tree`] on CUDA.
+    /// `shared.tree`, the state in `bufs`' state buffers (left unchanged, unless the step folds
+    /// the last verify's commit in: then first advanced over its pending rows, in place); the
+    /// rule's inputs land in `bufs`' record rows `0..rows`, which the cache's commit replays. The
+    /// same kernels, in the same order, as [`GatedDeltaNet::forward_tree`] on CUDA.
     pub fn forward_device(
         &self,
         x: &Tensor,
@@ -434,7 +435,17 @@ impl GatedDeltaNet {
             &shared.u.narrow(0, 0, rows)?,
             &bufs.rule_inputs(shared, rows)?,
         )?;
-        gated_delta_layer::rule_from_table(&bufs.table, rows, shape.heads)?;
+        if shared.fold {
+            // the last verify's commit first (0 rows when nothing is pending), then the step
+            gated_delta_layer::rule_from_table_folding(
+                &bufs.table,
+                &bufs.fold_table,
+                rows,
+                shape.heads,
+            )?;
+        } else {
+            gated_delta_layer::rule_from_table(&bufs.table, rows, shape.heads)?;
+        }
         let o = shared.out.narrow(0, 0, rows)?;
         let y = gated_delta_layer::gated_norm(&o, &proj.z, &self.norm, self.eps)?;
         project(&self.out_proj, &y)

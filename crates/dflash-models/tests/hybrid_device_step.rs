@@ -148,3 +148,72 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
     };
     decode_script(&mut pair, &dev);
 }
+
+/// The folded state commit (the default on CUDA: each device step replays the last verify's kept
+/// rows inside its rule kernels) gives the separate commit's bits: the same decode on two caches
+/// of one model, one with the fold off, every logit and tap equal and every recurrent state equal
+/// at the end, in f32 and bf16 — and the fold ran (after each crop, path compaction and AR step).
+/// On the CPU no step folds (the host emulation settles before each step).
+#[test]
+fn the_folded_state_commit_gives_the_separate_commits_bits() {
+    let (dev, _) = common::device_and_dtype();
+    let cfg = common::tiny_hybrid(32);
+    let w = random_target_tensors(&cfg, DType::F32, &Device::Cpu, 5).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let w = w
+            .iter()
+            .map(|(k, t)| {
+                (
+                    k.clone(),
+                    t.to_dtype(dtype).unwrap().to_device(&dev).unwrap(),
+                )
+            })
+            .collect();
+        let mut m =
+            HybridDecoder::new(&cfg, candle_nn::VarBuilder::from_tensors(w, dtype, &dev)).unwrap();
+        if dev.is_cuda() {
+            m.set_device_step(true);
+        } else {
+            m.emulate_device_step_on_cpu();
+        }
+        assert!(m.device_step());
+        let mut pair = common::Pair::new(&m, &m, 500, &[0usize, 3], f32::MIN_POSITIVE);
+        pair.ac.set_fold_commit(false);
+        assert!(!pair.ac.fold_commit());
+        assert_eq!(
+            pair.bc.fold_commit(),
+            dev.is_cuda() && std::env::var("DFLASH_GDN_FOLD").as_deref() != Ok("0"),
+            "the fold is the default on CUDA only"
+        );
+        decode_script(&mut pair, &dev);
+        let folds = pair.bc.folded_commits();
+        assert_eq!(pair.ac.folded_commits(), 0);
+        if pair.bc.fold_commit() {
+            // 5 AR steps + 4 blocks + 4 trees + 3 AR steps, each commit folded into the next step
+            assert!(folds >= 12, "{dtype:?}: {folds} commits folded");
+        } else {
+            assert_eq!(folds, 0);
+        }
+        pair.ac.settle_recurrent().unwrap();
+        pair.bc.settle_recurrent().unwrap();
+        for (la, lb) in pair.ac.layers.iter_mut().zip(pair.bc.layers.iter_mut()) {
+            if let (
+                dflash_core::LayerCache::Recurrent(ra),
+                dflash_core::LayerCache::Recurrent(rb),
+            ) = (la, lb)
+            {
+                let (sa, sb) = (ra.state().unwrap().unwrap(), rb.state().unwrap().unwrap());
+                for (x, y, what) in [(&sa.ssm, &sb.ssm, "state"), (&sa.conv, &sb.conv, "window")] {
+                    let (x, y) = (
+                        x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    );
+                    assert!(
+                        x == y,
+                        "{dtype:?}: the folded {what} is not the separate commit's"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -11,7 +11,11 @@
 //! - Recurrent layers read their state from fixed buffers (`dflash_core::recurrent_step`) and
 //!   write their rows' rule inputs there; the cache's commit replays the kept tokens into the
 //!   state buffers in place with the rule's one kernel, so the states are those of the host path
-//!   bit for bit, and the step never reads a host-made tensor.
+//!   bit for bit, and the step never reads a host-made tensor. On CUDA the next step folds that
+//!   replay in (its metadata's last word counts the pending rows; the prologue moves the windows
+//!   and copies the inputs aside; each layer's rule kernel replays them before its rows: one read
+//!   of the state instead of two, no launch between steps); `DFLASH_GDN_FOLD=0` keeps the
+//!   separate commit.
 //! - Attention layers write keys and values at the length held on the device and attend over the
 //!   whole cache buffer through GEMMs of fixed shape under a device-built mask (committed keys
 //!   and each row's own path), their heads and output gate as one kernel each after one q/k/v
@@ -78,9 +82,15 @@ impl HybridDecoder {
             Mixer::Linear(d) => Some(d.step_shape(MAX_DEVICE_ROWS)),
             Mixer::Attention(_) => None,
         });
+        // a pending chain commit is folded into this step's rule kernels where it can be, else
+        // settled now
+        let mut folded = None;
         if let Some(shape) = shape {
             cache.ensure_recurrent_step_buffers(shape)?;
-            cache.load_recurrent_step_states()?;
+            folded = cache.foldable_step_chain();
+            if folded.is_none() {
+                cache.load_recurrent_step_states()?;
+            }
         }
         let rows = plan.rows;
         let chain = |k: usize| (0..k as i64).map(|i| i - 1).collect::<Vec<i64>>();
@@ -92,10 +102,24 @@ impl HybridDecoder {
                 .iter()
                 .map(|&k| k as u32),
         );
+        // then the folded commit's pending count (`SharedStepBuffers::load_tree`)
+        meta.words.push(folded.unwrap_or(0) as u32);
         let table = self.rope_table()?.clone();
-        let outputs = plan.run(cache, &meta.words, &self.info.device, &mut |m, cache| {
+        let run = plan.run(cache, &meta.words, &self.info.device, &mut |m, cache| {
             self.device_step_body(m, rows, &table, req.logits, req.taps, cache)
-        })?;
+        });
+        let outputs = match (run, folded) {
+            (Ok(o), Some(_)) => {
+                cache.count_folded_commit()?;
+                o
+            }
+            (Ok(o), None) => o,
+            (Err(e), Some(_)) => {
+                cache.abandon_folded_commit(&e.to_string());
+                return Err(e);
+            }
+            (Err(e), None) => return Err(e),
+        };
         let real = parents.map(|p| p.to_vec()).unwrap_or_else(|| chain(plan.n));
         cache.commit_device_step(&real)?;
         Ok(Some(plan.output(outputs, req, self.info.hidden_size)?))
@@ -137,6 +161,8 @@ impl HybridDecoder {
         let shared = cache.recurrent_step.clone();
         if let Some(s) = &shared {
             s.load_tree(meta, rows)?;
+            // the folded commit's windows and pending inputs, before any layer overwrites them
+            cache.fold_prologue()?;
         }
         let (x, tap_out) = self.layers_forward(x, cache, taps, &mut |mixer, lc, h| match (
             mixer, lc, &shared,
