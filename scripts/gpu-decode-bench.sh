@@ -69,7 +69,7 @@ ROUNDS=${ROUNDS:-30}
 # exactwideall: --bit-exact with every 17–80-row call on the wide kernel (DFLASH_STREAM_WIDE_MIN_TILES=0, the rule before session 33: since then weights of fewer 16-output tiles than SMs take one narrow block per 16-row group);
 # exactrowsd64: --bit-exact without the row kernel (DFLASH_ATTN_ROWS=0: session 33 gave 64-wide heads the row kernel for --bit-exact's cached splits);
 # rowsd64 / rowsd64off: the default path with 64-wide heads' steps of 2+ rows on the row kernel (DFLASH_ATTN_ROWS_D64=2; session 33) / none of them (=0; the default since session 33, =1, is the steps of more than 16 rows: DDTree trees);
-# nofold: hybrids with the state commit as its own launches before the next step (DFLASH_GDN_FOLD=0; the step folds it into its rule kernels by default since session 34);
+# fold / nofold: hybrids with the state commit folded into the next step's rule kernels (DFLASH_GDN_FOLD=1; session 34, opt-in until run on a GPU) / as its own launches before it (=0, the default);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
@@ -233,6 +233,7 @@ for spec in $SHAPES; do
       rowsd64) fused=1 graphs=1 rd64=2;;
       rowsd64off) fused=1 graphs=1 rd64=0;;
       nofold) fused=1 graphs=1 gfold=0;;
+      fold) fused=1 graphs=1 gfold=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
     DFLASH_GDN_FOLD=$gfold DFLASH_STREAM_WIDE_MIN_TILES=$wtiles DFLASH_ATTN_ROWS_D64=$rd64 DFLASH_GATED_HEADS=$gheads DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 34's GPU call (carry dist/cuda): the folded state commit (issue 17: each hybrid device
 # step replays the last verify's kept rows inside its rule kernels instead of a commit launched
-# before it). Tests: the hybrid device step against the CPU host path with the fold on (the
-# default), and fold on against fold off bit for bit (f32 and bf16); the rule kernels' bits.
-# Then `bench decode` at Qwen3.6-27B bf16 2048 with the fold and without (`nofold`), alternating:
+# before it). Tests: the hybrid device step against the CPU host path with the fold on
+# (DFLASH_GDN_FOLD=1), and fold on against fold off bit for bit (f32 and bf16); the rule kernels'
+# bits. Then `bench decode` at Qwen3.6-27B bf16 2048 with the fold (`fold`) and without
+# (`nofold`), alternating:
 # the separate commit, the verify folding it against the verify alone, and the decode loops.
 # Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048), ROUNDS (10), VS (variants).
 set -uo pipefail
@@ -13,14 +14,14 @@ PARTS=${PARTS:-tests bench}
 . scripts/lab/call-lib.sh
 if has tests; then
   echo "== hybrid device step: against the host path, fold on against fold off $(el)"
-  DFLASH_TEST_DEVICE=cuda timeout 120 /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | show "^test |result|panicked"
+  DFLASH_GDN_FOLD=1 DFLASH_TEST_DEVICE=cuda timeout 120 /tmp/bin/hybrid_device_step --test-threads 1 2>&1 | show "^test |result|panicked"
   echo "== rule kernels' bits $(el)"
   DFLASH_TEST_DEVICE=cuda timeout 90 /tmp/bin/decode_ops_device --test-threads 1 gated_delta 2>&1 | show "^test |result|panicked"
   echo "== tests done $(el)"
 fi
 ROUNDS=${ROUNDS:-10}
-has bench && bench big "${VS:-graphs nofold graphs nofold}" "qwen3.6-27b:bf16:2048"
-has small && bench small "${VS:-graphs nofold graphs nofold}" "qwen3.5-4b:bf16:2048"
+has bench && bench big "${VS:-fold nofold fold nofold}" "qwen3.6-27b:bf16:2048"
+has small && bench small "${VS:-fold nofold fold nofold}" "qwen3.5-4b:bf16:2048"
 for f in "$R"/*/bench-decode.jsonl; do
   [ -f "$f" ] && python3 - "$f" <<'PY'
 import json, sys

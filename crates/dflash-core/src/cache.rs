@@ -231,14 +231,6 @@ pub struct SequenceCache {
     device: Device,
 }
 
-/// Whether the rule's kernel in force takes a folded commit (CUDA builds).
-fn fold_kernel_takes_it() -> bool {
-    #[cfg(feature = "cuda")]
-    return crate::gated_delta_cuda::fold_supported();
-    #[cfg(not(feature = "cuda"))]
-    false
-}
-
 impl SequenceCache {
     pub fn attention_only(num_layers: usize, capacity: usize, device: &Device) -> Self {
         let recurrent = vec![false; num_layers];
@@ -357,7 +349,7 @@ impl SequenceCache {
     /// kernel takes it: [`crate::gated_delta_layer::fold_commit_default`]'s conditions but the
     /// switch). The graphs captured under the other setting are dropped.
     pub fn set_fold_commit(&mut self, on: bool) {
-        let on = on && cfg!(feature = "cuda") && self.device.is_cuda() && fold_kernel_takes_it();
+        let on = on && self.device.is_cuda() && crate::gated_delta_layer::fold_commit_supported();
         if on != self.fold_commit {
             self.step_graphs = Default::default();
         }

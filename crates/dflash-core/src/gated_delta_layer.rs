@@ -223,17 +223,21 @@ pub fn rule_from_table_folding(
     ))
 }
 
-/// Whether device steps fold the state commit into their rule kernels here: CUDA builds whose
-/// rule kernel takes it (not the staged opt-ins), unless `DFLASH_GDN_FOLD=0` (read once).
+/// Whether device steps fold the state commit into their rule kernels by default: opt-in
+/// (`DFLASH_GDN_FOLD=1`, read once) where [`fold_commit_supported`] — until a GPU run has checked
+/// its bits against the separate commit and timed it (built in session 34, when no GPU came).
 pub fn fold_commit_default() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("DFLASH_GDN_FOLD").is_ok_and(|v| v.trim() == "1") && fold_commit_supported()
+    })
+}
+
+/// Whether this build's rule kernel takes a folded commit: CUDA builds, unless a staged rule
+/// kernel is in force (`DFLASH_GDN_RULE_STAGE=1`).
+pub fn fold_commit_supported() -> bool {
     #[cfg(feature = "cuda")]
-    {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            std::env::var("DFLASH_GDN_FOLD").map_or(true, |v| v.trim() != "0")
-                && crate::gated_delta_cuda::fold_supported()
-        })
-    }
+    return crate::gated_delta_cuda::fold_supported();
     #[cfg(not(feature = "cuda"))]
     false
 }
@@ -277,7 +281,7 @@ pub fn conv_windows_into(
     }
     #[cfg(feature = "cuda")]
     if first.device().is_cuda() && first.dim(0)? > 0 && crate::gated_delta::kernels_enabled() {
-        return crate::gated_delta_cuda::conv_windows(jobs, n, outs);
+        return crate::gated_delta_commit_cuda::conv_windows(jobs, n, outs);
     }
     let w = first.dim(0)?;
     jobs.iter()

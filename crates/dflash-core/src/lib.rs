@@ -25,6 +25,8 @@ pub mod fused_grad;
 mod gated_attention_cuda;
 pub mod gated_delta;
 #[cfg(feature = "cuda")]
+mod gated_delta_commit_cuda;
+#[cfg(feature = "cuda")]
 mod gated_delta_cuda;
 pub mod gated_delta_layer;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

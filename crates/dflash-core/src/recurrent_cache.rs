@@ -219,7 +219,7 @@ pub struct RecurrentCache {
     /// pending replays settle into the state buffers in place, and a replay that overwrote the
     /// state its record started from consumes the record (a later crop inside that forward is
     /// refused, never approximated).
-    step: Option<RecurrentStepBuffers>,
+    step: Option<Box<RecurrentStepBuffers>>,
     /// Whether `last` is a device step's record as the step wrote it (rows of the step buffers,
     /// starting from the state buffers): then a chain replay of it can settle through the
     /// sequence's fixed commit tables ([`RecurrentCache::pending_step_chain`]).
@@ -524,12 +524,12 @@ impl RecurrentCache {
 
     /// The device step's buffers, if a device step made them.
     pub fn step_buffers(&self) -> Option<&RecurrentStepBuffers> {
-        self.step.as_ref()
+        self.step.as_deref()
     }
 
     /// Gives the layer its device-step buffers (once; they live as long as the cache).
     pub fn set_step_buffers(&mut self, buffers: RecurrentStepBuffers) {
-        self.step = Some(buffers);
+        self.step = Some(Box::new(buffers));
     }
 
     /// Puts the state at `len` into the device step's state buffers (settling a pending replay

@@ -14,8 +14,8 @@
 //! - [`SharedStepBuffers::tree`] holds the step's parents (rows `0..R`), kept-state flags
 //!   (rows `R..2R`) and the folded commit's pending count (word `2R`), copied from the step's
 //!   metadata at the start of each step (no upload).
-//! - The folded commit (CUDA, on by default; `DFLASH_GDN_FOLD=0` or
-//!   [`crate::SequenceCache::set_fold_commit`] turns it off): a chain replay pending from the last
+//! - The folded commit (CUDA, opt-in until a GPU run checks it: `DFLASH_GDN_FOLD=1` or
+//!   [`crate::SequenceCache::set_fold_commit`] turns it on): a chain replay pending from the last
 //!   step ([`crate::RecurrentCache::pending_step_chain`], at most [`FOLD_ROWS`] rows) is not
 //!   launched before the next step but done inside it — the step's prologue
 //!   ([`CommitTables::fold_prologue`]) moves every convolution window and copies the pending rule
@@ -180,7 +180,7 @@ impl RecurrentStepBuffers {
             },
         )?;
         #[cfg(feature = "cuda")]
-        crate::gated_delta_cuda::upload_fold_table(
+        crate::gated_delta_commit_cuda::upload_fold_table(
             &b.fold_table,
             &b.pending,
             &shared.pending_count()?,
@@ -254,7 +254,7 @@ impl CommitTables {
         let path = Tensor::zeros(shape.rows, DType::U32, device)?;
         let pending = Tensor::zeros(24 * layers.len(), DType::U32, device)?;
         #[cfg(feature = "cuda")]
-        crate::gated_delta_cuda::upload_commit_tables(
+        crate::gated_delta_commit_cuda::upload_commit_tables(
             &replay, &windows, &gather, &pending, layers,
         )?;
         Ok(Some(Self {
@@ -277,7 +277,7 @@ impl CommitTables {
         #[cfg(feature = "cuda")]
         {
             let LayerHeads { hv, dk, dv, .. } = self.shape.heads;
-            crate::gated_delta_cuda::fold_prologue(
+            crate::gated_delta_commit_cuda::fold_prologue(
                 &self.windows,
                 &self.pending,
                 count,
@@ -309,7 +309,7 @@ impl CommitTables {
             )));
         }
         #[cfg(feature = "cuda")]
-        return crate::gated_delta_cuda::commit_from_tables(
+        return crate::gated_delta_commit_cuda::commit_from_tables(
             &self.replay,
             &self.windows,
             self.layers,
@@ -334,7 +334,7 @@ impl CommitTables {
         {
             let LayerHeads { hv, dk, dv, .. } = self.shape.heads;
             let widest = self.shape.channels.max(hv * dk).max(hv * dv);
-            crate::gated_delta_cuda::gather_records(
+            crate::gated_delta_commit_cuda::gather_records(
                 &self.gather,
                 &self.path,
                 self.layers,

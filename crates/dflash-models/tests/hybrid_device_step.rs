@@ -149,8 +149,8 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
     decode_script(&mut pair, &dev);
 }
 
-/// The folded state commit (the default on CUDA: each device step replays the last verify's kept
-/// rows inside its rule kernels) gives the separate commit's bits: the same decode on two caches
+/// The folded state commit (CUDA, `DFLASH_GDN_FOLD=1`: each device step replays the last verify's
+/// kept rows inside its rule kernels) gives the separate commit's bits: the same decode on two caches
 /// of one model, one with the fold off, every logit and tap equal and every recurrent state equal
 /// at the end, in f32 and bf16 — and the fold ran (after each crop, path compaction and AR step).
 /// On the CPU no step folds (the host emulation settles before each step).
@@ -179,11 +179,12 @@ fn the_folded_state_commit_gives_the_separate_commits_bits() {
         assert!(m.device_step());
         let mut pair = common::Pair::new(&m, &m, 500, &[0usize, 3], f32::MIN_POSITIVE);
         pair.ac.set_fold_commit(false);
+        pair.bc.set_fold_commit(true);
         assert!(!pair.ac.fold_commit());
         assert_eq!(
             pair.bc.fold_commit(),
-            dev.is_cuda() && std::env::var("DFLASH_GDN_FOLD").as_deref() != Ok("0"),
-            "the fold is the default on CUDA only"
+            dev.is_cuda() && dflash_core::gated_delta_layer::fold_commit_supported(),
+            "the fold runs on CUDA only"
         );
         decode_script(&mut pair, &dev);
         let folds = pair.bc.folded_commits();

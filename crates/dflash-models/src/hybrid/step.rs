@@ -11,11 +11,11 @@
 //! - Recurrent layers read their state from fixed buffers (`dflash_core::recurrent_step`) and
 //!   write their rows' rule inputs there; the cache's commit replays the kept tokens into the
 //!   state buffers in place with the rule's one kernel, so the states are those of the host path
-//!   bit for bit, and the step never reads a host-made tensor. On CUDA the next step folds that
-//!   replay in (its metadata's last word counts the pending rows; the prologue moves the windows
-//!   and copies the inputs aside; each layer's rule kernel replays them before its rows: one read
-//!   of the state instead of two, no launch between steps); `DFLASH_GDN_FOLD=0` keeps the
-//!   separate commit.
+//!   bit for bit, and the step never reads a host-made tensor. With the fold on (CUDA,
+//!   `DFLASH_GDN_FOLD=1`: opt-in until a GPU run checks it) the next step folds that replay in
+//!   (its metadata's last word counts the pending rows; the prologue moves the windows and copies
+//!   the inputs aside; each layer's rule kernel replays them before its rows: one read of the
+//!   state instead of two, no launch between steps).
 //! - Attention layers write keys and values at the length held on the device and attend over the
 //!   whole cache buffer through GEMMs of fixed shape under a device-built mask (committed keys
 //!   and each row's own path), their heads and output gate as one kernel each after one q/k/v
