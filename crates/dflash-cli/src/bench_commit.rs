@@ -12,11 +12,93 @@
 use crate::bench::Timing;
 use crate::bench_decode::{accepted_path, in_profile, PREFILL_CHUNK};
 use anyhow::Result;
-use dflash_core::AttentionMask;
+use dflash_core::{AttentionMask, SequenceCache};
 use dflash_decoding::tree::DraftTree;
 use dflash_models::{ForwardRequest, LogitRows, TargetModel};
 use std::hint::black_box;
 use std::time::Instant;
+
+/// What a commit timing verifies and keeps: `block` (or `tree`) after the committed positions,
+/// then half the block (or the tree's accepted path) kept.
+struct CommitBench<'a> {
+    target: &'a dyn TargetModel,
+    block: &'a [u32],
+    tree: Option<&'a DraftTree>,
+    path: Option<Vec<u32>>,
+    taps: &'a [usize],
+}
+
+impl<'a> CommitBench<'a> {
+    fn new(
+        target: &'a dyn TargetModel,
+        block: &'a [u32],
+        tree: Option<&'a DraftTree>,
+        taps: &'a [usize],
+    ) -> Self {
+        let path = tree.map(accepted_path);
+        Self {
+            target,
+            block,
+            tree,
+            path,
+            taps,
+        }
+    }
+
+    /// The rows each round keeps.
+    fn kept(&self) -> usize {
+        self.path.as_ref().map_or(self.block.len() / 2, Vec::len)
+    }
+
+    /// An empty cache of its own, room for the context `ids` and `rounds` rounds.
+    fn cache(&self, ids: &[u32], rounds: usize) -> Result<SequenceCache> {
+        let rows = self.tree.map_or(self.block.len(), |t| t.tokens.len());
+        Ok(self
+            .target
+            .new_cache(ids.len() + rows + rounds * self.kept())?)
+    }
+
+    /// The context `ids` prefilled into `cache`.
+    fn prefill(&self, cache: &mut SequenceCache, ids: &[u32]) -> Result<()> {
+        let positions: Vec<u32> = (0..ids.len() as u32).collect();
+        for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
+            let e = (s + PREFILL_CHUNK).min(ids.len());
+            let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
+            self.target.forward(&req, cache)?;
+        }
+        Ok(())
+    }
+
+    /// The verify after the committed positions; the length it started at.
+    fn verify(&self, cache: &mut SequenceCache) -> Result<usize> {
+        let base = cache.len();
+        let pos: Vec<u32> = match self.tree {
+            Some(t) => t.positions(base),
+            None => (base as u32..(base + self.block.len()) as u32).collect(),
+        };
+        let req = match self.tree {
+            Some(t) => t.verify_request(&pos, self.taps),
+            None => ForwardRequest {
+                tokens: self.block,
+                positions: &pos,
+                mask: AttentionMask::Causal,
+                taps: self.taps,
+                logits: LogitRows::All,
+            },
+        };
+        black_box(self.target.forward(&req, cache)?);
+        Ok(base)
+    }
+
+    /// The verify at `base` cut to its kept rows (bookkeeping; the states settle later).
+    fn keep(&self, cache: &mut SequenceCache, base: usize) -> Result<()> {
+        match &self.path {
+            Some(p) => cache.keep_rows(base, p)?,
+            None => cache.crop(base + self.kept()),
+        }
+        Ok(())
+    }
+}
 
 /// For a target with recurrent layers: on a cache of its own holding the context `ids`, per
 /// round, the verify of `block` after the committed positions (untimed), then the crop to half of
@@ -42,11 +124,9 @@ pub(crate) fn state_commit(
     profile_key: &str,
 ) -> Result<Option<(Timing, Timing)>> {
     use dflash_core::LayerCache;
-    let path = tree.map(accepted_path);
-    let half = path.as_ref().map_or(block.len() / 2, Vec::len);
-    let rows = tree.map_or(block.len(), |t| t.tokens.len());
+    let bench = CommitBench::new(target, block, tree, taps);
     let rounds = warmup + timed;
-    let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;
+    let mut cache = bench.cache(ids, rounds)?;
     if !cache
         .layers
         .iter()
@@ -54,38 +134,15 @@ pub(crate) fn state_commit(
     {
         return Ok(None);
     }
-    let positions: Vec<u32> = (0..ids.len() as u32).collect();
-    for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
-        let e = (s + PREFILL_CHUNK).min(ids.len());
-        let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
-        target.forward(&req, &mut cache)?;
-    }
+    bench.prefill(&mut cache, ids)?;
     let dev = cache.device().clone();
     let (mut v, mut submit) = (vec![], vec![]);
     for round in 0..rounds {
-        let base = cache.len();
-        let pos: Vec<u32> = match tree {
-            Some(t) => t.positions(base),
-            None => (base as u32..(base + block.len()) as u32).collect(),
-        };
-        let req = match tree {
-            Some(t) => t.verify_request(&pos, taps),
-            None => ForwardRequest {
-                tokens: block,
-                positions: &pos,
-                mask: AttentionMask::Causal,
-                taps,
-                logits: LogitRows::All,
-            },
-        };
-        black_box(target.forward(&req, &mut cache)?);
+        let base = bench.verify(&mut cache)?;
         dev.synchronize()?;
         let (queued, t0) = in_profile(profile_key, || {
             let t0 = Instant::now();
-            match &path {
-                Some(p) => cache.keep_rows(base, p)?,
-                None => cache.crop(base + half),
-            }
+            bench.keep(&mut cache, base)?;
             cache.settle_recurrent()?;
             let queued = t0.elapsed().as_secs_f64();
             dev.synchronize()?;
@@ -99,12 +156,12 @@ pub(crate) fn state_commit(
     Ok(Some((Timing::of(v), Timing::of(submit))))
 }
 
-/// The folded state commit's cost, for a target whose cache folds it (hybrids on CUDA; `None`
-/// otherwise): on a cache of its own, per round pair, the verify of `block` (or `tree`) after a
-/// crop to half of it (or its accepted path kept) — which folds that commit in — and, after the
-/// same crop settled separately (untimed), the same verify with nothing pending; each timed
-/// between device synchronisations. Returns (verify folding a commit, verify alone). Fails if a
-/// verify that should fold did not.
+/// The folded state commit's cost, for a target whose cache folds it (hybrids on CUDA with the
+/// fold on; `None` otherwise): on a cache of its own, per round pair, the verify of `block` (or
+/// `tree`) after a crop to half of it (or its accepted path kept) — which folds that commit in —
+/// and, after the same crop settled separately (untimed), the same verify with nothing pending;
+/// each timed between device synchronisations. Returns (verify folding a commit, verify alone).
+/// Fails if a verify that should fold did not.
 pub(crate) fn folded_commit(
     target: &dyn TargetModel,
     ids: &[u32],
@@ -113,51 +170,18 @@ pub(crate) fn folded_commit(
     taps: &[usize],
     (warmup, timed): (usize, usize),
 ) -> Result<Option<(Timing, Timing)>> {
-    let path = tree.map(accepted_path);
-    let half = path.as_ref().map_or(block.len() / 2, Vec::len);
-    let rows = tree.map_or(block.len(), |t| t.tokens.len());
+    let bench = CommitBench::new(target, block, tree, taps);
     let rounds = 2 * (warmup + timed) + 1;
-    let mut cache = target.new_cache(ids.len() + rows + rounds * half)?;
+    let mut cache = bench.cache(ids, rounds)?;
     if !cache.fold_commit() {
         return Ok(None);
     }
-    let positions: Vec<u32> = (0..ids.len() as u32).collect();
-    for s in (0..ids.len()).step_by(PREFILL_CHUNK) {
-        let e = (s + PREFILL_CHUNK).min(ids.len());
-        let req = ForwardRequest::causal(&ids[s..e], &positions[s..e], LogitRows::None);
-        target.forward(&req, &mut cache)?;
-    }
+    bench.prefill(&mut cache, ids)?;
     let dev = cache.device().clone();
-    let verify = |cache: &mut dflash_core::SequenceCache| -> Result<usize> {
-        let base = cache.len();
-        let pos: Vec<u32> = match tree {
-            Some(t) => t.positions(base),
-            None => (base as u32..(base + block.len()) as u32).collect(),
-        };
-        let req = match tree {
-            Some(t) => t.verify_request(&pos, taps),
-            None => ForwardRequest {
-                tokens: block,
-                positions: &pos,
-                mask: AttentionMask::Causal,
-                taps,
-                logits: LogitRows::All,
-            },
-        };
-        black_box(target.forward(&req, cache)?);
-        Ok(base)
-    };
-    let keep = |cache: &mut dflash_core::SequenceCache, base: usize| -> Result<()> {
-        match &path {
-            Some(p) => cache.keep_rows(base, p)?,
-            None => cache.crop(base + half),
-        }
-        Ok(())
-    };
-    let mut base = verify(&mut cache)?;
+    let mut base = bench.verify(&mut cache)?;
     let (mut folding, mut alone) = (vec![], vec![]);
     for round in 0..rounds - 1 {
-        keep(&mut cache, base)?;
+        bench.keep(&mut cache, base)?;
         let fold = round % 2 == 0;
         if !fold {
             cache.settle_recurrent()?;
@@ -165,7 +189,7 @@ pub(crate) fn folded_commit(
         dev.synchronize()?;
         let before = cache.folded_commits();
         let t0 = Instant::now();
-        base = verify(&mut cache)?;
+        base = bench.verify(&mut cache)?;
         dev.synchronize()?;
         let t = t0.elapsed().as_secs_f64();
         let folded = cache.folded_commits() - before;

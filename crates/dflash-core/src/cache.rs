@@ -251,7 +251,9 @@ impl SequenceCache {
             step_graphs: Default::default(),
             recurrent_step: None,
             recurrent_commit: None,
-            fold_commit: device.is_cuda() && crate::gated_delta_layer::fold_commit_default(),
+            fold_commit: device.is_cuda()
+                && recurrent.contains(&true)
+                && crate::gated_delta_layer::fold_commit_default(),
             folded_commits: 0,
             capacity,
             device: device.clone(),
@@ -349,7 +351,14 @@ impl SequenceCache {
     /// kernel takes it: [`crate::gated_delta_layer::fold_commit_default`]'s conditions but the
     /// switch). The graphs captured under the other setting are dropped.
     pub fn set_fold_commit(&mut self, on: bool) {
-        let on = on && self.device.is_cuda() && crate::gated_delta_layer::fold_commit_supported();
+        let hybrid = self
+            .layers
+            .iter()
+            .any(|l| matches!(l, LayerCache::Recurrent(_)));
+        let on = on
+            && hybrid
+            && self.device.is_cuda()
+            && crate::gated_delta_layer::fold_commit_supported();
         if on != self.fold_commit {
             self.step_graphs = Default::default();
         }
@@ -359,7 +368,7 @@ impl SequenceCache {
         }
     }
 
-    /// Whether hybrid device steps fold the state commit in.
+    /// Whether hybrid device steps fold the state commit in (never for attention-only caches).
     pub fn fold_commit(&self) -> bool {
         self.fold_commit
     }
