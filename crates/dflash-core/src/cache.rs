@@ -308,21 +308,35 @@ impl SequenceCache {
     /// the general path must run (nothing pending, a compacted tree path, a host forward's
     /// record, no tables).
     fn settle_step_chains(&mut self) -> Result<bool> {
-        let Some(n) = self.uniform_step_chain() else {
+        let Some(tables) = &self.recurrent_commit else {
             return Ok(false);
         };
-        self.recurrent_commit
-            .as_ref()
-            .expect("a uniform step chain has tables")
-            .commit_chains(n)?;
+        let Some(n) = self
+            .uniform_step_chain()
+            .filter(|_| self.tables_cover_every_layer())
+        else {
+            return Ok(false);
+        };
+        tables.commit_chains(n)?;
         self.count_step_chains_settled()?;
         Ok(true)
     }
 
+    /// Whether the commit tables cover every recurrent layer.
+    fn tables_cover_every_layer(&self) -> bool {
+        let layers = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l, LayerCache::Recurrent(_)))
+            .count();
+        self.recurrent_commit
+            .as_ref()
+            .is_some_and(|t| t.layers() == layers)
+    }
+
     /// The rows every recurrent layer keeps when each one's pending state is a chain replay of
-    /// its last device step's record of the same length, and the commit tables cover them all.
+    /// its last device step's record of the same length.
     fn uniform_step_chain(&self) -> Option<usize> {
-        let tables = self.recurrent_commit.as_ref()?;
         let mut n = None;
         let mut layers = 0;
         for l in &self.layers {
@@ -335,7 +349,7 @@ impl SequenceCache {
                 }
             }
         }
-        n.filter(|_| layers == tables.layers())
+        n.filter(|_| layers > 0)
     }
 
     fn count_step_chains_settled(&mut self) -> Result<()> {
@@ -355,10 +369,10 @@ impl SequenceCache {
             .layers
             .iter()
             .any(|l| matches!(l, LayerCache::Recurrent(_)));
+        // (on the CPU, the device step's host emulation folds with host kernels: tests)
         let on = on
             && hybrid
-            && self.device.is_cuda()
-            && crate::gated_delta_layer::fold_commit_supported();
+            && (self.device.is_cpu() || crate::gated_delta_layer::fold_commit_supported());
         if on != self.fold_commit {
             self.step_graphs = Default::default();
         }
@@ -382,8 +396,10 @@ impl SequenceCache {
         if !(self.fold_commit && shared.fold) {
             return None;
         }
+        // CUDA folds through the commit tables' prologue; the CPU's emulation needs none
+        let covered = self.device.is_cpu() || self.tables_cover_every_layer();
         self.uniform_step_chain()
-            .filter(|&n| n <= crate::recurrent_step::FOLD_ROWS)
+            .filter(|&n| covered && n <= crate::recurrent_step::FOLD_ROWS)
     }
 
     /// The folded commit's prologue in the device step (see
@@ -391,6 +407,17 @@ impl SequenceCache {
     pub fn fold_prologue(&self) -> Result<()> {
         match (&self.recurrent_step, &self.recurrent_commit) {
             (Some(s), Some(t)) if s.fold => t.fold_prologue(&s.pending_count()?),
+            (Some(s), None) if s.fold && self.device.is_cpu() => {
+                let layers: Vec<&crate::recurrent_step::RecurrentStepBuffers> = self
+                    .layers
+                    .iter()
+                    .filter_map(|l| match l {
+                        LayerCache::Recurrent(c) => c.step_buffers(),
+                        LayerCache::Attention(_) => None,
+                    })
+                    .collect();
+                crate::recurrent_step::fold_prologue_on_host(s, &layers)
+            }
             _ => Ok(()),
         }
     }

@@ -368,6 +368,32 @@ impl CommitTables {
     }
 }
 
+/// The folded commit's prologue in the device step's host emulation (the CPU: tests of the fold's
+/// bookkeeping): for each layer, its window moved over its record's first `count` rows and their
+/// rule inputs copied to its pending buffers — what [`CommitTables::fold_prologue`]'s kernels do.
+pub(crate) fn fold_prologue_on_host(
+    shared: &SharedStepBuffers,
+    layers: &[&RecurrentStepBuffers],
+) -> Result<()> {
+    let n = shared.pending_count()?.to_vec1::<u32>()?[0] as usize;
+    if n == 0 {
+        return Ok(());
+    }
+    if n > FOLD_ROWS {
+        return Err(CoreError::InvalidInput(format!(
+            "folded commit of {n} rows (at most {FOLD_ROWS})"
+        )));
+    }
+    for b in layers {
+        let p = &b.pending;
+        for (src, dst) in [(&b.k, &p.k), (&b.v, &p.v), (&b.g, &p.g), (&b.beta, &p.beta)] {
+            dst.slice_set(&src.narrow(0, 0, n)?.contiguous()?, 0, 0)?;
+        }
+        crate::gated_delta_layer::conv_windows_into(&[(&b.conv, &b.conv_in)], n, Some(&[&b.conv]))?;
+    }
+    Ok(())
+}
+
 /// `src` into `dst` (same shape and dtype, `dst` a contiguous view of a buffer): a device copy
 /// on CUDA; on the CPU (the host's emulation of the device step, for tests) the same copy.
 fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {

@@ -461,6 +461,23 @@ impl GatedDeltaNet {
         shared: &dflash_core::recurrent_step::SharedStepBuffers,
     ) -> Result<Tensor> {
         let rows = x.dim(0)?;
+        if shared.fold {
+            // the folded commit: the pending rows the prologue copied aside, advanced into the
+            // state buffer in place first (the host's advance, as the separate settle does)
+            let n = shared.pending_count()?.to_vec1::<u32>()?[0] as usize;
+            if n > 0 {
+                let p = &bufs.pending;
+                let head = |t: &Tensor| t.narrow(0, 0, n);
+                let s = dflash_core::gated_delta::advance(
+                    &head(&p.k)?,
+                    &head(&p.v)?,
+                    &head(&p.g)?,
+                    &head(&p.beta)?,
+                    &bufs.ssm,
+                )?;
+                bufs.ssm.slice_set(&s, 0, 0)?;
+            }
+        }
         let parents: Vec<i64> = shared
             .parents(rows)?
             .to_vec1::<u32>()?

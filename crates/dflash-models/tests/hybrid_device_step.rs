@@ -153,7 +153,8 @@ fn hybrid_device_steps_replay_the_cpu_host_path() {
 /// kept rows inside its rule kernels) gives the separate commit's bits: the same decode on two caches
 /// of one model, one with the fold off, every logit and tap equal and every recurrent state equal
 /// at the end, in f32 and bf16 — and the fold ran (after each crop, path compaction and AR step).
-/// On the CPU no step folds (the host emulation settles before each step).
+/// On the CPU the step's host emulation folds with host kernels (its bookkeeping: the pending
+/// count in the metadata, the prologue before the records are overwritten, the count after).
 #[test]
 fn the_folded_state_commit_gives_the_separate_commits_bits() {
     let (dev, _) = common::device_and_dtype();
@@ -183,15 +184,18 @@ fn the_folded_state_commit_gives_the_separate_commits_bits() {
         assert!(!pair.ac.fold_commit());
         assert_eq!(
             pair.bc.fold_commit(),
-            dev.is_cuda() && dflash_core::gated_delta_layer::fold_commit_supported(),
-            "the fold runs on CUDA only"
+            dev.is_cpu() || dflash_core::gated_delta_layer::fold_commit_supported(),
+            "the fold runs on CUDA (its kernels) and in the CPU's emulation (host kernels)"
         );
         decode_script(&mut pair, &dev);
         let folds = pair.bc.folded_commits();
         assert_eq!(pair.ac.folded_commits(), 0);
         if pair.bc.fold_commit() {
-            // 5 AR steps + 4 blocks + 4 trees + 3 AR steps, each commit folded into the next step
-            assert!(folds >= 12, "{dtype:?}: {folds} commits folded");
+            // each AR step's and block's commit folded into the next step (on CUDA the trees'
+            // compacted paths too: 5 AR + 4 blocks + 4 trees + 3 AR; on the CPU a compacted path
+            // is a gathered record, settled before the next step)
+            let least = if dev.is_cuda() { 12 } else { 9 };
+            assert!(folds >= least, "{dtype:?}: {folds} commits folded");
         } else {
             assert_eq!(folds, 0);
         }
