@@ -42,6 +42,8 @@ pub mod rope;
 pub mod rowwise;
 pub mod step;
 #[cfg(feature = "cuda")]
+mod step_copies_cuda;
+#[cfg(feature = "cuda")]
 mod step_cuda;
 pub mod step_graph;
 #[cfg(feature = "cuda")]
