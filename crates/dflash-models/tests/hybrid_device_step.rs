@@ -188,6 +188,37 @@ fn the_folded_state_commit_gives_the_separate_commits_bits() {
             "the fold runs on CUDA (its kernels) and in the CPU's emulation (host kernels)"
         );
         decode_script(&mut pair, &dev);
+        // a commit of more rows than a fold takes (a 40-row chunk) settles before the next step
+        let len = pair.bc.len() as u32;
+        pair.step(
+            (0..40).map(|i| (i * 3 % 211) as u32).collect(),
+            (len..len + 40).collect(),
+            AttentionMask::Causal,
+            "40-row chunk",
+        );
+        let before = pair.bc.folded_commits();
+        pair.step(
+            vec![7],
+            vec![len + 40],
+            AttentionMask::Causal,
+            "ar after the chunk",
+        );
+        assert_eq!(
+            pair.bc.folded_commits(),
+            before,
+            "{dtype:?}: a 40-row commit is not folded"
+        );
+        pair.step(
+            vec![9],
+            vec![len + 41],
+            AttentionMask::Causal,
+            "ar after that",
+        );
+        assert_eq!(
+            pair.bc.folded_commits(),
+            before + usize::from(pair.bc.fold_commit()),
+            "{dtype:?}: the AR step's commit is folded again"
+        );
         let folds = pair.bc.folded_commits();
         assert_eq!(pair.ac.folded_commits(), 0);
         if pair.bc.fold_commit() {
