@@ -14,7 +14,12 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, 
 use candle_core::{Result, Tensor};
 use std::sync::OnceLock;
 
-const SOURCE: &str = include_str!("decode_kernels.cu");
+/// The module: `decode_kernels.cu`, then the layer kernels of `decode_layer_kernels.cu` (which
+/// use the former's helpers).
+const SOURCE: &str = concat!(
+    include_str!("decode_kernels.cu"),
+    include_str!("decode_layer_kernels.cu")
+);
 pub(crate) const MODULE: &str = "dflash_decode_kernels";
 const TPB: u32 = 1024;
 
