@@ -67,7 +67,8 @@ ok = True
 prelude = open(os.path.join(root, "crates/dflash-core/src/pdl.cuh")).read()
 # files compiled as part of another module (step_cuda.rs: SOURCE), appended to it here too
 APPENDED = {"step_kernels.cu": ["tree_attn_mma.cu", "tree_attn_rows.cu"], "stream_gemm.cu": ["stream_gemm_tiled.cu"],
-            "decode_kernels.cu": ["decode_layer_kernels.cu"]}
+            "decode_kernels.cu": ["decode_layer_kernels.cu"],
+            "gated_delta_kernels.cu": ["gated_delta_layer_kernels.cu"]}
 appended = {f for files in APPENDED.values() for f in files}
 # modules of their own compiled after another file's source (stream_gemm_bulk.rs: stream_gemm.cu
 # first), for compute 9.0 (the copy engine's bulk copies)

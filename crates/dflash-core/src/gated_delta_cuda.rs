@@ -21,7 +21,12 @@ use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-const SOURCE: &str = include_str!("gated_delta_kernels.cu");
+/// The module: the rule (`gated_delta_kernels.cu`), then the layer kernels around it
+/// (`gated_delta_layer_kernels.cu`, which use the former's definitions).
+const SOURCE: &str = concat!(
+    include_str!("gated_delta_kernels.cu"),
+    include_str!("gated_delta_layer_kernels.cu")
+);
 /// Threads of a block: one warp, a state column each (more blocks over the SMs for a few heads).
 const THREADS: usize = 32;
 
