@@ -73,6 +73,22 @@ fn bytes_i32(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// A tree mode's input up to its rule inputs: the mode and header words, the parents, the kept
+/// flags ([`kept_states`]), as the harness's `TreeInputs` reads them.
+fn tree_header(words: &[i32], parents: &[i64]) -> Vec<u8> {
+    let mut input = bytes_i32(words);
+    input.extend(bytes_i32(
+        &parents.iter().map(|&p| p as i32).collect::<Vec<_>>(),
+    ));
+    input.extend(bytes_i32(
+        &kept_states(parents)
+            .iter()
+            .map(|&b| b as i32)
+            .collect::<Vec<_>>(),
+    ));
+    input
+}
+
 /// Runs the emulated kernel: (outputs `[T·H·dv]` when asked, final state `[H·dk·dv]`).
 fn emulate(
     exe: &std::path::Path,
@@ -83,16 +99,10 @@ fn emulate(
 ) -> (Option<Vec<f32>>, Vec<f32>) {
     let (t, h, dk) = x.k.dims3().unwrap();
     let dv = x.v.dim(2).unwrap();
-    let mut input = bytes_i32(&[0, t as i32, h as i32, dk as i32, dv as i32, outputs as i32]);
-    input.extend(bytes_i32(
-        &parents.iter().map(|&p| p as i32).collect::<Vec<_>>(),
-    ));
-    input.extend(bytes_i32(
-        &kept_states(parents)
-            .iter()
-            .map(|&b| b as i32)
-            .collect::<Vec<_>>(),
-    ));
+    let mut input = tree_header(
+        &[0, t as i32, h as i32, dk as i32, dv as i32, outputs as i32],
+        parents,
+    );
     for a in [x.q, x.k, x.v, x.g, x.beta, state] {
         input.extend(bytes_f32(a));
     }
@@ -553,17 +563,10 @@ fn the_folded_commit_is_the_replay_then_the_forward() {
                 let (x, s0) = inputs(t, h, dk, dv, 90 + ti as u64);
                 let (px, _) = inputs(np.max(1), h, dk, dv, 120 + ti as u64);
                 let px: Vec<Tensor> = px.iter().map(|a| a.narrow(0, 0, np).unwrap()).collect();
-                let mut input =
-                    bytes_i32(&[7, t as i32, h as i32, dk as i32, dv as i32, np as i32]);
-                input.extend(bytes_i32(
-                    &parents.iter().map(|&p| p as i32).collect::<Vec<_>>(),
-                ));
-                input.extend(bytes_i32(
-                    &kept_states(parents)
-                        .iter()
-                        .map(|&b| b as i32)
-                        .collect::<Vec<_>>(),
-                ));
+                let mut input = tree_header(
+                    &[7, t as i32, h as i32, dk as i32, dv as i32, np as i32],
+                    parents,
+                );
                 for a in [&x[0], &x[1], &x[2], &x[3], &x[4]] {
                     input.extend(bytes_f32(a));
                 }

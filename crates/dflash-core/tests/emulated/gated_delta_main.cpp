@@ -83,15 +83,22 @@ static int conv_windows() {
     for (auto& o : out) put(o);
     return 0;
 }
+// a tree's rule inputs after its header: parents, kept flags, q, k, v, g, beta ([T, H, ·])
+struct TreeInputs {
+    std::vector<int> parents, keep;
+    std::vector<float> q, k, v, g, beta;
+    TreeInputs(int T, int H, int dv)
+        : parents(take<int>(T)), keep(take<int>(T)), q(take<float>((size_t)T * H * DK)),
+          k(take<float>((size_t)T * H * DK)), v(take<float>((size_t)T * H * dv)),
+          g(take<float>((size_t)T * H)), beta(take<float>((size_t)T * H)) {}
+};
 static int tree() {
     auto head = take<int>(5);
     int T = head[0], H = head[1], dk = head[2], dv = head[3], outputs = head[4];
     if (dk != DK) { fprintf(stderr, "dk %d but DK %d\n", dk, DK); return 2; }
-    auto parents = take<int>(T);
-    auto keep = take<int>(T);
-    auto q = take<float>((size_t)T * H * dk), k = take<float>((size_t)T * H * dk);
-    auto v = take<float>((size_t)T * H * dv);
-    auto g = take<float>((size_t)T * H), beta = take<float>((size_t)T * H);
+    TreeInputs x(T, H, dv);
+    auto &parents = x.parents, &keep = x.keep;
+    auto &q = x.q, &k = x.k, &v = x.v, &g = x.g, &beta = x.beta;
     auto state = take<float>((size_t)H * dk * dv);
     std::vector<float> out((size_t)T * H * dv, NAN), scratch((size_t)T * H * dk * dv, NAN),
         last((size_t)H * dk * dv, NAN);
@@ -115,11 +122,9 @@ static int fold() {
     auto head = take<int>(5);
     int T = head[0], H = head[1], dk = head[2], dv = head[3], np = head[4];
     if (dk != DK) { fprintf(stderr, "dk %d but DK %d\n", dk, DK); return 2; }
-    auto parents = take<int>(T);
-    auto keep = take<int>(T);
-    auto q = take<float>((size_t)T * H * dk), k = take<float>((size_t)T * H * dk);
-    auto v = take<float>((size_t)T * H * dv);
-    auto g = take<float>((size_t)T * H), beta = take<float>((size_t)T * H);
+    TreeInputs x(T, H, dv);
+    auto &parents = x.parents, &keep = x.keep;
+    auto &q = x.q, &k = x.k, &v = x.v, &g = x.g, &beta = x.beta;
     auto pk = take<float>((size_t)np * H * dk), pv = take<float>((size_t)np * H * dv);
     auto pg = take<float>((size_t)np * H), pb = take<float>((size_t)np * H);
     auto state = take<float>((size_t)H * dk * dv);
