@@ -6,7 +6,9 @@
 # bits. Then `bench decode` at Qwen3.6-27B bf16 2048 with the fold (`fold`) and without
 # (`nofold`), alternating:
 # the separate commit, the verify folding it against the verify alone, and the decode loops.
-# Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048), ROUNDS (10), VS (variants).
+# Part smolchunk (session 35): SmolLM2 bf16 512's trees on the row kernel's key splits forced to
+# 128 / 256 / 640 keys (DFLASH_TREE_CHUNK; the rule gives 64 there: ten splits and their combine).
+# Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk), ROUNDS (10), VS (variants).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
@@ -21,6 +23,7 @@ if has tests; then
 fi
 ROUNDS=${ROUNDS:-10}
 has bench && bench big "${VS:-fold nofold fold nofold}" "qwen3.6-27b:bf16:2048"
+has smolchunk && bench smolchunk "graphs treechunk128 treechunk256 treechunk640 graphs treechunk256" "smollm2-135m:bf16:512"
 has small && bench small "${VS:-fold nofold fold nofold}" "qwen3.5-4b:bf16:2048"
 for f in "$R"/*/bench-decode.jsonl; do
   [ -f "$f" ] && python3 - "$f" <<'PY'
