@@ -69,7 +69,7 @@ ROUNDS=${ROUNDS:-30}
 # exactwideall: --bit-exact with every 17–80-row call on the wide kernel (DFLASH_STREAM_WIDE_MIN_TILES=0, the rule before session 33: since then weights of fewer 16-output tiles than SMs take one narrow block per 16-row group);
 # exactrowsd64: --bit-exact without the row kernel (DFLASH_ATTN_ROWS=0: session 33 gave 64-wide heads the row kernel for --bit-exact's cached splits);
 # rowsd64 / rowsd64off: the default path with 64-wide heads' steps of 2+ rows on the row kernel (DFLASH_ATTN_ROWS_D64=2; session 33) / none of them (=0; the default since session 33, =1, is the steps of more than 16 rows: DDTree trees);
-# fold / nofold: hybrids with the state commit folded into the next step's rule kernels (DFLASH_GDN_FOLD=1; session 34, opt-in until run on a GPU) / as its own launches before it (=0, the default);
+# fold / nofold: hybrids with the state commit folded into the next step's rule kernels (DFLASH_GDN_FOLD=1; session 34; measured in session 35: ~0.04 ms a pending row at 27B, no loop faster — opt-in) / as its own launches before it (=0, the default);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}

@@ -14,7 +14,7 @@
 //! - [`SharedStepBuffers::tree`] holds the step's parents (rows `0..R`), kept-state flags
 //!   (rows `R..2R`) and the folded commit's pending count (word `2R`), copied from the step's
 //!   metadata at the start of each step (no upload).
-//! - The folded commit (CUDA, opt-in until a GPU run checks it: `DFLASH_GDN_FOLD=1` or
+//! - The folded commit (CUDA, opt-in — measured no faster in session 35: `DFLASH_GDN_FOLD=1` or
 //!   [`crate::SequenceCache::set_fold_commit`] turns it on): a chain replay pending from the last
 //!   step ([`crate::RecurrentCache::pending_step_chain`], at most [`FOLD_ROWS`] rows) is not
 //!   launched before the next step but done inside it — the step's prologue

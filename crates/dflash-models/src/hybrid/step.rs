@@ -12,7 +12,7 @@
 //!   write their rows' rule inputs there; the cache's commit replays the kept tokens into the
 //!   state buffers in place with the rule's one kernel, so the states are those of the host path
 //!   bit for bit, and the step never reads a host-made tensor. With the fold on (CUDA,
-//!   `DFLASH_GDN_FOLD=1`: opt-in until a GPU run checks it) the next step folds that replay in
+//!   `DFLASH_GDN_FOLD=1`: opt-in, measured slower in loops in session 35) the next step folds that replay in
 //!   (its metadata's last word counts the pending rows; the prologue moves the windows and copies
 //!   the inputs aside; each layer's rule kernel replays them before its rows: one read of the
 //!   state instead of two, no launch between steps).
