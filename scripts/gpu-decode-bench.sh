@@ -69,7 +69,6 @@ ROUNDS=${ROUNDS:-30}
 # exactwideall: --bit-exact with every 17–80-row call on the wide kernel (DFLASH_STREAM_WIDE_MIN_TILES=0, the rule before session 33: since then weights of fewer 16-output tiles than SMs take one narrow block per 16-row group);
 # exactrowsd64: --bit-exact without the row kernel (DFLASH_ATTN_ROWS=0: session 33 gave 64-wide heads the row kernel for --bit-exact's cached splits);
 # rowsd64 / rowsd64off: the default path with 64-wide heads' steps of 2+ rows on the row kernel (DFLASH_ATTN_ROWS_D64=2; session 33) / none of them (=0; the default since session 33, =1, is the steps of more than 16 rows: DDTree trees);
-# silubulk / nosilubulk: the MLP's activation computed inside the bulk kernel's long-K few-row down projection (DFLASH_SILU_BULK=1; session 35) / as its own kernel before it (=0);
 # fold / nofold: hybrids with the state commit folded into the next step's rule kernels (DFLASH_GDN_FOLD=1; session 34; measured in session 35: ~0.04 ms a pending row at 27B, no loop faster — opt-in) / as its own launches before it (=0, the default);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
 VARIANTS=${VARIANTS:-"plain fused graphs"}
@@ -159,7 +158,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    sbulk="" gfold="" wtiles="" rd64="" gheads="" finputs="" split="" bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    gfold="" wtiles="" rd64="" gheads="" finputs="" split="" bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -233,13 +232,11 @@ for spec in $SHAPES; do
       exactrowsd64) fused=1 graphs=1 stream=all arows=0;;
       rowsd64) fused=1 graphs=1 rd64=2;;
       rowsd64off) fused=1 graphs=1 rd64=0;;
-      silubulk) fused=1 graphs=1 sbulk=1;;
-      nosilubulk) fused=1 graphs=1 sbulk=0;;
       nofold) fused=1 graphs=1 gfold=0;;
       fold) fused=1 graphs=1 gfold=1;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_SILU_BULK=$sbulk DFLASH_GDN_FOLD=$gfold DFLASH_STREAM_WIDE_MIN_TILES=$wtiles DFLASH_ATTN_ROWS_D64=$rd64 DFLASH_GATED_HEADS=$gheads DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_GDN_FOLD=$gfold DFLASH_STREAM_WIDE_MIN_TILES=$wtiles DFLASH_ATTN_ROWS_D64=$rd64 DFLASH_GATED_HEADS=$gheads DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

@@ -427,41 +427,19 @@ pub fn stream_matmul(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Option<Ten
 
 /// The MLP's activation and down projection as one kernel: `bf16(silu(gate) · up) · wᵀ` for
 /// `gate_up = [gate | up]` (`[.., 2·K]` bf16, the fused gate-up projection's output) and `w`
-/// `[N, K]` — the same numbers as `decode_ops::silu_mul` followed by [`stream_matmul`]; `None` where
-/// the two-kernel path runs. Under [`silu_into_bulk`] the calls [`bulk_large_k`] gives the bulk
-/// kernel (the few-row down projections of Qwen3-8B- and Qwen3.6-27B-sized MLPs, K ≥ 8,192: 256+
-/// blocks, each computing only its warps' chunks of the activations; session 35); every streamed
-/// call under `DFLASH_SILU_EPILOGUE=1` (read once). On the narrow kernel every block
-/// computes the activations of all of `K` for its 16 outputs where the two-kernel path computes them
-/// once: measured on an H100 (session 25), the two kernels take SmolLM2's AR step 0.94 → 0.85 ms and
-/// its 16-row verify 1.26 → 1.09, and cost nothing at the Qwen3.5-4B and Qwen3.6-27B shapes.
+/// `[N, K]` — the same numbers as `decode_ops::silu_mul` followed by [`stream_matmul`]. Opt-in,
+/// `DFLASH_SILU_EPILOGUE=1` (read once); `None` otherwise, or when the policy or the kernel leaves
+/// the call to the two-kernel path. Every block of the fused kernel computes the activations of all
+/// of `K` for its 16 outputs where the two-kernel path computes them once: measured on an H100
+/// (session 25), the two kernels take SmolLM2's AR step 0.94 → 0.85 ms and its 16-row verify
+/// 1.26 → 1.09, and cost nothing at the Qwen3.5-4B and Qwen3.6-27B shapes.
 pub fn stream_silu_matmul(gate_up: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var("DFLASH_SILU_EPILOGUE").as_deref() == Ok("1")) {
-        return run(gate_up, w, Epilogue::Silu, true);
+    if !*ON.get_or_init(|| std::env::var("DFLASH_SILU_EPILOGUE").as_deref() == Ok("1")) {
+        return Ok(None);
     }
-    let rows = gate_up.elem_count() / gate_up.dim(candle_core::D::Minus1)?.max(1);
-    if silu_into_bulk() && bulk_large_k(rows, w).is_some() {
-        return run(gate_up, w, Epilogue::Silu, true);
-    }
-    Ok(None)
+    run(gate_up, w, Epilogue::Silu, true)
 }
-
-/// Whether the MLP's activation rides in the bulk kernel's down projection where
-/// [`bulk_large_k`] takes that call (see [`stream_silu_matmul`]): `DFLASH_SILU_BULK=1` / `=0`
-/// (read once), else [`SILU_INTO_BULK_BY_DEFAULT`]. The same bits either way.
-pub fn silu_into_bulk() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("DFLASH_SILU_BULK").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => SILU_INTO_BULK_BY_DEFAULT,
-    })
-}
-
-/// [`silu_into_bulk`] without the override: off until a GPU run has checked its bits and timed
-/// it (built in session 35).
-pub const SILU_INTO_BULK_BY_DEFAULT: bool = false;
 
 /// [`stream_matmul`] whatever the policy (`None` only where the kernel cannot run): for tests and
 /// callers that need the row-invariant numbers.
@@ -508,7 +486,7 @@ pub fn stream_matmul_bulk_always(
             return Ok(None);
         }
         let x = x.contiguous()?;
-        return crate::stream_gemm_bulk::matmul(&x, w, out_epilogue(f32_out), variant);
+        return crate::stream_gemm_bulk::matmul(&x, w, f32_out, variant);
     }
     let _ = (x, w, f32_out, variant);
     Ok(None)
@@ -517,32 +495,6 @@ pub fn stream_matmul_bulk_always(
 /// [`stream_silu_matmul`] whatever the policy.
 pub fn stream_silu_matmul_always(gate_up: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     run(gate_up, w, Epilogue::Silu, false)
-}
-
-/// [`stream_silu_matmul`] on the bulk-copy kernel with stage shape `variant` (one of
-/// [`BULK_VARIANTS`]), whatever the policy: `None` where it cannot run (see
-/// [`stream_matmul_bulk_always`]). For tests: its outputs must be `silu_mul`'s then the narrow
-/// kernel's, bit for bit.
-pub fn stream_silu_matmul_bulk_always(
-    gate_up: &Tensor,
-    w: &Tensor,
-    variant: (usize, usize),
-) -> Result<Option<Tensor>> {
-    #[cfg(feature = "cuda")]
-    if gate_up.device().is_cuda() && gate_up.dtype() == DType::BF16 && w.dtype() == DType::BF16 {
-        let (m, width) = gate_up.dims2()?;
-        let (_, k) = w.dims2()?;
-        if m == 0 || m > STREAM_MAX_ROWS || width != 2 * k || !k.is_multiple_of(64) {
-            return Ok(None);
-        }
-        if !w.is_contiguous() {
-            return Ok(None);
-        }
-        let x = gate_up.contiguous()?;
-        return crate::stream_gemm_bulk::matmul(&x, w, Epilogue::Silu, variant);
-    }
-    let _ = (gate_up, w, variant);
-    Ok(None)
 }
 
 /// Whether a residual add and the RMSNorm after it run as the prologue of the projection that

@@ -10,10 +10,6 @@
 // 8·t4 and + 32), fed to the same four mma per row tile, the warps' partials added in warp order —
 // so every output is bit-identical to stream_gemm_m{8,16}_*, whatever the stage size.
 // Needs compute 9.0 (cp.async.bulk, mbarrier expect_tx / try_wait).
-// The _silu entries (ACT) take x = [gate | up] rows of width 2·K (the fused gate-up projection)
-// and feed bf16(silu(gate) · up) through stream_gemm.cu's sg_silu8 — the narrow _silu kernels' and
-// decode_kernels.cu's silu_mul's arithmetic — so the MLP's down projection on this kernel needs no
-// activation kernel before it, and its outputs are silu_mul's then this GEMM's, bit for bit.
 #ifndef SGB_PAD
 #define SGB_PAD 64  // bytes after each row of a stage: rows g and g + 1 land on different banks
 #endif
@@ -53,15 +49,14 @@ __device__ __forceinline__ void sgb_copy(void* dst, const void* src, unsigned by
 }
 
 // SPAN: elements of each of the 16 rows a stage holds (a multiple of 64); NST: stages in flight
-template <int MT, int SPAN, int NST, bool ACT, typename O>
+template <int MT, int SPAN, int NST, typename O>
 __device__ void stream_gemm_bulk(const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw,
                                  O* y) {
-  const long long xs = ACT ? 2LL * K : (long long)K;  // elements between x rows
   constexpr int ROWB = SPAN * 2 + SGB_PAD;  // bytes of a row in a stage
   extern __shared__ __align__(128) unsigned char sgb_buf[];  // [NST][16][ROWB]
   __shared__ __align__(8) unsigned long long full[NST], empty[NST];
   __shared__ float part[SG_MAX_KW][16][16];
-  x += (long long)blockIdx.y * 16 * xs;
+  x += (long long)blockIdx.y * 16 * K;
   y += (long long)blockIdx.y * 16 * N;
   M = min(16, M - 16 * (int)blockIdx.y);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -98,7 +93,7 @@ __device__ void stream_gemm_bulk(const bf16_t* x, const bf16_t* w, int M, int N,
     for (int t = 0; t < MT; ++t) {
       const int m = 8 * t + g;
       xok[t] = m < M;
-      xr[t] = x + (long long)(xok[t] ? m : 0) * xs + 8 * t4;
+      xr[t] = x + (long long)(xok[t] ? m : 0) * K + 8 * t4;
     }
     float acc[MT][4];
     for (int t = 0; t < MT; ++t)
@@ -120,16 +115,8 @@ __device__ void stream_gemm_bulk(const bf16_t* x, const bf16_t* w, int M, int N,
         ch.w1[1] = *(const uint4*)(tile + (g + 8) * ROWB + kk + 64);
         const int k = c << 6;
         for (int t = 0; t < MT; ++t) {
-          if (!xok[t]) {
-            ch.x[t][0] = make_uint4(0, 0, 0, 0);
-            ch.x[t][1] = make_uint4(0, 0, 0, 0);
-          } else if (ACT) {
-            ch.x[t][0] = sg_silu8(xr[t] + k, K);
-            ch.x[t][1] = sg_silu8(xr[t] + k + 32, K);
-          } else {
-            ch.x[t][0] = *(const uint4*)(xr[t] + k);
-            ch.x[t][1] = *(const uint4*)(xr[t] + k + 32);
-          }
+          ch.x[t][0] = xok[t] ? *(const uint4*)(xr[t] + k) : make_uint4(0, 0, 0, 0);
+          ch.x[t][1] = xok[t] ? *(const uint4*)(xr[t] + k + 32) : make_uint4(0, 0, 0, 0);
         }
         sg_compute<MT>(acc, ch);
       }
@@ -146,17 +133,12 @@ __device__ void stream_gemm_bulk(const bf16_t* x, const bf16_t* w, int M, int N,
   extern "C" __global__ void stream_gemm_bulk_m##MT##_s##SPAN##_n##NST##_bf16(                  \
       const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, bf16_t* y) {               \
     PDL_ENTRY();                                                                                \
-    stream_gemm_bulk<MT, SPAN, NST, false>(x, w, M, N, K, kw, y);                               \
+    stream_gemm_bulk<MT, SPAN, NST>(x, w, M, N, K, kw, y);                                      \
   }                                                                                             \
   extern "C" __global__ void stream_gemm_bulk_m##MT##_s##SPAN##_n##NST##_f32out(                \
       const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, float* y) {                \
     PDL_ENTRY();                                                                                \
-    stream_gemm_bulk<MT, SPAN, NST, false>(x, w, M, N, K, kw, y);                               \
-  }                                                                                             \
-  extern "C" __global__ void stream_gemm_bulk_silu_m##MT##_s##SPAN##_n##NST##_bf16(             \
-      const bf16_t* x, const bf16_t* w, int M, int N, int K, int kw, bf16_t* y) {               \
-    PDL_ENTRY();                                                                                \
-    stream_gemm_bulk<MT, SPAN, NST, true>(x, w, M, N, K, kw, y);                                \
+    stream_gemm_bulk<MT, SPAN, NST>(x, w, M, N, K, kw, y);                                      \
   }
 SGB(1, 256, 4)
 SGB(1, 512, 3)

@@ -10,15 +10,9 @@
 //!   So switching it on or off never changes a row's numbers, only where its bytes come from.
 //! - Used only on devices of compute 9.0 and up, with the shared-memory attribute set per
 //!   (device, kernel) before the first launch; anything else falls back to the narrow kernel.
-//! - Which calls take it is the caller's choice (`stream_gemm::bulk_fetch`, read once;
-//!   `stream_gemm::bulk_large_k`, and for the MLP's down projection with its activation folded in,
-//!   `stream_gemm::stream_silu_matmul`).
-//! - The `_silu` entries read `[gate | up]` rows and feed `bf16(silu(gate) · up)` with
-//!   `decode_ops::silu_mul`'s arithmetic: their outputs are `silu_mul` then this kernel's, bit for
-//!   bit (GPU test `bulk_silu_matmul_equals_silu_mul_then_the_gemm`).
+//! - Which calls take it is the caller's choice (`stream_gemm::bulk_fetch`, read once).
 
 use crate::step_cuda::address;
-use crate::stream_gemm::Epilogue;
 use crate::Result;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts;
@@ -70,23 +64,17 @@ pub(crate) fn runs_on(t: &Tensor) -> bool {
     }
 }
 
-/// `x · wᵀ` on the bulk kernel with stage shape `variant` (`x` `[m, k]` contiguous bf16 — `[m, 2k]`
-/// `[gate | up]` for [`Epilogue::Silu`], which feeds `bf16(silu(gate) · up)` —, `w` `[n, k]`
-/// contiguous bf16, `k % 64 == 0`, 16-byte aligned; the caller checked these), bf16 or f32 out;
-/// `None` where the device cannot run it.
+/// `x · wᵀ` on the bulk kernel with stage shape `variant` (`x` `[m, k]` contiguous bf16, `w`
+/// `[n, k]` contiguous bf16, `k % 64 == 0`, 16-byte aligned; the caller checked these), bf16 or
+/// f32 out; `None` where the device cannot run it.
 pub(crate) fn matmul(
     x: &Tensor,
     w: &Tensor,
-    epilogue: Epilogue,
+    f32_out: bool,
     variant: (usize, usize),
 ) -> Result<Option<Tensor>> {
-    let (m, width) = x.dims2()?;
-    let (n, k) = w.dims2()?;
-    let silu = epilogue == Epilogue::Silu;
-    if width != if silu { 2 * k } else { k } {
-        return Ok(None);
-    }
-    let f32_out = epilogue == Epilogue::F32;
+    let (m, k) = x.dims2()?;
+    let (n, _) = w.dims2()?;
     let (xp, dev) = address(x, "stream_matmul_bulk x")?;
     let (wp, _) = address(w, "stream_matmul_bulk w")?;
     if !capable(&dev) || !VARIANTS.contains(&variant) {
@@ -100,8 +88,7 @@ pub(crate) fn matmul(
     let warps = crate::stream_gemm::k_warps(n, k);
     let (span, nst) = variant;
     let name = format!(
-        "stream_gemm_bulk_{}m{}_s{span}_n{nst}_{}",
-        if silu { "silu_" } else { "" },
+        "stream_gemm_bulk_m{}_s{span}_n{nst}_{}",
         if m <= 8 { 1 } else { 2 },
         if f32_out { "f32out" } else { "bf16" }
     );

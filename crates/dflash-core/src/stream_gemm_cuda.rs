@@ -70,17 +70,13 @@ pub(crate) fn stream_matmul(x: &Tensor, w: &Tensor, epilogue: Epilogue) -> Resul
             return Ok(Some(y));
         }
     }
-    // narrow calls with the weight's tiles brought in by the copy engine (the same bits); the
-    // activation folded in only for the long-K few-row calls (`stream_gemm::stream_silu_matmul`)
-    if !wide && !tiled {
-        let variant = match epilogue {
-            Epilogue::Silu => crate::stream_gemm::bulk_large_k(m, w),
-            _ => {
-                crate::stream_gemm::bulk_fetch().or_else(|| crate::stream_gemm::bulk_large_k(m, w))
-            }
-        };
-        if let Some(variant) = variant {
-            if let Some(y) = crate::stream_gemm_bulk::matmul(&x, w, epilogue, variant)? {
+    // narrow calls with the weight's tiles brought in by the copy engine (the same bits)
+    if !wide && !tiled && epilogue != Epilogue::Silu {
+        if let Some(variant) =
+            crate::stream_gemm::bulk_fetch().or_else(|| crate::stream_gemm::bulk_large_k(m, w))
+        {
+            let f32_out = epilogue == Epilogue::F32;
+            if let Some(y) = crate::stream_gemm_bulk::matmul(&x, w, f32_out, variant)? {
                 return Ok(Some(y));
             }
         }

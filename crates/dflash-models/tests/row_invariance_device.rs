@@ -439,53 +439,6 @@ fn bulk_weight_fetch_gives_the_narrow_kernels_bits() {
     }
 }
 
-/// The MLP's activation folded into the bulk kernel's down projection (the default for few-row
-/// calls of a long K, `stream_gemm::stream_silu_matmul`) gives `silu_mul` then the narrow kernel's
-/// outputs bit for bit, at every stage shape and for 1–16 rows, and the policy's call takes it at
-/// 1–4 rows (Qwen3-8B's down projection: K 12,288, N 4,096). CUDA only; skipped (returns) on
-/// devices older than compute 9.0, where the bulk kernels never run.
-#[test]
-fn bulk_silu_matmul_equals_silu_mul_then_the_gemm() {
-    use dflash_core::stream_gemm::{
-        stream_matmul_always, stream_silu_matmul, stream_silu_matmul_bulk_always, BULK_VARIANTS,
-    };
-    let dev = device();
-    if !dev.is_cuda() {
-        return;
-    }
-    let (inter, n) = (12288, 4096);
-    let gate_up = randn_bf16(2.0, (16, 2 * inter), &dev);
-    let w = randn_bf16(0.05, (n, inter), &dev);
-    let act = dflash_core::decode_ops::silu_mul(&gate_up).unwrap();
-    // 16 rows: the narrow kernel (the bulk kernel takes ≤ 4-row calls by policy)
-    let want = stream_matmul_always(&act, &w, false).unwrap().unwrap();
-    for rows in [1usize, 2, 4, 9, 16] {
-        let part = gate_up.narrow(0, 16 - rows, rows).unwrap();
-        let want = want.narrow(0, 16 - rows, rows).unwrap();
-        for variant in BULK_VARIANTS {
-            let Some(got) = stream_silu_matmul_bulk_always(&part, &w, variant).unwrap() else {
-                return; // an older device: no bulk kernels
-            };
-            assert_eq!(got.dims(), want.dims());
-            assert_eq!(
-                max_abs(&got, &want),
-                0.0,
-                "{rows} rows, stage shape {variant:?}"
-            );
-        }
-        let off = |v: &str| std::env::var(v).as_deref() == Ok("0");
-        let policy_folds = dflash_core::stream_gemm::silu_into_bulk()
-            && !off("DFLASH_STREAM_BULK_LARGE_K")
-            && !off("DFLASH_STREAM_GEMM");
-        if rows <= 4 && policy_folds {
-            let got = stream_silu_matmul(&part, &w)
-                .unwrap()
-                .expect("the policy folds the activation into few-row long-K calls");
-            assert_eq!(max_abs(&got, &want), 0.0, "{rows} rows, the policy's call");
-        }
-    }
-}
-
 /// The split kernel (`DFLASH_STREAM_SPLIT`: the kw partial sums over blocks, the tile's last block
 /// adding them in order) gives the narrow kernel's outputs bit for bit at every x-tile width (1–16,
 /// 17–32, 33–64, 65–80 rows and 80-row tiles past that): the shared test shapes (partial weight
