@@ -362,7 +362,13 @@ pub fn sample_rows(
     }
     #[cfg(feature = "cuda")]
     if l.device().is_cuda() {
-        return crate::decode_ops_cuda::sample_rows(&l.contiguous()?, temperature, top_k, top_p, u);
+        return crate::decode_sampling_cuda::sample_rows(
+            &l.contiguous()?,
+            temperature,
+            top_k,
+            top_p,
+            u,
+        );
     }
     let host: Vec<Vec<f32>> = l.to_device(&Device::Cpu)?.to_vec2()?;
     Ok(host

@@ -21,7 +21,7 @@ const SOURCE: &str = concat!(
     include_str!("decode_layer_kernels.cu")
 );
 pub(crate) const MODULE: &str = "dflash_decode_kernels";
-const TPB: u32 = 1024;
+pub(crate) const TPB: u32 = 1024;
 
 pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
@@ -38,7 +38,7 @@ pub(crate) fn ptx() -> Result<&'static str> {
 }
 
 /// The contiguous elements of an input (anything strided is an error, never a misread).
-fn slice_of<
+pub(crate) fn slice_of<
     'a,
     T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
 >(
@@ -52,7 +52,7 @@ fn slice_of<
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
-fn not_on_cpu<T>(name: &str) -> Result<T> {
+pub(crate) fn not_on_cpu<T>(name: &str) -> Result<T> {
     candle_core::bail!("{name}: the CUDA op was called on a CPU tensor")
 }
 
@@ -542,64 +542,6 @@ impl CustomOp1 for SiluMul {
 /// `silu(gate) · up` for `x = [gate | up]` along the last dimension.
 pub(crate) fn silu_mul(x: &Tensor) -> crate::Result<Tensor> {
     Ok(x.contiguous()?.apply_op1_no_bwd(&SiluMul)?)
-}
-
-struct SampleRows<'a> {
-    inv_t: f32,
-    top_k: i32,
-    top_p: f32,
-    u: &'a [f32],
-}
-impl CustomOp1 for SampleRows<'_> {
-    fn name(&self) -> &'static str {
-        "sample-rows"
-    }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let (rows, vocab) = l.shape().dims2()?;
-        let dev = s.device().clone();
-        let x = slice_of::<f32>(s, l, "decode kernels")?;
-        let u = dev.clone_htod(self.u)?;
-        // SAFETY: exactly one thread of each row's block writes its id.
-        let out = unsafe { dev.alloc::<u32>(rows)? };
-        let f = dev.get_or_load_custom_func("sample_rows", MODULE, ptx()?)?;
-        crate::pdl::mark(&f);
-        let mut b = f.builder();
-        let v = vocab as i32;
-        b.arg(&x)
-            .arg(&v)
-            .arg(&self.inv_t)
-            .arg(&self.top_k)
-            .arg(&self.top_p)
-            .arg(&u)
-            .arg(&out);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (TPB, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments match the kernel's signature; one block per row.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
-    }
-}
-
-pub(crate) fn sample_rows(
-    logits: &Tensor,
-    temperature: f32,
-    top_k: usize,
-    top_p: f32,
-    u: &[f32],
-) -> crate::Result<Vec<u32>> {
-    let op = SampleRows {
-        inv_t: 1.0 / temperature,
-        top_k: top_k.min(i32::MAX as usize) as i32,
-        top_p,
-        u,
-    };
-    Ok(logits.apply_op1_no_bwd(&op)?.to_vec1()?)
 }
 
 /// Inputs: `y` `[n, (h + 2·kv)·hd]`, `cs` = cos then sin `[2·n, rot/2]`, `norms` = q_norm then

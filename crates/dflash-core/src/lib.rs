@@ -14,6 +14,8 @@ pub mod cross_entropy;
 pub mod decode_ops;
 #[cfg(feature = "cuda")]
 mod decode_ops_cuda;
+#[cfg(feature = "cuda")]
+mod decode_sampling_cuda;
 pub mod device;
 pub mod error;
 pub mod flash_block;
