@@ -253,21 +253,45 @@ fn push(ops: &mut Vec<Op>, key: String, label: String, t: Timing) {
     ops.push(Op { key, label, t });
 }
 
-/// [`folded_commit`]'s pair under `{commit}_folding` / `{commit}_alone`: the
-/// verify (`what`) that folds the commit in, and the same with nothing pending.
-fn push_fold_pair(ops: &mut Vec<Op>, commit: &str, what: &str, folding: Timing, alone: Timing) {
-    push(
-        ops,
-        format!("{commit}_folding"),
-        format!("{what}, folding the commit in"),
-        folding,
-    );
-    push(
-        ops,
-        format!("{commit}_alone"),
-        format!("{what}, nothing pending"),
-        alone,
-    );
+/// A hybrid's state commit rows under `key` after a verify of `block` (`tree`: of that tree, its
+/// accepted path kept): the separate commit (`label`) and the host's share of it
+/// ([`state_commit`]); where the cache folds commits into the next step (hybrids on CUDA with the
+/// fold on), the verify (`verify`) that folds it in against the same verify with nothing pending
+/// ([`folded_commit`]: `{key}_folding` / `{key}_alone` — the commit's cost is the difference).
+/// Nothing for attention-only targets.
+fn push_commit_rows(
+    ops: &mut Vec<Op>,
+    target: &dyn TargetModel,
+    (ids, block, taps): (&[u32], &[u32], &[usize]),
+    tree: Option<&DraftTree>,
+    rounds: (usize, usize),
+    key: &str,
+    (label, verify): (String, &str),
+) -> Result<()> {
+    if let Some((t, submit)) = state_commit(target, ids, block, tree, taps, rounds, key)? {
+        push(ops, key.into(), label, t);
+        push(
+            ops,
+            format!("{key}_submit"),
+            "  of which host until submitted".into(),
+            submit,
+        );
+    }
+    if let Some((folding, alone)) = folded_commit(target, ids, block, tree, taps, rounds)? {
+        push(
+            ops,
+            format!("{key}_folding"),
+            format!("{verify}, folding the commit in"),
+            folding,
+        );
+        push(
+            ops,
+            format!("{key}_alone"),
+            format!("{verify}, nothing pending"),
+            alone,
+        );
+    }
+    Ok(())
 }
 
 pub fn run(a: DecodeArgs) -> Result<()> {
@@ -454,41 +478,18 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // hybrids: the state commit after that verify — half the block accepted, every Gated
     // DeltaNet layer's state made that of exactly the kept tokens (replayed), timed alone
-    if let Some((t, submit)) = state_commit(
+    push_commit_rows(
+        &mut ops,
         target,
-        &ids,
-        &block,
+        (&ids, &block, &taps),
         None,
-        &taps,
         (a.warmup, a.rounds),
         "state_commit",
-    )? {
-        push(
-            &mut ops,
-            "state_commit".into(),
+        (
             format!("state commit ({} of {} kept)", block.len() / 2, block.len()),
-            t,
-        );
-        push(
-            &mut ops,
-            "state_commit_submit".into(),
-            "  of which host until submitted".into(),
-            submit,
-        );
-    }
-    // where the next step folds that commit in (hybrids on CUDA): the verify that does, against
-    // the same verify with nothing pending — the commit's cost is the difference
-    if let Some((folding, alone)) =
-        folded_commit(target, &ids, &block, None, &taps, (a.warmup, a.rounds))?
-    {
-        push_fold_pair(
-            &mut ops,
-            "state_commit",
             &format!("verify {chain}"),
-            folding,
-            alone,
-        );
-    }
+        ),
+    )?;
 
     // verify of DDTree trees, as spec.rs's DDTree step (compaction included)
     let mut tree_info = Map::new();
@@ -523,39 +524,19 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     // records' path gathered, then replayed), timed alone
     if widths.contains(&64) {
         let tree = tree_from_draft_logits(&draft_logits, bonus, 64)?;
-        if let Some((t, submit)) = state_commit(
+        let kept = accepted_path(&tree).len();
+        push_commit_rows(
+            &mut ops,
             target,
-            &ids,
-            &block,
+            (&ids, &block, &taps),
             Some(&tree),
-            &taps,
             (a.warmup, a.rounds),
             "tree_commit",
-        )? {
-            let kept = accepted_path(&tree).len();
-            push(
-                &mut ops,
-                "tree_commit".into(),
+            (
                 format!("state commit, tree64 path ({kept} kept)"),
-                t,
-            );
-            push(
-                &mut ops,
-                "tree_commit_submit".into(),
-                "  of which host until submitted".into(),
-                submit,
-            );
-        }
-        if let Some((folding, alone)) = folded_commit(
-            target,
-            &ids,
-            &block,
-            Some(&tree),
-            &taps,
-            (a.warmup, a.rounds),
-        )? {
-            push_fold_pair(&mut ops, "tree_commit", "verify tree64", folding, alone);
-        }
+                "verify tree64",
+            ),
+        )?;
     }
 
     // one drafter block after NEW_CTX newly committed positions
