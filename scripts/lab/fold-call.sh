@@ -8,7 +8,11 @@
 # the separate commit, the verify folding it against the verify alone, and the decode loops.
 # Part smolchunk (session 35): SmolLM2 bf16 512's trees on the row kernel's key splits forced to
 # 128 / 256 / 640 keys (DFLASH_TREE_CHUNK; the rule gives 64 there: ten splits and their combine).
-# Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk), ROUNDS (10), VS (variants).
+# Session 36: the fold's pending tokens staged in shared memory (default; `foldglobal` walks them
+# from global memory as before) — VS="fold foldglobal nofold …"; part launch: the host's time to
+# queue two small kernels through PyTorch right after a synchronisation (is this machine's launch
+# slow, or our commit's host work?).
+# Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk; launch), ROUNDS (10), VS (variants).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
@@ -20,6 +24,32 @@ if has tests; then
   echo "== rule kernels' bits $(el)"
   DFLASH_TEST_DEVICE=cuda timeout 90 /tmp/bin/decode_ops_device --test-threads 1 gated_delta 2>&1 | show "^test |result|panicked"
   echo "== tests done $(el)"
+fi
+if has launch; then
+  echo "== host time to queue kernels after a synchronisation (PyTorch) $(el)"
+  python3 - <<'PY'
+import time, statistics, torch
+x = torch.zeros(1 << 20, device="cuda")
+for _ in range(20):
+    x.add_(1)
+torch.cuda.synchronize()
+for n in (1, 2, 8):
+    after_sync, busy = [], []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        after_sync.append(time.perf_counter() - t0)
+    for _ in range(200):  # queued behind earlier work (the GPU busy)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        busy.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    med = lambda v: 1e6 * statistics.median(v)
+    print(f"{n} launches: {med(after_sync):.1f} us after a sync, {med(busy):.1f} us queued behind work")
+PY
 fi
 ROUNDS=${ROUNDS:-10}
 has bench && bench big "${VS:-fold nofold fold nofold}" "qwen3.6-27b:bf16:2048"
@@ -36,7 +66,9 @@ for l in open(sys.argv[1]):
     g = lambda k: r.get(k)
     print(r["shape"], r["variant"], "AR", g("ar_step_ms"), "chain16", v.get("chain16"), "tree64", v.get("tree64"),
           "loops", lp, "commit", g("state_commit_ms"), "folded", g("state_commit_folded_ms"),
-          "tree commit", g("tree_commit_ms"), "tree folded", g("tree_commit_folded_ms"))
+          "tree commit", g("tree_commit_ms"), "tree folded", g("tree_commit_folded_ms"),
+          "submit/keep", g("state_commit_submit_ms"), g("state_commit_keep_ms"),
+          "tree submit/keep", g("tree_commit_submit_ms"), g("tree_commit_keep_ms"))
     for s in r.get("stats", []) if isinstance(r.get("stats"), list) else []:
         pass
 PY

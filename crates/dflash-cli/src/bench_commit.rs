@@ -107,7 +107,8 @@ impl<'a> CommitBench<'a> {
 /// verifies after the kept half. (A state settled in place — the hybrid device step's buffers —
 /// cannot be cropped back into the verify it ended, so the rounds move on instead of returning
 /// to the context.) Also the host's share: the time until `settle_recurrent` returns, its kernels
-/// queued (the rest is the device's). `None` for attention-only targets.
+/// queued (the rest is the device's), and of that the crop or path compaction's (the rest is the
+/// settling's). `None` for attention-only targets.
 ///
 /// With `tree`, the verify is of that tree instead and the kept rows are `tree`'s accepted path
 /// (`SequenceCache::keep_rows`, then `settle_recurrent`, timed together).
@@ -122,7 +123,7 @@ pub(crate) fn state_commit(
     taps: &[usize],
     (warmup, timed): (usize, usize),
     profile_key: &str,
-) -> Result<Option<(Timing, Timing)>> {
+) -> Result<Option<[Timing; 3]>> {
     use dflash_core::LayerCache;
     let bench = CommitBench::new(target, block, tree, taps);
     let rounds = warmup + timed;
@@ -136,24 +137,26 @@ pub(crate) fn state_commit(
     }
     bench.prefill(&mut cache, ids)?;
     let dev = cache.device().clone();
-    let (mut v, mut submit) = (vec![], vec![]);
+    let (mut v, mut submit, mut kept) = (vec![], vec![], vec![]);
     for round in 0..rounds {
         let base = bench.verify(&mut cache)?;
         dev.synchronize()?;
-        let (queued, t0) = in_profile(profile_key, || {
+        let (keep, queued, t0) = in_profile(profile_key, || {
             let t0 = Instant::now();
             bench.keep(&mut cache, base)?;
+            let keep = t0.elapsed().as_secs_f64();
             cache.settle_recurrent()?;
             let queued = t0.elapsed().as_secs_f64();
             dev.synchronize()?;
-            Ok((queued, t0))
+            Ok((keep, queued, t0))
         })?;
         if round >= warmup {
             v.push(t0.elapsed().as_secs_f64());
             submit.push(queued);
+            kept.push(keep);
         }
     }
-    Ok(Some((Timing::of(v), Timing::of(submit))))
+    Ok(Some([Timing::of(v), Timing::of(submit), Timing::of(kept)]))
 }
 
 /// The folded state commit's cost, for a target whose cache folds it (hybrids on CUDA with the

@@ -254,8 +254,8 @@ fn push(ops: &mut Vec<Op>, key: String, label: String, t: Timing) {
 }
 
 /// A hybrid's state commit rows under `key` after a verify of `block` (`tree`: of that tree, its
-/// accepted path kept): the separate commit (`label`) and the host's share of it
-/// ([`state_commit`]); where the cache folds commits into the next step (hybrids on CUDA with the
+/// accepted path kept): the separate commit (`label`), the host's share of it and of that the
+/// crop or path compaction's ([`state_commit`]); where the cache folds commits into the next step (hybrids on CUDA with the
 /// fold on), the verify (`verify`) that folds it in against the same verify with nothing pending
 /// ([`folded_commit`]: `{key}_folding` / `{key}_alone` — the commit's cost is the difference).
 /// Nothing for attention-only targets.
@@ -268,13 +268,19 @@ fn push_commit_rows(
     key: &str,
     (label, verify): (String, &str),
 ) -> Result<()> {
-    if let Some((t, submit)) = state_commit(target, ids, block, tree, taps, rounds, key)? {
+    if let Some([t, submit, keep]) = state_commit(target, ids, block, tree, taps, rounds, key)? {
         push(ops, key.into(), label, t);
         push(
             ops,
             format!("{key}_submit"),
             "  of which host until submitted".into(),
             submit,
+        );
+        push(
+            ops,
+            format!("{key}_keep"),
+            "    of which the crop / path compaction".into(),
+            keep,
         );
     }
     if let Some((folding, alone)) = folded_commit(target, ids, block, tree, taps, rounds)? {

@@ -177,6 +177,14 @@ pub(crate) fn fold_supported() -> bool {
     matches!(rule_kernel(), RuleKernel::OneLane | RuleKernel::FourLanes)
 }
 
+/// Whether the four-lane fold kernel stages the pending tokens in shared memory (the default;
+/// `gated_delta_pending_staged`: the same bits) — `DFLASH_GDN_FOLD_STAGE=0` walks them from
+/// global memory (documented override for A/B runs, read once).
+fn fold_staged() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_GDN_FOLD_STAGE").map_or(true, |v| v.trim() != "0"))
+}
+
 /// One layer's device-step rule ([`launch_table`], `layers` = 1) with the last verify's commit
 /// folded in: `fold` is the layer's table of [`upload_fold_table`] (its pending inputs and the
 /// step's pending count, which may be 0). Only where [`fold_supported`].
@@ -248,6 +256,10 @@ fn launch_rule(
         b.arg(fp);
     }
     b.arg(&ti).arg(&hi).arg(&dvi);
+    let staged = i32::from(fold_staged());
+    if fold.is_some() {
+        b.arg(&staged);
+    }
     // SAFETY: the table holds, per layer, device addresses of live contiguous tensors of the sizes
     // the kernel reads and writes (or 0 where the kernel checks for null); `table` outlives the
     // launch on this stream.

@@ -158,12 +158,75 @@ __device__ __forceinline__ float rule_sum4(float p) {
     const float x = p + __shfl_xor_sync(0xffffffffu, p, 8);
     return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
+// The folded commit's pending tokens staged (the fold kernel's default; `DFLASH_GDN_FOLD_STAGE=0`
+// walks them from global memory as above): FOLD_CHUNK tokens at a time, the warp loads their keys
+// (head h), its 8 value columns, decays and strengths into shared memory `stage` with every load
+// in flight — issued right behind the state column's loads — then walks them from shared memory.
+// Unstaged, each pending token waited on its own global loads in the serial walk (~0.8 µs a
+// token a layer at Qwen3.6-27B, session 35). The same floats in the same order: the same bits.
+#ifndef FOLD_CHUNK
+#define FOLD_CHUNK 8
+#endif
+#define FOLD_STAGE_FLOATS (FOLD_CHUNK * DK + FOLD_CHUNK * 8 + 2 * FOLD_CHUNK)
+__device__ __forceinline__ void gated_delta_pending_staged(
+    float* s, float* stage, const float* __restrict__ pk, const float* __restrict__ pv,
+    const float* __restrict__ pg, const float* __restrict__ pb, int np, int H, int dv, int h,
+    int j, int t) {
+    const int lane = threadIdx.x, j0 = j - (lane & 7);
+    float* sk = stage;
+    float* sv = sk + FOLD_CHUNK * DK;
+    float* sg = sv + FOLD_CHUNK * 8;
+    float* sb = sg + FOLD_CHUNK;
+#pragma unroll 1
+    for (int c0 = 0; c0 < np; c0 += FOLD_CHUNK) {
+        const int cn = np - c0 < FOLD_CHUNK ? np - c0 : FOLD_CHUNK;
+        __syncwarp();  // the last chunk's reads are done
+        // every load of the chunk issued before any store (a fixed count a lane, predicated)
+        float kx[FOLD_CHUNK * DK / 32];
+#pragma unroll
+        for (int u = 0; u < FOLD_CHUNK * DK / 32; ++u) {
+            const int e = lane + 32 * u;
+            kx[u] = e < cn * DK ? pk[((size_t)(c0 + e / DK) * H + h) * DK + e % DK] : 0.0f;
+        }
+        float vx[FOLD_CHUNK * 8 / 32 > 0 ? FOLD_CHUNK * 8 / 32 : 1];
+#pragma unroll
+        for (int u = 0; u < FOLD_CHUNK * 8 / 32; ++u) {
+            const int e = lane + 32 * u, jj = j0 + (e & 7);
+            vx[u] = e < cn * 8 && jj < dv ? pv[((size_t)(c0 + e / 8) * H + h) * dv + jj] : 0.0f;
+        }
+        const size_t th0 = (size_t)(c0 + lane) * H + h;
+        const float gx = lane < cn ? pg[th0] : 0.0f, bx = lane < cn ? pb[th0] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < FOLD_CHUNK * DK / 32; ++u) sk[lane + 32 * u] = kx[u];
+#pragma unroll
+        for (int u = 0; u < FOLD_CHUNK * 8 / 32; ++u) sv[lane + 32 * u] = vx[u];
+        if (lane < FOLD_CHUNK) {
+            sg[lane] = gx;
+            sb[lane] = bx;
+        }
+        __syncwarp();
+#pragma unroll 1
+        for (int ii = 0; ii < cn; ++ii) {
+            const float alpha = expf(sg[ii]);
+            const float* kk = sk + ii * DK;
+            float pred = 0.0f;
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) {
+                s[m] *= alpha;
+                pred += kk[4 * m + t] * s[m];
+            }
+            const float d = sb[ii] * (sv[ii * 8 + (lane & 7)] - rule_sum4(pred));
+#pragma unroll
+            for (int m = 0; m < DK / 4; ++m) s[m] += kk[4 * m + t] * d;
+        }
+    }
+}
 __device__ __forceinline__ void gated_delta_tree_lanes4(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ state,
     const int* __restrict__ parents, const int* __restrict__ keep, float* __restrict__ out,
     float* __restrict__ scratch, float* __restrict__ last, int T, int H, int dv, int h, int j,
-    int t, const float* const* pending = nullptr, int np = 0) {
+    int t, const float* const* pending = nullptr, int np = 0, float* fold_stage = nullptr) {
     const size_t head = (size_t)DK * dv;
     const bool col = j < dv;
     const int jc = col ? j : 0;  // a column to read for the shuffles' sake; nothing is written
@@ -175,20 +238,24 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
         const float *pk = pending[0], *pv = pending[1], *pg = pending[2], *pb = pending[3];
 #pragma unroll
         for (int m = 0; m < DK / 4; ++m) s[m] = sh[(size_t)(4 * m + t) * dv + jc];
+        if (fold_stage) {
+            gated_delta_pending_staged(s, fold_stage, pk, pv, pg, pb, np, H, dv, h, j, t);
+        } else {
 #pragma unroll 1
-        for (int i = 0; i < np; ++i) {
-            const size_t th = (size_t)i * H + h;
-            const float alpha = expf(pg[th]);
-            const float* kk = pk + th * DK;
-            float pred = 0.0f;
+            for (int i = 0; i < np; ++i) {
+                const size_t th = (size_t)i * H + h;
+                const float alpha = expf(pg[th]);
+                const float* kk = pk + th * DK;
+                float pred = 0.0f;
 #pragma unroll
-            for (int m = 0; m < DK / 4; ++m) {
-                s[m] *= alpha;
-                pred += kk[4 * m + t] * s[m];
+                for (int m = 0; m < DK / 4; ++m) {
+                    s[m] *= alpha;
+                    pred += kk[4 * m + t] * s[m];
+                }
+                const float d = pb[th] * (pv[th * dv + jc] - rule_sum4(pred));
+#pragma unroll
+                for (int m = 0; m < DK / 4; ++m) s[m] += RELOAD(kk + 4 * m + t) * d;
             }
-            const float d = pb[th] * (pv[th * dv + jc] - rule_sum4(pred));
-#pragma unroll
-            for (int m = 0; m < DK / 4; ++m) s[m] += RELOAD(kk + 4 * m + t) * d;
         }
         if (col) {
 #pragma unroll
@@ -459,11 +526,12 @@ __device__ __forceinline__ void gated_delta_tree_lanes4_staged(
 // (`pending`: a folded commit's inputs; np = 0: none — every kernel but the step's fold).
 __device__ __forceinline__ void gated_delta_rule_call(const unsigned long long* p, int T, int H,
                                                       int dv, const float* const* pending,
-                                                      int np) {
+                                                      int np, float* fold_stage = nullptr) {
 #ifdef RULE_LANES4
 #ifdef RULE_STAGED
     (void)pending;
     (void)np;  // (the staged kernels take no folded commit: the host never asks them to)
+    (void)fold_stage;
     gated_delta_tree_lanes4_staged(
 #else
     gated_delta_tree_lanes4(
@@ -474,11 +542,12 @@ __device__ __forceinline__ void gated_delta_rule_call(const unsigned long long* 
                             (float*)p[10], T, H, dv, blockIdx.y,
                             blockIdx.x * 8 + (threadIdx.x & 7), threadIdx.x >> 3
 #ifndef RULE_STAGED
-                            , pending, np
+                            , pending, np, fold_stage
 #endif
     );
     return;
 #else
+    (void)fold_stage;  // (one lane a column walks the pending tokens from global memory)
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= dv) return;
     gated_delta_tree((const float*)p[0], (const float*)p[1], (const float*)p[2],
@@ -497,13 +566,21 @@ extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tr
 // record by `gdn_record_pending_rows` before the step overwrote it) and the address of their
 // count (a word of the step's metadata: 0 when nothing is pending). The state buffer is advanced
 // over them in place — the commit — and the step's tree continues from it. The same arithmetic
-// as the replay (so the same bits), with one read of the state instead of two.
+// as the replay (so the same bits), with one read of the state instead of two. `staged` (the
+// default): the four-lane kernel walks the pending tokens from shared memory
+// (`gated_delta_pending_staged`); 0: from global memory.
 extern "C" __global__ void __launch_bounds__(32, RULE_MIN_BLOCKS) gated_delta_tree_fold_f32(
     const unsigned long long* __restrict__ ptrs, const unsigned long long* __restrict__ fold,
-    int T, int H, int dv) {
+    int T, int H, int dv, int staged) {
     const float* pending[4] = {(const float*)fold[0], (const float*)fold[1],
                                (const float*)fold[2], (const float*)fold[3]};
     const int np = *(const int*)fold[4];
+#if defined(RULE_LANES4) && !defined(RULE_STAGED)
+    __shared__ float stage[FOLD_STAGE_FLOATS];
+    gated_delta_rule_call(ptrs, T, H, dv, pending, np, staged ? stage : nullptr);
+#else
+    (void)staged;
     gated_delta_rule_call(ptrs, T, H, dv, pending, np);
+#endif
 }
 

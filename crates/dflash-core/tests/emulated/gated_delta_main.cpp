@@ -146,7 +146,7 @@ static int fold() {
             for (unsigned tx = 0; tx < threads; ++tx) {
                 blockIdx = {bx, by, 0};
                 threadIdx = {tx, 0, 0};
-                gated_delta_tree_fold_f32(table, fold, T, H, dv);
+                gated_delta_tree_fold_f32(table, fold, T, H, dv, 1);
             }
     put(out);
     put(state);
