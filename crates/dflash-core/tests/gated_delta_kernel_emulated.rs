@@ -1,14 +1,16 @@
 //! The Gated DeltaNet CUDA kernels (`src/gated_delta_kernels.cu`), emulated on the CPU: their
 //! source compiled as C++ (g++, with CUDA's keywords defined away and the grid walked block by
-//! block, thread by thread — valid because their threads share nothing, the kernels'
-//! invariant). The rule's tree kernel is checked against the host rule
-//! (`gated_delta::tree_recurrent`, `advance`) for chains, trees with branches and several roots,
-//! and the replay mode without outputs, at two key head dims, and the many-layer replay through
-//! its pointer table (each layer's `advance`, and the forward's bits); the layer kernels around
-//! it (convolution + SiLU along a tree's ancestors, the rule's inputs, the gated RMSNorm, the
-//! state commit's convolution windows) against host loops of the model's composite, in f32 and
-//! bf16. What this cannot check — the launches
-//! themselves — `decode_ops_device.rs` and the reference fixtures check on the H200.
+//! block, thread by thread — valid because their threads share nothing, the one-lane kernels'
+//! invariant; the four-lane rule kernels, whose lanes shuffle and meet at `__syncwarp`, run each
+//! block's 32 lanes as host threads with a barrier for each). The rule's tree kernel is checked
+//! against the host rule (`gated_delta::tree_recurrent`, `advance`) for chains, trees with
+//! branches and several roots, and the replay mode without outputs, at two key head dims, and the
+//! many-layer replay through its pointer table (each layer's `advance`, and the forward's bits);
+//! the four-lane, staged and replay kernels and the folded commit against the one-lane kernel's
+//! bits; the layer kernels around it (convolution + SiLU along a tree's ancestors, the rule's
+//! inputs, the gated RMSNorm, the state commit's convolution windows) against host loops of the
+//! model's composite, in f32 and bf16. What this cannot check — the launches themselves —
+//! `decode_ops_device.rs` and the reference fixtures check on the H200.
 
 use candle_core::{Device, Tensor};
 use dflash_core::gated_delta::{self, kept_states, DeltaInputs};
@@ -36,22 +38,83 @@ const PRELUDE: &str = r#"
 #define RELOAD(p) (*(p))
 #define STATE_RELOAD(p) (*(p))
 #include <string.h>
+#include <pthread.h>
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 struct Dim3 { unsigned x, y, z; };
-static Dim3 blockIdx, threadIdx, blockDim, gridDim;
+// a warp's lanes run as 32 host threads (the warp kernels: WARP_LANES builds), each with its own
+// indices; the others walk the grid thread by thread on one host thread
+static thread_local Dim3 blockIdx, threadIdx;
+static Dim3 blockDim, gridDim;
+// __syncwarp: every lane of the warp waits for the others; a shuffle writes the lane's value to
+// its slot between two such waits and reads the source lane's after them
+static pthread_barrier_t warp_barrier;
+static float warp_slots[32];
+static inline void __syncwarp(unsigned = 0xffffffffu) { pthread_barrier_wait(&warp_barrier); }
+static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    __syncwarp();
+    warp_slots[threadIdx.x] = v;
+    __syncwarp();
+    return warp_slots[threadIdx.x ^ lane_mask];
+}
 "#;
 
 const MAIN: &str = include_str!("emulated/gated_delta_main.cpp");
 
 /// The kernel built for key head dim `dk` in `dir`; its path.
 fn build(dir: &std::path::Path, dk: usize) -> std::path::PathBuf {
-    let src = dir.join(format!("gated_delta_dk{dk}.cpp"));
-    let exe = dir.join(format!("gated_delta_dk{dk}"));
-    std::fs::write(&src, format!("{PRELUDE}#define DK {dk}\n{KERNEL}\n{MAIN}")).unwrap();
+    build_variant(dir, dk, RuleBuild::OneLane)
+}
+
+/// The rule kernel a build compiles (`gated_delta_cuda.rs`'s `RuleKernel`, by its defines).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RuleBuild {
+    OneLane,
+    FourLanes,
+    FourLanesStaged,
+    FourLanesStagedReplay,
+}
+
+impl RuleBuild {
+    fn defines(self) -> &'static str {
+        match self {
+            RuleBuild::OneLane => "",
+            RuleBuild::FourLanes => "#define RULE_LANES4\n",
+            RuleBuild::FourLanesStaged => "#define RULE_LANES4\n#define RULE_STAGED\n",
+            RuleBuild::FourLanesStagedReplay => {
+                "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n"
+            }
+        }
+    }
+}
+
+/// The kernels built for key head dim `dk` with the rule kernel `rule` in `dir`; its path. The
+/// four-lane rules run each 32-thread block's lanes as host threads (warp shuffles and
+/// `__syncwarp` between them: the harness's `WARP_LANES`).
+fn build_variant(dir: &std::path::Path, dk: usize, rule: RuleBuild) -> std::path::PathBuf {
+    let name = format!("gated_delta_dk{dk}_{rule:?}");
+    let src = dir.join(format!("{name}.cpp"));
+    let exe = dir.join(&name);
+    let warp = if rule == RuleBuild::OneLane {
+        ""
+    } else {
+        "#define WARP_LANES\n"
+    };
+    let defines = rule.defines();
+    std::fs::write(
+        &src,
+        format!("{PRELUDE}#define DK {dk}\n{defines}{warp}{KERNEL}\n{MAIN}"),
+    )
+    .unwrap();
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let o = Command::new(&cxx)
-        .args(["-O1", "-std=c++17", "-Wno-unknown-pragmas", "-o"])
+        .args([
+            "-O1",
+            "-std=c++17",
+            "-pthread",
+            "-Wno-unknown-pragmas",
+            "-o",
+        ])
         .arg(&exe)
         .arg(&src)
         .output()
@@ -563,18 +626,7 @@ fn the_folded_commit_is_the_replay_then_the_forward() {
                 let (x, s0) = inputs(t, h, dk, dv, 90 + ti as u64);
                 let (px, _) = inputs(np.max(1), h, dk, dv, 120 + ti as u64);
                 let px: Vec<Tensor> = px.iter().map(|a| a.narrow(0, 0, np).unwrap()).collect();
-                let mut input = tree_header(
-                    &[7, t as i32, h as i32, dk as i32, dv as i32, np as i32],
-                    parents,
-                );
-                for a in [&x[0], &x[1], &x[2], &x[3], &x[4]] {
-                    input.extend(bytes_f32(a));
-                }
-                for a in [&px[1], &px[2], &px[3], &px[4]] {
-                    input.extend(bytes_f32(a));
-                }
-                input.extend(bytes_f32(&s0));
-                let f = floats(&run(&exe, &input));
+                let f = emulate_fold(&exe, (&x, &px, &s0), parents, true);
                 let n_out = t * h * dv;
                 assert_eq!(f.len(), n_out + h * dk * dv, "output size");
                 let (out, committed) = f.split_at(n_out);
@@ -599,6 +651,89 @@ fn the_folded_commit_is_the_replay_then_the_forward() {
                     out == want_out.unwrap().as_slice(),
                     "dk {dk} tree {ti} np {np}: the step's outputs are not the forward's"
                 );
+            }
+        }
+    }
+}
+
+/// Runs the fold kernel (mode 7) of `exe`: the step's rule inputs `x` (q, k, v, g, beta) over
+/// `parents` after the pending tokens of `px` (its k, v, g, beta; their count is its length)
+/// from the state `s0`; `staged`: the kernel's argument. The outputs, then the state it leaves.
+fn emulate_fold(
+    exe: &std::path::Path,
+    (x, px, s0): (&[Tensor], &[Tensor], &Tensor),
+    parents: &[i64],
+    staged: bool,
+) -> Vec<f32> {
+    let (t, h, dk) = x[1].dims3().unwrap();
+    let (np, dv) = (px[1].dim(0).unwrap(), x[2].dim(2).unwrap());
+    let words = [7, t, h, dk, dv, np, staged as usize].map(|w| w as i32);
+    let mut input = tree_header(&words, parents);
+    for a in &x[..5] {
+        input.extend(bytes_f32(a));
+    }
+    for a in &px[1..5] {
+        input.extend(bytes_f32(a));
+    }
+    input.extend(bytes_f32(s0));
+    floats(&run(exe, &input))
+}
+
+/// The four-lane rule kernels — CUDA's default (four lanes a column, each sum's quarters met by
+/// two shuffles), the staged forward and the replay kernel — and the folded commit's pending
+/// tokens walked from global or staged in shared memory, each 32-thread block's lanes run as
+/// host threads: every output and final state, and every state the fold leaves, equal bit for
+/// bit to the one-lane kernel's (what `gated_delta_kernels.cu` claims; `decode_ops_device.rs`
+/// checks it on a GPU) — at two key head dims, with inactive lanes (dv not a multiple of 8),
+/// trees longer than a staged chunk, and folds of more pending tokens than a staged chunk holds.
+#[test]
+fn the_four_lane_kernels_give_the_one_lane_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let long: Vec<i64> = (0..70i64)
+        .map(|i| if i % 9 == 5 { i - 3 } else { i - 1 })
+        .collect();
+    let trees: Vec<Vec<i64>> = vec![
+        vec![-1],
+        (0..9).map(|i| i - 1).collect(),
+        vec![-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4],
+        long,
+    ];
+    let chain = |p: &[i64]| p.iter().enumerate().all(|(i, &q)| q == i as i64 - 1);
+    for (dk, dv, h) in [(16usize, 36usize, 3usize), (64, 20, 2)] {
+        let one = build_variant(dir.path(), dk, RuleBuild::OneLane);
+        let four = build_variant(dir.path(), dk, RuleBuild::FourLanes);
+        let staged = build_variant(dir.path(), dk, RuleBuild::FourLanesStaged);
+        let replay = build_variant(dir.path(), dk, RuleBuild::FourLanesStagedReplay);
+        for (ti, parents) in trees.iter().enumerate() {
+            let (x, s0) = inputs(parents.len(), h, dk, dv, 300 + ti as u64);
+            let want = emulate(&one, &view(&x), &s0, parents, true);
+            for (exe, rule) in [(&four, "four lanes"), (&staged, "staged")] {
+                let got = emulate(exe, &view(&x), &s0, parents, true);
+                assert!(
+                    got == want,
+                    "dk {dk} tree {ti}: the {rule} kernel's outputs or state are not one lane's"
+                );
+            }
+            if chain(parents) {
+                let want = emulate(&one, &view(&x), &s0, parents, false);
+                let got = emulate(&replay, &view(&x), &s0, parents, false);
+                assert!(got == want, "dk {dk} tree {ti}: the replay kernel's state");
+            }
+            if ti >= 3 {
+                continue; // (the folds below on the shorter trees)
+            }
+            for np in [0usize, 1, 3, 8, 11, 20] {
+                let (px, _) = inputs(np.max(1), h, dk, dv, 400 + np as u64);
+                let px: Vec<Tensor> = px.iter().map(|a| a.narrow(0, 0, np).unwrap()).collect();
+                let want = emulate_fold(&one, (&x, &px, &s0), parents, true);
+                for stage in [false, true] {
+                    let got = emulate_fold(&four, (&x, &px, &s0), parents, stage);
+                    assert!(
+                        got == want,
+                        "dk {dk} tree {ti} np {np} staged {stage}: the four-lane fold's outputs \
+                         or state are not one lane's"
+                    );
+                }
             }
         }
     }

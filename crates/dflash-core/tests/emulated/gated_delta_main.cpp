@@ -1,10 +1,12 @@
 // The host `main` of the Gated DeltaNet kernels' CPU emulation (tests/gated_delta_kernel_emulated.rs
 // compiles it after the prelude and the kernel source): reads a mode and its inputs on stdin,
 // launches the grid as gated_delta_cuda.rs / gated_delta_commit_cuda.rs do, block by block and
-// thread by thread, and writes the outputs on stdout.
+// thread by thread (a WARP_LANES build: a rule block's 32 lanes at once, as host threads), and
+// writes the outputs on stdout.
 #include <stdio.h>
 #include <stdlib.h>
 #include <vector>
+#include <thread>
 template <class T> static std::vector<T> take(size_t n) {
     std::vector<T> v(n);
     if (n && fread(v.data(), sizeof(T), n, stdin) != n) { fprintf(stderr, "short input\n"); exit(2); }
@@ -17,18 +19,43 @@ template <class F> static void per_item(size_t items, F f) {
     for (unsigned bx = 0; bx < (items + 127) / 128; ++bx)
         for (unsigned tx = 0; tx < 128; ++tx) { blockIdx = {bx, 0, 0}; threadIdx = {tx, 0, 0}; f(); }
 }
-// the grid of gated_delta_cuda.rs's launch_layers: blocks of 32 threads, ceil(dv / 32) × H × L
+// One block of `threads` threads running `f`: one after another on this host thread, or (a
+// WARP_LANES build: the four-lane rules, whose lanes shuffle and meet at __syncwarp) as that many
+// host threads at once — one warp, so 32.
+template <class F> static void run_block(Dim3 block, unsigned threads, F f) {
+#ifdef WARP_LANES
+    std::vector<std::thread> lanes;
+    for (unsigned tx = 0; tx < threads; ++tx)
+        lanes.emplace_back([=] {
+            blockIdx = block;
+            threadIdx = {tx, 0, 0};
+            f();
+        });
+    for (auto& l : lanes) l.join();
+#else
+    for (unsigned tx = 0; tx < threads; ++tx) {
+        blockIdx = block;
+        threadIdx = {tx, 0, 0};
+        f();
+    }
+#endif
+}
+// the rule's columns a 32-thread block (gated_delta_cuda.rs's launch_rule: four lanes a column
+// in the four-lane kernels)
+#ifdef RULE_LANES4
+static const unsigned RULE_COLUMNS = 8;
+#else
+static const unsigned RULE_COLUMNS = 32;
+#endif
+// the grid of gated_delta_cuda.rs's launch_rule: blocks of 32 threads, ceil(dv / columns) × H × L
 static void launch_layers(const unsigned long long* table, int L, int T, int H, int dv) {
     const unsigned threads = 32;
     blockDim = {threads, 1, 1};
     for (unsigned bz = 0; bz < (unsigned)L; ++bz)
         for (unsigned by = 0; by < (unsigned)H; ++by)
-            for (unsigned bx = 0; bx < (dv + threads - 1) / threads; ++bx)
-                for (unsigned tx = 0; tx < threads; ++tx) {
-                    blockIdx = {bx, by, bz};
-                    threadIdx = {tx, 0, 0};
-                    gated_delta_tree_layers_f32(table, T, H, dv);
-                }
+            for (unsigned bx = 0; bx < (dv + RULE_COLUMNS - 1) / RULE_COLUMNS; ++bx)
+                run_block({bx, by, bz}, threads,
+                          [=] { gated_delta_tree_layers_f32(table, T, H, dv); });
 }
 // L layers' chains of T tokens at once, no outputs (advance_layers): per layer k, v, g, beta,
 // state in; the final states out
@@ -115,12 +142,13 @@ static int tree() {
     put(last);
     return 0;
 }
-// the hybrid step's rule with a folded commit (gated_delta_tree_fold_f32, one layer): np pending
+// the hybrid step's rule with a folded commit (gated_delta_tree_fold_f32, one layer; `staged`: its
+// argument): np pending
 // tokens' k, v, g, beta, then the step's tree from the state they leave; out: the outputs, the
 // state buffer after the kernel (the commit, in place), the scratch of kept nodes not compared
 static int fold() {
-    auto head = take<int>(5);
-    int T = head[0], H = head[1], dk = head[2], dv = head[3], np = head[4];
+    auto head = take<int>(6);
+    int T = head[0], H = head[1], dk = head[2], dv = head[3], np = head[4], staged = head[5];
     if (dk != DK) { fprintf(stderr, "dk %d but DK %d\n", dk, DK); return 2; }
     TreeInputs x(T, H, dv);
     auto &parents = x.parents, &keep = x.keep;
@@ -141,13 +169,12 @@ static int fold() {
                                   (unsigned long long)&count};
     const unsigned threads = 32;
     blockDim = {threads, 1, 1};
+    const unsigned long long* t = table;
+    const unsigned long long* f = fold;
     for (unsigned by = 0; by < (unsigned)H; ++by)
-        for (unsigned bx = 0; bx < (dv + threads - 1) / threads; ++bx)
-            for (unsigned tx = 0; tx < threads; ++tx) {
-                blockIdx = {bx, by, 0};
-                threadIdx = {tx, 0, 0};
-                gated_delta_tree_fold_f32(table, fold, T, H, dv, 1);
-            }
+        for (unsigned bx = 0; bx < (dv + RULE_COLUMNS - 1) / RULE_COLUMNS; ++bx)
+            run_block({bx, by, 0}, threads,
+                      [=] { gated_delta_tree_fold_f32(t, f, T, H, dv, staged); });
     put(out);
     put(state);
     return 0;
@@ -270,6 +297,7 @@ static int fused_inputs() {
     return 0;
 }
 int main() {
+    pthread_barrier_init(&warp_barrier, nullptr, 32);
     int mode = take<int>(1)[0];
     switch (mode) {
         case 0: return tree();
