@@ -168,6 +168,8 @@ __device__ __forceinline__ float rule_sum4(float p) {
 #define FOLD_CHUNK 8
 #endif
 #define FOLD_STAGE_FLOATS (FOLD_CHUNK * DK + FOLD_CHUNK * 8 + 2 * FOLD_CHUNK)
+static_assert(FOLD_CHUNK <= 32 && FOLD_CHUNK * 8 % 32 == 0 && FOLD_CHUNK * DK % 32 == 0,
+              "a staged chunk's decays fit one load a lane; its keys and values whole loads a lane");
 __device__ __forceinline__ void gated_delta_pending_staged(
     float* s, float* stage, const float* __restrict__ pk, const float* __restrict__ pv,
     const float* __restrict__ pg, const float* __restrict__ pb, int np, int H, int dv, int h,
