@@ -1,6 +1,7 @@
 //! The DFlash drafter: config (z-lab format), the one model used for inference and training, and
 //! checkpoint I/O.
 
+mod cache;
 pub mod config;
 mod device;
 pub mod io;
