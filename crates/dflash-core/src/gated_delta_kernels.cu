@@ -158,6 +158,30 @@ __device__ __forceinline__ float rule_sum4(float p) {
     const float x = p + __shfl_xor_sync(0xffffffffu, p, 8);
     return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
+// One pending token of a folded commit on a lane's rows r = 4m + t of its column `s`: the decay,
+// the prediction summed over the rows (the lanes' quarters met by `rule_sum4`), the write — the
+// walk's arithmetic for a node without outputs. `kk`: the token's key row (global memory, read
+// again through RELOAD for the write, or shared memory when `SHARED`); `vj`, `b`: its value at
+// the lane's column and its write strength.
+template <bool SHARED>
+__device__ __forceinline__ void pending_token_lanes4(float* s, float alpha, const float* kk,
+                                                     float vj, float b, int t) {
+    float pred = 0.0f;
+#pragma unroll
+    for (int m = 0; m < DK / 4; ++m) {
+        s[m] *= alpha;
+        pred += kk[4 * m + t] * s[m];
+    }
+    const float d = b * (vj - rule_sum4(pred));
+    if constexpr (SHARED) {
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) s[m] += kk[4 * m + t] * d;
+    } else {
+#pragma unroll
+        for (int m = 0; m < DK / 4; ++m) s[m] += RELOAD(kk + 4 * m + t) * d;
+    }
+}
+
 // The folded commit's pending tokens staged (the fold kernel's default; `DFLASH_GDN_FOLD_STAGE=0`
 // walks them from global memory as above): FOLD_CHUNK tokens at a time, the warp loads their keys
 // (head h), its 8 value columns, decays and strengths into shared memory `stage` with every load
@@ -208,19 +232,9 @@ __device__ __forceinline__ void gated_delta_pending_staged(
         }
         __syncwarp();
 #pragma unroll 1
-        for (int ii = 0; ii < cn; ++ii) {
-            const float alpha = expf(sg[ii]);
-            const float* kk = sk + ii * DK;
-            float pred = 0.0f;
-#pragma unroll
-            for (int m = 0; m < DK / 4; ++m) {
-                s[m] *= alpha;
-                pred += kk[4 * m + t] * s[m];
-            }
-            const float d = sb[ii] * (sv[ii * 8 + (lane & 7)] - rule_sum4(pred));
-#pragma unroll
-            for (int m = 0; m < DK / 4; ++m) s[m] += kk[4 * m + t] * d;
-        }
+        for (int ii = 0; ii < cn; ++ii)
+            pending_token_lanes4<true>(s, expf(sg[ii]), sk + ii * DK, sv[ii * 8 + (lane & 7)],
+                                       sb[ii], t);
     }
 }
 __device__ __forceinline__ void gated_delta_tree_lanes4(
@@ -246,17 +260,8 @@ __device__ __forceinline__ void gated_delta_tree_lanes4(
 #pragma unroll 1
             for (int i = 0; i < np; ++i) {
                 const size_t th = (size_t)i * H + h;
-                const float alpha = expf(pg[th]);
-                const float* kk = pk + th * DK;
-                float pred = 0.0f;
-#pragma unroll
-                for (int m = 0; m < DK / 4; ++m) {
-                    s[m] *= alpha;
-                    pred += kk[4 * m + t] * s[m];
-                }
-                const float d = pb[th] * (pv[th * dv + jc] - rule_sum4(pred));
-#pragma unroll
-                for (int m = 0; m < DK / 4; ++m) s[m] += RELOAD(kk + 4 * m + t) * d;
+                pending_token_lanes4<false>(s, expf(pg[th]), pk + th * DK, pv[th * dv + jc],
+                                            pb[th], t);
             }
         }
         if (col) {
