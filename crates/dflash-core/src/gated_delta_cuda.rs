@@ -256,9 +256,9 @@ fn launch_rule(
         b.arg(fp);
     }
     b.arg(&ti).arg(&hi).arg(&dvi);
-    let staged = i32::from(fold_staged());
-    if fold.is_some() {
-        b.arg(&staged);
+    let staged = fold.map(|_| i32::from(fold_staged()));
+    if let Some(staged) = &staged {
+        b.arg(staged);
     }
     // SAFETY: the table holds, per layer, device addresses of live contiguous tensors of the sizes
     // the kernel reads and writes (or 0 where the kernel checks for null); `table` outlives the

@@ -132,11 +132,10 @@ pub(super) fn report(r: &ReportIn) -> Value {
     // (added after: one json! of every field passes the macro's recursion limit)
     doc["tree_commit_ms"] = json!(get("tree_commit").map(ms));
     doc["tree_commit_submit_ms"] = json!(get("tree_commit_submit").map(ms));
+    // per commit: the host's crop / path compaction alone; the folded commit (hybrids on CUDA):
+    // the verify folding it less the verify alone
     for commit in ["state_commit", "tree_commit"] {
         doc[format!("{commit}_keep_ms")] = json!(get(&format!("{commit}_keep")).map(ms));
-    }
-    // the folded commits (hybrids on CUDA): the verify folding it less the verify alone
-    for commit in ["state_commit", "tree_commit"] {
         let pair = get(&format!("{commit}_folding")).zip(get(&format!("{commit}_alone")));
         doc[format!("{commit}_folded_ms")] = json!(pair.map(|(f, a)| ms(f) - ms(a)));
     }
