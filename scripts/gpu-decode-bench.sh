@@ -71,12 +71,15 @@ ROUNDS=${ROUNDS:-30}
 # rowsd64 / rowsd64off: the default path with 64-wide heads' steps of 2+ rows on the row kernel (DFLASH_ATTN_ROWS_D64=2; session 33) / none of them (=0; the default since session 33, =1, is the steps of more than 16 rows: DDTree trees);
 # fold / nofold: hybrids with the state commit folded into the next step's rule kernels (DFLASH_GDN_FOLD=1; session 34; measured in session 35: ~0.04 ms a pending row at 27B, no loop faster — opt-in) / as its own launches before it (=0, the default); foldglobal: the fold walking its pending tokens from global memory (DFLASH_GDN_FOLD_STAGE=0; session 36 stages them in shared memory by default);
 # graphs: the default path (graphs, and the streaming GEMM where it measured faster)
+# prev: the default path of an earlier build (dist/prev/dflash.xz, unpacked to /tmp/bin/dflash-prev; carry
+# dist/prev): a code change against its parent in one run
 VARIANTS=${VARIANTS:-"plain fused graphs"}
 SHAPES=${SHAPES:-"smollm2-135m:f32:512 smollm2-135m:bf16:512 qwen3-0.6b:bf16:512 qwen3-8b:bf16:512 qwen3-8b:bf16:2048"}
 J=$OUT/bench-decode.jsonl; LOG=$OUT/bench-decode.log
 : > "$J"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$LOG"
 mkdir -p /tmp/bin && [ -d "${DIST:-dist/cuda}" ] && for f in ${DIST:-dist/cuda}/*.xz; do xz -dc "$f" > "/tmp/bin/$(basename "$f" .xz)"; done
+[ -f dist/prev/dflash.xz ] && xz -dc dist/prev/dflash.xz > /tmp/bin/dflash-prev
 chmod +x /tmp/bin/*
 D=/tmp/bin/dflash
 # the test lines matching the pattern, and each panic with the line after it (its message)
@@ -158,7 +161,7 @@ print(json.dumps(d))' "$@" >> "$J"
 for spec in $SHAPES; do
   IFS=: read -r shape dtype ctx <<< "$spec"
   for variant in $VARIANTS; do
-    fstage="" gfold="" wtiles="" rd64="" gheads="" finputs="" split="" bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
+    bin=$D fstage="" gfold="" wtiles="" rd64="" gheads="" finputs="" split="" bulkk="" trows="" bulk="" arows="" ablocks="" schunk="" tsplits="" wide="" pipe="" dwin="" tchunk="" hattn="" silu="" gvec="" dattn="" rule="" rstage="" replay="" avalues="" fewtiles="" stream="" few="" staging="" rebuild="" pdl="" merge="" prefetch="" addnorm="" topk="" gdn="" attn="" keys="" tiled="" path="" gdnproj="" hstep="" tfrom=""  # DFLASH_STREAM_GEMM, _STREAM_FEW_ROWS_MB, _ATTN_STAGING, _GRAPH_REBUILD, _PDL: empty = default
     case $variant in plain) fused=0 graphs=0;; fused) fused=1 graphs=0;; cublas) fused=1 graphs=1 stream=0;;
       exact) fused=1 graphs=1 stream=all;;
       tiled) fused=1 graphs=1 stream=all tiled=1;;
@@ -235,9 +238,10 @@ for spec in $SHAPES; do
       nofold) fused=1 graphs=1 gfold=0;;
       fold) fused=1 graphs=1 gfold=1;;
       foldglobal) fused=1 graphs=1 gfold=1 fstage=0;;
+      prev) fused=1 graphs=1 bin=/tmp/bin/dflash-prev;;
       *) fused=1 graphs=1;; esac
     echo "== dflash bench decode $shape $dtype context $ctx $variant" | tee -a "$LOG"
-    DFLASH_GDN_FOLD_STAGE=$fstage DFLASH_GDN_FOLD=$gfold DFLASH_STREAM_WIDE_MIN_TILES=$wtiles DFLASH_ATTN_ROWS_D64=$rd64 DFLASH_GATED_HEADS=$gheads DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $D bench decode --shape "$shape" \
+    DFLASH_GDN_FOLD_STAGE=$fstage DFLASH_GDN_FOLD=$gfold DFLASH_STREAM_WIDE_MIN_TILES=$wtiles DFLASH_ATTN_ROWS_D64=$rd64 DFLASH_GATED_HEADS=$gheads DFLASH_GDN_FUSED_INPUTS=$finputs DFLASH_STREAM_SPLIT=$split DFLASH_STREAM_BULK_LARGE_K=$bulkk DFLASH_STREAM_TREE_ROWS=$trows DFLASH_STREAM_BULK=$bulk DFLASH_TOPK_SPLITS=$tsplits DFLASH_STEP_CHUNK=$schunk DFLASH_ATTN_ROWS=$arows DFLASH_ATTN_ROWS_BLOCKS=$ablocks DFLASH_STREAM_WIDE=$wide DFLASH_ATTN_PIPELINE=$pipe DFLASH_DRAFT_STEP_WINDOWS=$dwin DFLASH_TREE_CHUNK=$tchunk DFLASH_HYBRID_ATTN=$hattn DFLASH_SILU_EPILOGUE=$silu DFLASH_GROUP_ATTN_VECTORS=$gvec DFLASH_DECODE_ATTN=$dattn DFLASH_ATTN_VALUES=$avalues DFLASH_GDN_REPLAY=$replay DFLASH_GDN_RULE_STAGE=$rstage DFLASH_STREAM_FEW_MIN_TILES=$fewtiles DFLASH_GDN_RULE_LANES=$rule DFLASH_STREAM_TILED_FROM=$tfrom DFLASH_HYBRID_STEP=$hstep DFLASH_GDN_IN_PROJ=$gdnproj DFLASH_ATTN_PATH_TABLE=$path DFLASH_STREAM_TILED=$tiled DFLASH_TREE_KEYS=$keys DFLASH_TREE_ATTN=$attn DFLASH_GDN_KERNELS=$gdn DFLASH_TOPK_SPLIT=$topk DFLASH_FUSED_ADD_NORM=$addnorm DFLASH_ATTN_PREFETCH=$prefetch DFLASH_ATTN_MERGE=$merge DFLASH_PDL=$pdl DFLASH_GRAPH_REBUILD=$rebuild DFLASH_ATTN_STAGING=$staging DFLASH_STREAM_FEW_ROWS_MB=$few DFLASH_STREAM_GEMM=$stream DFLASH_FUSED_DECODE=$fused DFLASH_CUDA_GRAPHS=$graphs timeout 300 $bin bench decode --shape "$shape" \
       --context "$ctx" --device cuda --dtype "$dtype" --rounds "$ROUNDS" --out /tmp/bd.json 2>>"$LOG" >/dev/null \
       && tag engine=dflash fused=$fused graphs=$graphs variant=$variant < /tmp/bd.json \
       && { grep -h "^step graphs" "$LOG" | tail -1 || true; } || echo "FAILED ($?)" | tee -a "$LOG"

@@ -12,7 +12,10 @@
 # from global memory as before) — VS="fold foldglobal nofold …"; part launch: the host's time to
 # queue two small kernels through PyTorch right after a synchronisation (is this machine's launch
 # slow, or our commit's host work?).
-# Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk; launch), ROUNDS (10), VS (variants).
+# Session 37, part draft: the drafter's device step with q of the block's rows alone (no copy to
+# narrow q a layer) against the build before it (variant prev: carry dist/prev), SmolLM2 at 512 and
+# Qwen3-8B at 2048; its tests (the device drafts against the CPU draft).
+# Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk; launch; draft), ROUNDS (10), VS (variants).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"
@@ -51,7 +54,12 @@ for n in (1, 2, 8):
     print(f"{n} launches: {med(after_sync):.1f} us after a sync, {med(busy):.1f} us queued behind work")
 PY
 fi
+if has draft; then
+  echo "== device drafts against the CPU draft $(el)"
+  DFLASH_TEST_DEVICE=cuda timeout 120 /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | show "^test |result|panicked"
+fi
 ROUNDS=${ROUNDS:-10}
+has draft && bench draft "graphs prev graphs prev" "smollm2-135m:bf16:512 qwen3-8b:bf16:2048"
 has bench && bench big "${VS:-fold nofold fold nofold}" "qwen3.6-27b:bf16:2048"
 has smolchunk && bench smolchunk "graphs treechunk128 treechunk256 treechunk640 graphs treechunk256" "smollm2-135m:bf16:512"
 has small && bench small "${VS:-fold nofold fold nofold}" "qwen3.5-4b:bf16:2048"
@@ -65,6 +73,7 @@ for l in open(sys.argv[1]):
     v, lp = r.get("verify_ms") or {}, r.get("loop_step_ms") or {}
     g = lambda k: r.get(k)
     print(r["shape"], r["variant"], "AR", g("ar_step_ms"), "chain16", v.get("chain16"), "tree64", v.get("tree64"),
+          "draft", g("draft_block_ms"),
           "loops", lp, "commit", g("state_commit_ms"), "folded", g("state_commit_folded_ms"),
           "tree commit", g("tree_commit_ms"), "tree folded", g("tree_commit_folded_ms"),
           "submit/keep", g("state_commit_submit_ms"), g("state_commit_keep_ms"),

@@ -7,17 +7,21 @@
 // x·rsqrt(mean x² + eps)·w rounded once, as candle's fused rms_norm), then rotate-half RoPE of the
 // first `rot` channels of q and k with cos/sin [n, rot/2] (rounded once), v copied. One block per
 // (row, head), one thread per channel (blockDim.x = hd ≤ 1024).
-// With kb (the device step): out holds q only [H, n, hd], and k and v go straight into the cache
-// buffers kb / vb [KV, cap, hd] at rows meta[0] + r (meta: the step's metadata, step_kernels.cu).
+// With kb (the device step): out holds q only [H, n − q_from, hd] — rows q_from.. of y (the
+// drafter's block rows after its context rows, whose q nothing reads; 0 elsewhere) — and k and v
+// go straight into the cache buffers kb / vb [KV, cap, hd] at rows meta[0] + r (meta: the step's
+// metadata, step_kernels.cu).
 // gated (the hybrids' gated attention): each q head of y is followed by its hd gate channels
 // (rows [H · 2hd | KV · hd | KV · hd]; the gates are left in y), and the norm weights are WT
 // (f32: the zero-centred norms' 1 + w). Otherwise rows are [(H + 2·KV) · hd], as before.
 template <typename T, typename WT>
 __device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const WT* qw, const WT* kw,
                           int n, int H, int KV, int hd, int rot, int has_norm, float eps, T* out,
-                          T* kb, T* vb, const unsigned int* meta, int cap, int gated) {
+                          T* kb, T* vb, const unsigned int* meta, int cap, int gated,
+                          int q_from) {
   extern __shared__ float sh[];  // hd values + 32 partial sums
   const int r = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
+  if (h < H && r < q_from) return;  // a q row nothing reads (uniform in the block)
   const long long qs = gated ? 2LL * hd : (long long)hd;  // a q head's width in y
   const long long row = qs * H + 2LL * KV * hd;
   const long long at = h < H ? qs * h : qs * H + (long long)(h - H) * hd;
@@ -56,7 +60,7 @@ __device__ void qkv_heads(const T* y, const T* cos_t, const T* sin_t, const WT* 
     const long long g = (h - H) % KV;
     stv(h < H + KV ? kb : vb, (g * cap + meta[0] + r) * hd + c, v);
   } else {
-    stv(out, ((long long)h * n + r) * hd + c, v);
+    stv(out, ((long long)h * (n - q_from) + r - q_from) * hd + c, v);
   }
 }
 
@@ -65,7 +69,7 @@ extern "C" __global__ void qkv_heads_f32(const float* y, const float* cs, const 
                                          int hd, int rot, int has_norm, float eps, float* out) {
   PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (float*)nullptr,
-            (float*)nullptr, nullptr, 0, 0);
+            (float*)nullptr, nullptr, 0, 0, 0);
 }
 
 extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, const bf16_t* sn,
@@ -73,16 +77,17 @@ extern "C" __global__ void qkv_heads_bf16(const bf16_t* y, const bf16_t* cs, con
                                           int hd, int rot, int has_norm, float eps, bf16_t* out) {
   PDL_ENTRY();
   qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, out, (bf16_t*)nullptr,
-            (bf16_t*)nullptr, nullptr, 0, 0);
+            (bf16_t*)nullptr, nullptr, 0, 0, 0);
 }
 
 extern "C" __global__ void qkv_heads_cache_f32(const float* y, const float* cs, const float* sn,
                                                const float* qw, const float* kw, int n, int H,
                                                int KV, int hd, int rot, int has_norm, float eps,
                                                float* q, float* kb, float* vb,
-                                               const unsigned int* meta, int cap) {
+                                               const unsigned int* meta, int cap,
+                                               int q_from) {
   PDL_ENTRY();
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 0);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 0, q_from);
 }
 
 extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* cs,
@@ -90,9 +95,9 @@ extern "C" __global__ void qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* c
                                                 const bf16_t* kw, int n, int H, int KV, int hd,
                                                 int rot, int has_norm, float eps, bf16_t* q,
                                                 bf16_t* kb, bf16_t* vb, const unsigned int* meta,
-                                                int cap) {
+                                                int cap, int q_from) {
   PDL_ENTRY();
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 0);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 0, q_from);
 }
 
 // The hybrids' gated attention in the device step: q (normed, rotated) out, k and v into the
@@ -102,9 +107,10 @@ extern "C" __global__ void gated_qkv_heads_cache_f32(const float* y, const float
                                                      const float* kw, int n, int H, int KV, int hd,
                                                      int rot, int has_norm, float eps, float* q,
                                                      float* kb, float* vb,
-                                                     const unsigned int* meta, int cap) {
+                                                     const unsigned int* meta, int cap,
+                                                     int q_from) {
   PDL_ENTRY();
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 1);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 1, q_from);
 }
 
 extern "C" __global__ void gated_qkv_heads_cache_bf16(const bf16_t* y, const bf16_t* cs,
@@ -112,9 +118,10 @@ extern "C" __global__ void gated_qkv_heads_cache_bf16(const bf16_t* y, const bf1
                                                       const float* kw, int n, int H, int KV,
                                                       int hd, int rot, int has_norm, float eps,
                                                       bf16_t* q, bf16_t* kb, bf16_t* vb,
-                                                      const unsigned int* meta, int cap) {
+                                                      const unsigned int* meta, int cap,
+                                                     int q_from) {
   PDL_ENTRY();
-  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 1);
+  qkv_heads(y, cs, sn, qw, kw, n, H, KV, hd, rot, has_norm, eps, q, kb, vb, meta, cap, 1, q_from);
 }
 
 // add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w

@@ -266,7 +266,28 @@ pub fn qkv_heads_into_cache(
     meta: &Tensor,
 ) -> Result<Tensor> {
     let cache = (kbuf, vbuf);
-    heads_into_cache(y, cos_sin, norms, heads, rot, eps, cache, meta, false)
+    heads_into_cache(y, cos_sin, norms, heads, rot, eps, cache, meta, false, 0)
+}
+
+/// [`qkv_heads_into_cache`] returning q of rows `q_from..n` alone (`[1, h, n − q_from, head_dim]`;
+/// k and v of every row still go into the cache): the drafter's device step, whose context rows
+/// share the block's q/k/v GEMM but never attend (no copy to narrow q). `q_from < n`.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_heads_into_cache_q_from(
+    y: &Tensor,
+    cos_sin: &Tensor,
+    norms: Option<&Tensor>,
+    heads: (usize, usize, usize),
+    rot: usize,
+    eps: f64,
+    (kbuf, vbuf): (&Tensor, &Tensor),
+    meta: &Tensor,
+    q_from: usize,
+) -> Result<Tensor> {
+    let cache = (kbuf, vbuf);
+    heads_into_cache(
+        y, cos_sin, norms, heads, rot, eps, cache, meta, false, q_from,
+    )
 }
 
 /// [`qkv_heads_into_cache`] for the hybrids' gated attention: rows of `y` are
@@ -287,7 +308,18 @@ pub fn gated_qkv_heads_into_cache(
     meta: &Tensor,
 ) -> Result<Tensor> {
     let cache = (kbuf, vbuf);
-    heads_into_cache(y, cos_sin, Some(norms), heads, rot, eps, cache, meta, true)
+    heads_into_cache(
+        y,
+        cos_sin,
+        Some(norms),
+        heads,
+        rot,
+        eps,
+        cache,
+        meta,
+        true,
+        0,
+    )
 }
 
 /// [`qkv_heads_into_cache`] (`gated` false) or [`gated_qkv_heads_into_cache`].
@@ -302,14 +334,17 @@ fn heads_into_cache(
     (kbuf, vbuf): (&Tensor, &Tensor),
     meta: &Tensor,
     gated: bool,
+    q_from: usize,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if y.device().is_cuda() {
         return crate::step_cuda::qkv_heads_into_cache(
-            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta, gated,
+            y, cos_sin, norms, heads, rot, eps as f32, kbuf, vbuf, meta, gated, q_from,
         );
     }
-    let _ = (y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta, gated);
+    let _ = (
+        y, cos_sin, norms, heads, rot, eps, kbuf, vbuf, meta, gated, q_from,
+    );
     Err(CoreError::InvalidInput(
         "device step: the fused q/k/v heads need a CUDA device".into(),
     ))

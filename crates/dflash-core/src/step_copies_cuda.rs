@@ -119,6 +119,7 @@ pub(crate) fn qkv_heads_into_cache(
     vbuf: &Tensor,
     meta: &Tensor,
     gated: bool,
+    q_from: usize,
 ) -> Result<Tensor> {
     let (n, width) = y.dims2()?;
     let (_, kvb, cap, db) = kbuf.dims4()?;
@@ -136,12 +137,14 @@ pub(crate) fn qkv_heads_into_cache(
         || hd > 1024
         || !rot.is_multiple_of(2)
         || rot > hd
+        || q_from >= n
         || [cos_sin.dtype(), kbuf.dtype(), vbuf.dtype()]
             .iter()
             .any(|&t| t != dtype)
     {
         return Err(CoreError::InvalidInput(format!(
-            "qkv_heads_into_cache: y {:?}, cos/sin {:?}, cache {:?} for {h}/{kv} heads of {hd}",
+            "qkv_heads_into_cache: y {:?}, cos/sin {:?}, cache {:?} for {h}/{kv} heads of {hd}, \
+             q from row {q_from}",
             y.dims(),
             cos_sin.dims(),
             kbuf.dims()
@@ -162,11 +165,11 @@ pub(crate) fn qkv_heads_into_cache(
     let (kbp, _) = address(kbuf, "qkv_heads_into_cache cache")?;
     let (vbp, _) = address(vbuf, "qkv_heads_into_cache cache")?;
     let (mp, _) = address(meta, "qkv_heads_into_cache meta")?;
-    // SAFETY: one thread per (row, q head, channel) writes every element of q.
-    let q = unsafe { Tensor::empty((1, h, n, hd), dtype, y.device())? };
+    // SAFETY: one thread per (row from q_from, q head, channel) writes every element of q.
+    let q = unsafe { Tensor::empty((1, h, n - q_from, hd), dtype, y.device())? };
     let (qp, _) = address(&q, "qkv_heads_into_cache q")?;
     let ints = [n, h, kv, hd, rot, norms.is_some() as usize].map(|x| x as i32);
-    let capi = cap as i32;
+    let (capi, q_from) = (cap as i32, q_from as i32);
     let cfg = LaunchConfig {
         grid_dim: (n as u32, (h + 2 * kv) as u32, 1),
         block_dim: (hd as u32, 1, 1),
@@ -188,7 +191,13 @@ pub(crate) fn qkv_heads_into_cache(
     for x in &ints {
         b.arg(x);
     }
-    b.arg(&eps).arg(&qp).arg(&kbp).arg(&vbp).arg(&mp).arg(&capi);
+    b.arg(&eps)
+        .arg(&qp)
+        .arg(&kbp)
+        .arg(&vbp)
+        .arg(&mp)
+        .arg(&capi)
+        .arg(&q_from);
     // SAFETY: arguments in the kernel's order and types; every pointer is a live contiguous
     // tensor of the size the kernel reads or writes (checked above).
     unsafe { b.launch(cfg) }.w()?;

@@ -30,7 +30,8 @@ use crate::{ModelError, Result};
 use candle_core::Tensor;
 use candle_nn::Linear;
 use dflash_core::step::{
-    qkv_heads_into_cache, step_attention_takes, tree_attention_in_window, StepMeta, MAX_STEP_ROWS,
+    qkv_heads_into_cache_q_from, step_attention_takes, tree_attention_in_window, StepMeta,
+    MAX_STEP_ROWS,
 };
 use dflash_core::step_graph::StepKey;
 
@@ -160,18 +161,18 @@ impl DFlashDrafter {
         let rows = Tensor::cat(&[&keys.ctx, h], 1)?;
         let y = project(&fused.qkv, &rows)?.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
-        let q = qkv_heads_into_cache(
+        // q of the block's rows alone (the context rows only give keys)
+        let q = qkv_heads_into_cache_q_from(
             &y,
             &keys.cos_sin,
             Some(&fused.qk_norms),
             (nh, nkv, hd),
             self.rotary.rotary_dim(),
             layer.q_norm.eps(),
-            &kb,
-            &vb,
+            (&kb, &vb),
             &keys.meta_ctx,
+            m,
         )?;
-        let q = q.narrow(2, m, bs)?.contiguous()?;
         let scale = 1.0 / (hd as f32).sqrt();
         let a = self.cfg.layer_attention(li);
         let o = tree_attention_in_window(
