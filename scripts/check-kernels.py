@@ -93,6 +93,9 @@ for path in sorted(glob.glob(os.path.join(root, "crates/dflash-core/src/*.cu")))
             ok &= compile_source(f"#define DK {dk}\n{src}", f"{base} (DK {dk})")
             if "RULE_LANES4" in src:  # the rule's four-lanes-a-column variant (DFLASH_GDN_RULE_LANES=4)
                 ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n{src}", f"{base} (DK {dk}, 4 lanes)")
+                for chunk in (4,):  # the fold's staging chunk (DFLASH_GDN_FOLD_CHUNK=4; 8 by default)
+                    ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define FOLD_CHUNK {chunk}\n{src}",
+                                         f"{base} (DK {dk}, 4 lanes, fold chunk {chunk})")
                 ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n{src}",
                                      f"{base} (DK {dk}, 4 lanes, staged)")
                 ok &= compile_source(f"#define DK {dk}\n#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n{src}",

@@ -73,6 +73,9 @@ enum RuleBuild {
     FourLanes,
     FourLanesStaged,
     FourLanesStagedReplay,
+    /// The four-lane kernels with the fold staging 4 pending tokens at a time
+    /// (`DFLASH_GDN_FOLD_CHUNK=4`; 8 by default).
+    FourLanesFoldChunk4,
 }
 
 impl RuleBuild {
@@ -84,6 +87,7 @@ impl RuleBuild {
             RuleBuild::FourLanesStagedReplay => {
                 "#define RULE_LANES4\n#define RULE_STAGED\n#define RULE_REPLAY\n"
             }
+            RuleBuild::FourLanesFoldChunk4 => "#define RULE_LANES4\n#define FOLD_CHUNK 4\n",
         }
     }
 }
@@ -704,6 +708,7 @@ fn the_four_lane_kernels_give_the_one_lane_bits() {
         let four = build_variant(dir.path(), dk, RuleBuild::FourLanes);
         let staged = build_variant(dir.path(), dk, RuleBuild::FourLanesStaged);
         let replay = build_variant(dir.path(), dk, RuleBuild::FourLanesStagedReplay);
+        let chunk4 = build_variant(dir.path(), dk, RuleBuild::FourLanesFoldChunk4);
         for (ti, parents) in trees.iter().enumerate() {
             let (x, s0) = inputs(parents.len(), h, dk, dv, 300 + ti as u64);
             let want = emulate(&one, &view(&x), &s0, parents, true);
@@ -726,12 +731,16 @@ fn the_four_lane_kernels_give_the_one_lane_bits() {
                 let (px, _) = inputs(np.max(1), h, dk, dv, 400 + np as u64);
                 let px: Vec<Tensor> = px.iter().map(|a| a.narrow(0, 0, np).unwrap()).collect();
                 let want = emulate_fold(&one, (&x, &px, &s0), parents, true);
-                for stage in [false, true] {
-                    let got = emulate_fold(&four, (&x, &px, &s0), parents, stage);
+                for (exe, stage, build) in [
+                    (&four, false, "global"),
+                    (&four, true, "staged 8"),
+                    (&chunk4, true, "staged 4"),
+                ] {
+                    let got = emulate_fold(exe, (&x, &px, &s0), parents, stage);
                     assert!(
                         got == want,
-                        "dk {dk} tree {ti} np {np} staged {stage}: the four-lane fold's outputs \
-                         or state are not one lane's"
+                        "dk {dk} tree {ti} np {np} ({build}): the four-lane fold's outputs or \
+                         state are not one lane's"
                     );
                 }
             }
