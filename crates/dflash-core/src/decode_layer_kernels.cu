@@ -126,7 +126,9 @@ extern "C" __global__ void gated_qkv_heads_cache_bf16(const bf16_t* y, const bf1
 
 // add_rms_norm_{f32,bf16}: s = x + d (rounded to the dtype, as candle's add) and rms_norm(s)·w
 // (f32 math, rounded once), for rows of width W: out = [s ; normed], each [rows, W]. One block per
-// row. add_rms_norm_bf16_wf32: the same with an f32 weight (the hybrids' zero-centred norms keep
+// row. add_rms_norm_into_*: the same with normed written to its own rows `nrm` (the drafter's
+// device step: its block rows' next input, right after the context rows of the q/k/v GEMM's
+// input, so that no layer concatenates them). add_rms_norm_bf16_wf32: the same with an f32 weight (the hybrids' zero-centred norms keep
 // 1 + w in f32, as transformers computes them). A thread keeps its ≤ AN_PER elements (i = tid,
 // tid + blockDim, …) in registers, their loads all in flight at once; wider rows loop over memory.
 // Either way a thread sums its squares in that order and the block reduces them alike: one result
@@ -141,11 +143,10 @@ __device__ __forceinline__ float rounded(const bf16_t*, float v) {
 }
 template <typename T, typename Wt>
 __device__ void add_rms_norm(const T* x, const T* d, const Wt* w, int rows, int W, float eps,
-                             T* out) {
+                             T* out, T* nrm) {
   __shared__ float red[32];
   const int r = blockIdx.x, bd = blockDim.x;
   const long long off = (long long)r * W;
-  T* nrm = out + (long long)rows * W;
   float sq = 0.0f;
   if (W <= AN_PER * bd) {
     float sv[AN_PER], wv[AN_PER];
@@ -188,17 +189,31 @@ __device__ void add_rms_norm(const T* x, const T* d, const Wt* w, int rows, int 
 extern "C" __global__ void add_rms_norm_f32(const float* x, const float* d, const float* w,
                                             int rows, int W, float eps, float* out) {
   PDL_ENTRY();
-  add_rms_norm(x, d, w, rows, W, eps, out);
+  add_rms_norm(x, d, w, rows, W, eps, out, out + (long long)rows * W);
 }
 
 extern "C" __global__ void add_rms_norm_bf16(const bf16_t* x, const bf16_t* d, const bf16_t* w,
                                              int rows, int W, float eps, bf16_t* out) {
   PDL_ENTRY();
-  add_rms_norm(x, d, w, rows, W, eps, out);
+  add_rms_norm(x, d, w, rows, W, eps, out, out + (long long)rows * W);
 }
 
 extern "C" __global__ void add_rms_norm_bf16_wf32(const bf16_t* x, const bf16_t* d, const float* w,
                                                   int rows, int W, float eps, bf16_t* out) {
   PDL_ENTRY();
-  add_rms_norm(x, d, w, rows, W, eps, out);
+  add_rms_norm(x, d, w, rows, W, eps, out, out + (long long)rows * W);
+}
+
+extern "C" __global__ void add_rms_norm_into_f32(const float* x, const float* d, const float* w,
+                                                 int rows, int W, float eps, float* out,
+                                                 float* nrm) {
+  PDL_ENTRY();
+  add_rms_norm(x, d, w, rows, W, eps, out, nrm);
+}
+
+extern "C" __global__ void add_rms_norm_into_bf16(const bf16_t* x, const bf16_t* d,
+                                                  const bf16_t* w, int rows, int W, float eps,
+                                                  bf16_t* out, bf16_t* nrm) {
+  PDL_ENTRY();
+  add_rms_norm(x, d, w, rows, W, eps, out, nrm);
 }

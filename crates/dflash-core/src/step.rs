@@ -350,6 +350,28 @@ fn heads_into_cache(
     ))
 }
 
+/// `x + d` (returned) and its RMSNorm times `w` written into `dst` (contiguous, `[.., W]`) at
+/// rows `row..row + rows(x)` — [`crate::decode_ops::add_rms_norm`]'s kernel and arithmetic with the
+/// normed rows in the caller's buffer (the drafter's device step: its block rows' next input,
+/// right after the context rows its q/k/v GEMM reads with them). CUDA only.
+pub fn add_rms_norm_into(
+    x: &Tensor,
+    d: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    dst: &Tensor,
+    row: usize,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::step_cuda::add_rms_norm_into(x, d, w, eps as f32, dst, row);
+    }
+    let _ = (x, d, w, eps, dst, row);
+    Err(CoreError::InvalidInput(
+        "device step: the add+norm into a buffer needs a CUDA device".into(),
+    ))
+}
+
 /// Each step row's ancestors-or-self (`[rows, ANCESTOR_WORDS]` u32: bits, depth, path), computed once
 /// per step from the parents in `meta` and shared by every layer's [`tree_attention`].
 pub fn tree_ancestors(meta: &Tensor, rows: usize) -> Result<Tensor> {

@@ -203,3 +203,72 @@ pub(crate) fn qkv_heads_into_cache(
     unsafe { b.launch(cfg) }.w()?;
     Ok(q)
 }
+
+/// `x + d` (returned, `[rows, W]`) and its RMSNorm times `w`, written into `dst` (contiguous,
+/// `[.., W]`) at rows `row..row + rows` — `decode_ops::add_rms_norm`'s kernel and arithmetic with
+/// the normed rows in a buffer of the caller's.
+pub(crate) fn add_rms_norm_into(
+    x: &Tensor,
+    d: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    dst: &Tensor,
+    row: usize,
+) -> Result<Tensor> {
+    let width = x.dims().last().copied().unwrap_or(0);
+    let rows = x.elem_count() / width.max(1);
+    let dtype = x.dtype();
+    let dst_rows = dst.elem_count() / width.max(1);
+    if width == 0
+        || d.dims() != x.dims()
+        || w.dims() != [width]
+        || dst.dims().last() != Some(&width)
+        || row + rows > dst_rows
+        || [d.dtype(), w.dtype(), dst.dtype()]
+            .iter()
+            .any(|&t| t != dtype)
+    {
+        return Err(CoreError::InvalidInput(format!(
+            "add_rms_norm_into: x {:?}, d {:?}, w {:?} into {:?} at row {row}",
+            x.dims(),
+            d.dims(),
+            w.dims(),
+            dst.dims()
+        )));
+    }
+    let (x, d) = (x.contiguous()?, d.contiguous()?);
+    let (xp, dev) = address(&x, "add_rms_norm_into x")?;
+    let (dp, _) = address(&d, "add_rms_norm_into d")?;
+    let (wp, _) = address(w, "add_rms_norm_into w")?;
+    let (np, _) = address(dst, "add_rms_norm_into dst")?;
+    let np = np + (row * width * dtype.size_in_bytes()) as u64;
+    // SAFETY: each row's block writes its sum.
+    let sum = unsafe { Tensor::empty(x.dims(), dtype, x.device())? };
+    let (sp, _) = address(&sum, "add_rms_norm_into sum")?;
+    let (r, wd) = (rows as i32, width as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (width.clamp(32, 1024).div_ceil(32) as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let name = format!("add_rms_norm_into_{}", suffix(dtype)?);
+    let f = dev.get_or_load_custom_func(
+        &name,
+        crate::decode_ops_cuda::MODULE,
+        crate::decode_ops_cuda::ptx()?,
+    )?;
+    crate::pdl::mark(&f);
+    let mut b = f.builder();
+    b.arg(&xp)
+        .arg(&dp)
+        .arg(&wp)
+        .arg(&r)
+        .arg(&wd)
+        .arg(&eps)
+        .arg(&sp)
+        .arg(&np);
+    // SAFETY: arguments in the kernel's order and types; x, d and sum hold `rows` rows of
+    // `width`, dst holds rows `row..row + rows` (checked above), w one row.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(sum)
+}

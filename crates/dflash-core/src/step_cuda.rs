@@ -15,7 +15,7 @@ use candle_core::{DType, Storage, Tensor};
 use std::sync::OnceLock;
 
 pub(crate) use crate::step_copies_cuda::{
-    copy_into, keep_rows_all, qkv_heads_into_cache, upload_meta,
+    add_rms_norm_into, copy_into, keep_rows_all, qkv_heads_into_cache, upload_meta,
 };
 
 /// The step module: the kernels of `step_kernels.cu`, then the bf16 tensor-core attention of

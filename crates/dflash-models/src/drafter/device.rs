@@ -5,10 +5,12 @@
 //! Invariants:
 //! - The same [`DFlashDrafter::blocks_forward`] as training and the host path, the same math;
 //!   only the kernels and where the block finds its context keys differ. Each layer projects the
-//!   new context rows and the block's rows together (one GEMM over the stacked q/k/v weights),
-//!   one kernel norms and rotates the heads and writes their K/V at the cache's device-held length
-//!   — context rows first, the block's right after them (scratch rows past the committed length,
-//!   never counted) — and the block attends over both: every block row sees every block row in
+//!   new context rows and the block's rows together (one GEMM over the stacked q/k/v weights, its
+//!   input one buffer a step: the context rows written once, each layer's normed block rows
+//!   written after them by the add+norm before it — no concatenation a layer), one kernel norms
+//!   and rotates the heads, writes their K/V at the cache's device-held length — context rows
+//!   first, the block's right after them (scratch rows past the committed length, never counted)
+//!   — and returns q of the block's rows alone; the block attends over both: every block row sees every block row in
 //!   non-causal layers, the rows before it in causal ones, and the cached keys within its window
 //!   in sliding-window layers (the z-lab block layout; other block layouts take the host path).
 //!   The residual adds, norms and the MLP take the decode step's fused kernels (add+norm, gate-up
@@ -30,10 +32,11 @@ use crate::{ModelError, Result};
 use candle_core::Tensor;
 use candle_nn::Linear;
 use dflash_core::step::{
-    qkv_heads_into_cache_q_from, step_attention_takes, tree_attention_in_window, StepMeta,
-    MAX_STEP_ROWS,
+    add_rms_norm_into, qkv_heads_into_cache_q_from, step_attention_takes, tree_attention_in_window,
+    StepMeta, MAX_STEP_ROWS,
 };
 use dflash_core::step_graph::StepKey;
+use dflash_core::RmsNorm;
 
 /// Whether drafters with causal or sliding-window layers (the z-lab Qwen3.6-27B drafter: four
 /// causal 2,048-key windows and a full layer) draft on the device step: causal layers with the
@@ -77,8 +80,14 @@ pub(crate) struct DeviceKeys<'a> {
     full_block: Tensor,
     /// Block row i sees block rows 0..=i (causal layers; the same layout).
     causal_block: Tensor,
-    /// The new context rows, projected (`[1, m, H]`).
-    ctx: Tensor,
+    /// The q/k/v GEMM's input `[1, m + B, H]`: the new context rows, projected (written once a
+    /// step), then the block's rows (each layer's normed input: written there by the add+norm
+    /// before it, or copied in by the layer when `block_rows_ready` is false).
+    rows: Tensor,
+    /// The number of new context rows `m`.
+    m: usize,
+    /// Whether rows `m..` of `rows` hold this layer's normed input already.
+    block_rows_ready: bool,
     /// cos then sin of the context rows and then the block's rows (`[2·(m + B), d/2]`).
     cos_sin: Tensor,
     cache: &'a mut DraftCache,
@@ -157,9 +166,12 @@ impl DFlashDrafter {
             self.cfg.num_key_value_heads,
             self.cfg.head_dim,
         );
-        let (m, bs) = (keys.ctx.dim(1)?, h.dim(1)?);
-        let rows = Tensor::cat(&[&keys.ctx, h], 1)?;
-        let y = project(&fused.qkv, &rows)?.reshape((m + bs, ()))?;
+        let (m, bs) = (keys.m, h.dim(1)?);
+        if !keys.block_rows_ready {
+            keys.rows.slice_set(h, 1, m)?;
+        }
+        keys.block_rows_ready = false;
+        let y = project(&fused.qkv, &keys.rows)?.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
         // q of the block's rows alone (the context rows only give keys)
         let q = qkv_heads_into_cache_q_from(
@@ -189,6 +201,22 @@ impl DFlashDrafter {
             a.window.unwrap_or(0),
         )?;
         Ok(o)
+    }
+
+    /// The residual add `x + d` and the next layer's input norm in the device step, the normed rows
+    /// written straight into the next q/k/v GEMM's input after the context rows (no
+    /// concatenation a layer). Returns the sum and the normed rows (a view of that input).
+    pub(super) fn device_add_norm_next(
+        &self,
+        x: &Tensor,
+        d: &Tensor,
+        norm: &RmsNorm,
+        keys: &mut DeviceKeys,
+    ) -> Result<(Tensor, Tensor)> {
+        let sum = add_rms_norm_into(x, d, norm.weight(), norm.eps(), &keys.rows, keys.m)?;
+        keys.block_rows_ready = true;
+        let normed = keys.rows.narrow(1, keys.m, x.dim(1)?)?;
+        Ok((sum, normed))
     }
 
     /// The MLP in the device step: gate and up as one GEMM, then silu·mul and the down
@@ -288,6 +316,10 @@ impl DFlashDrafter {
         let bs = self.cfg.block_size;
         let m = new_ctx.dim(0)?;
         let ctx = self.project_context(new_ctx, dflash_core::Grad::Off)?;
+        // SAFETY: rows 0..m are written now, rows m.. by each layer before its GEMM reads them.
+        let qkv_rows =
+            unsafe { Tensor::empty((1, m + bs, self.cfg.hidden_size), self.dtype, &self.device)? };
+        qkv_rows.slice_set(&ctx, 1, 0)?;
         let cos_sin = table.index_select(&meta.narrow(0, 2 + bs, 2 * (m + bs))?, 0)?;
         let ids = meta.narrow(0, 2, bs)?.reshape((1, bs))?;
         let x = self.block_embedding(target, &ids)?;
@@ -303,7 +335,9 @@ impl DFlashDrafter {
             meta_blk: meta.narrow(0, 1, 1)?,
             full_block: full_block.clone(),
             causal_block: causal_block.clone(),
-            ctx,
+            rows: qkv_rows,
+            m,
+            block_rows_ready: false,
             cos_sin,
             cache,
         });

@@ -558,9 +558,12 @@ impl DFlashDrafter {
                 let u = project_with(&layer.up_proj, &h, grad)?;
                 project_with(&layer.down_proj, &(g * u)?, grad)?
             };
-            let fused_next = match self.layers.get(li + 1) {
-                Some(nl) => add_norm(&x, &mlp, &nl.input_layernorm)?,
-                None => None,
+            let fused_next = match (self.layers.get(li + 1), &mut keys) {
+                (Some(nl), BlockKeys::Device(dk)) => {
+                    Some(self.device_add_norm_next(&x, &mlp, &nl.input_layernorm, dk)?)
+                }
+                (Some(nl), BlockKeys::Host { .. }) => add_norm(&x, &mlp, &nl.input_layernorm)?,
+                (None, _) => None,
             };
             match fused_next {
                 Some((sum, normed)) => {
