@@ -13,8 +13,9 @@
 # queue two small kernels through PyTorch right after a synchronisation (is this machine's launch
 # slow, or our commit's host work?).
 # Session 37, part draft: the drafter's device step with q of the block's rows alone (no copy to
-# narrow q a layer) against the build before it (variant prev: carry dist/prev), SmolLM2 at 512 and
-# Qwen3-8B at 2048; its tests (the device drafts against the CPU draft).
+# narrow q a layer) and the q/k/v GEMM's input one buffer a step (no concatenation a layer) against
+# the build before them (variant prev: carry dist/prev), SmolLM2 at 512 and Qwen3-8B at 2048; their
+# tests (the device drafts against the CPU draft). VS may name foldchunk4 (4 pending rows staged).
 # Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk; launch; draft), ROUNDS (10), VS (variants).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
