@@ -60,8 +60,9 @@ if has draft; then
   DFLASH_TEST_DEVICE=cuda timeout 120 /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | show "^test |result|panicked"
 fi
 ROUNDS=${ROUNDS:-10}
-has draft && bench draft "graphs prev graphs prev" "smollm2-135m:bf16:512 qwen3-8b:bf16:2048"
 has bench && bench big "${VS:-fold nofold fold nofold}" "qwen3.6-27b:bf16:2048"
+has draft && bench draft "graphs prev graphs prev" "smollm2-135m:bf16:512"
+has draft && bench draft8b "graphs prev" "qwen3-8b:bf16:2048"
 has smolchunk && bench smolchunk "graphs treechunk128 treechunk256 treechunk640 graphs treechunk256" "smollm2-135m:bf16:512"
 has small && bench small "${VS:-fold nofold fold nofold}" "qwen3.5-4b:bf16:2048"
 for f in "$R"/*/bench-decode.jsonl; do
