@@ -250,9 +250,11 @@ pub fn kv_append_at(
 }
 
 /// A device step's q/k/v heads as one kernel (the math of [`crate::decode_ops::qkv_heads`]: q/k
-/// RMSNorm when `norms` is given, then RoPE from `cos_sin` `[2·n, rot/2]`): returns q
-/// `[1, h, n, head_dim]` and writes k and v straight into the cache buffers `kbuf`, `vbuf`
-/// (`[1, kv, capacity, head_dim]`) at rows `past..past+n`, `past` read from `meta`.
+/// RMSNorm when `norms` is given, then RoPE from `cos_sin` `[2·n, rot/2]`): returns q of rows
+/// `q_from..n` (`[1, h, n − q_from, head_dim]`; `q_from` 0 but in the drafter's device step, whose
+/// context rows share the block's GEMM and give keys alone) and writes k and v of every row
+/// straight into the cache buffers `kbuf`, `vbuf` (`[1, kv, capacity, head_dim]`) at rows
+/// `past..past+n`, `past` read from `meta`. `q_from < n`.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_heads_into_cache(
     y: &Tensor,
@@ -263,24 +265,6 @@ pub fn qkv_heads_into_cache(
     eps: f64,
     kbuf: &Tensor,
     vbuf: &Tensor,
-    meta: &Tensor,
-) -> Result<Tensor> {
-    let cache = (kbuf, vbuf);
-    heads_into_cache(y, cos_sin, norms, heads, rot, eps, cache, meta, false, 0)
-}
-
-/// [`qkv_heads_into_cache`] returning q of rows `q_from..n` alone (`[1, h, n − q_from, head_dim]`;
-/// k and v of every row still go into the cache): the drafter's device step, whose context rows
-/// share the block's q/k/v GEMM but never attend (no copy to narrow q). `q_from < n`.
-#[allow(clippy::too_many_arguments)]
-pub fn qkv_heads_into_cache_q_from(
-    y: &Tensor,
-    cos_sin: &Tensor,
-    norms: Option<&Tensor>,
-    heads: (usize, usize, usize),
-    rot: usize,
-    eps: f64,
-    (kbuf, vbuf): (&Tensor, &Tensor),
     meta: &Tensor,
     q_from: usize,
 ) -> Result<Tensor> {

@@ -224,6 +224,7 @@ impl Attention {
             &kb,
             &vb,
             meta,
+            0,
         )?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let o = if causal {

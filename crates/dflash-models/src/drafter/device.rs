@@ -32,7 +32,7 @@ use crate::{ModelError, Result};
 use candle_core::Tensor;
 use candle_nn::Linear;
 use dflash_core::step::{
-    add_rms_norm_into, qkv_heads_into_cache_q_from, step_attention_takes, tree_attention_in_window,
+    add_rms_norm_into, qkv_heads_into_cache, step_attention_takes, tree_attention_in_window,
     StepMeta, MAX_STEP_ROWS,
 };
 use dflash_core::step_graph::StepKey;
@@ -174,14 +174,15 @@ impl DFlashDrafter {
         let y = project(&fused.qkv, &keys.rows)?.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
         // q of the block's rows alone (the context rows only give keys)
-        let q = qkv_heads_into_cache_q_from(
+        let q = qkv_heads_into_cache(
             &y,
             &keys.cos_sin,
             Some(&fused.qk_norms),
             (nh, nkv, hd),
             self.rotary.rotary_dim(),
             layer.q_norm.eps(),
-            (&kb, &vb),
+            &kb,
+            &vb,
             &keys.meta_ctx,
             m,
         )?;
