@@ -13,9 +13,10 @@
 # queue two small kernels through PyTorch right after a synchronisation (is this machine's launch
 # slow, or our commit's host work?).
 # Session 37, part draft: the drafter's device step with q of the block's rows alone (no copy to
-# narrow q a layer) and the q/k/v GEMM's input one buffer a step (no concatenation a layer) against
-# the build before them (variant prev: carry dist/prev), SmolLM2 at 512 and Qwen3-8B at 2048; their
-# tests (the device drafts against the CPU draft). VS may name foldchunk4 (4 pending rows staged).
+# narrow q a layer) and the q/k/v GEMM's input one buffer a step (no concatenation a layer),
+# DFLASH_DRAFT_ROWS_IN_PLACE=1 (variant draftinplace), against the default, SmolLM2 at 512 and
+# Qwen3-8B at 2048; its tests (the device drafts against the CPU draft, under the switch).
+# VS may name foldchunk4 (4 pending rows staged).
 # Knobs: PARTS (default "tests bench"; also small: Qwen3.5-4B at 2048; smolchunk; launch; draft), ROUNDS (10), VS (variants).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -56,13 +57,13 @@ for n in (1, 2, 8):
 PY
 fi
 if has draft; then
-  echo "== device drafts against the CPU draft $(el)"
-  DFLASH_TEST_DEVICE=cuda timeout 120 /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | show "^test |result|panicked"
+  echo "== device drafts against the CPU draft, rows in place $(el)"
+  DFLASH_DRAFT_ROWS_IN_PLACE=1 DFLASH_TEST_DEVICE=cuda timeout 120 /tmp/bin/decode_ops_device --test-threads 1 draft 2>&1 | show "^test |result|panicked"
 fi
 ROUNDS=${ROUNDS:-10}
 has bench && bench big "${VS:-fold nofold fold nofold}" "qwen3.6-27b:bf16:2048"
-has draft && bench draft "graphs prev graphs prev" "smollm2-135m:bf16:512"
-has draft && bench draft8b "graphs prev" "qwen3-8b:bf16:2048"
+has draft && bench draft "graphs draftinplace graphs draftinplace" "smollm2-135m:bf16:512"
+has draft && bench draft8b "graphs draftinplace" "qwen3-8b:bf16:2048"
 has smolchunk && bench smolchunk "graphs treechunk128 treechunk256 treechunk640 graphs treechunk256" "smollm2-135m:bf16:512"
 has small && bench small "${VS:-fold nofold fold nofold}" "qwen3.5-4b:bf16:2048"
 for f in "$R"/*/bench-decode.jsonl; do

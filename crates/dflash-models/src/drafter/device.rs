@@ -5,12 +5,13 @@
 //! Invariants:
 //! - The same [`DFlashDrafter::blocks_forward`] as training and the host path, the same math;
 //!   only the kernels and where the block finds its context keys differ. Each layer projects the
-//!   new context rows and the block's rows together (one GEMM over the stacked q/k/v weights, its
-//!   input one buffer a step: the context rows written once, each layer's normed block rows
-//!   written after them by the add+norm before it — no concatenation a layer), one kernel norms
-//!   and rotates the heads, writes their K/V at the cache's device-held length — context rows
-//!   first, the block's right after them (scratch rows past the committed length, never counted)
-//!   — and returns q of the block's rows alone; the block attends over both: every block row sees every block row in
+//!   new context rows and the block's rows together (one GEMM over the stacked q/k/v weights; under
+//!   `DFLASH_DRAFT_ROWS_IN_PLACE=1` its input is one buffer a step — the context rows written once,
+//!   each layer's normed block rows written after them by the add+norm before it — instead of a
+//!   concatenation a layer), one kernel norms and rotates the heads and writes their K/V at the
+//!   cache's device-held length — context rows first, the block's right after them (scratch rows
+//!   past the committed length, never counted) — and the block's q (from the kernel under that
+//!   switch, narrowed after it otherwise) attends over both: every block row sees every block row in
 //!   non-causal layers, the rows before it in causal ones, and the cached keys within its window
 //!   in sliding-window layers (the z-lab block layout; other block layouts take the host path).
 //!   The residual adds, norms and the MLP take the decode step's fused kernels (add+norm, gate-up
@@ -49,6 +50,16 @@ fn windowed_layers_on_device() -> bool {
     *ON.get_or_init(|| std::env::var("DFLASH_DRAFT_STEP_WINDOWS").as_deref() != Ok("0"))
 }
 
+/// Whether the device step's q/k/v GEMM reads one buffer a step (the context rows written once,
+/// each layer's normed block rows written after them by the add+norm before it) and the heads
+/// kernel returns q of the block's rows alone — 2 copies a step instead of 3 a layer (session 37;
+/// the same arithmetic). Opt-in (`DFLASH_DRAFT_ROWS_IN_PLACE=1`, read once) until measured on a
+/// GPU: the default concatenates the context and block rows a layer and narrows q after the heads.
+fn rows_in_place() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_DRAFT_ROWS_IN_PLACE").as_deref() == Ok("1"))
+}
+
 /// `[B, MAX_STEP_ROWS / 32]` visibility bits over the block's rows: row r sees rows
 /// `0..visible(r)`.
 fn block_bits(
@@ -80,10 +91,12 @@ pub(crate) struct DeviceKeys<'a> {
     full_block: Tensor,
     /// Block row i sees block rows 0..=i (causal layers; the same layout).
     causal_block: Tensor,
-    /// The q/k/v GEMM's input `[1, m + B, H]`: the new context rows, projected (written once a
-    /// step), then the block's rows (each layer's normed input: written there by the add+norm
-    /// before it, or copied in by the layer when `block_rows_ready` is false).
-    rows: Tensor,
+    /// The new context rows, projected (`[1, m, H]`).
+    ctx: Tensor,
+    /// Under [`rows_in_place`], the q/k/v GEMM's input `[1, m + B, H]`: the context rows (written
+    /// once a step), then the block's rows (each layer's normed input: written there by the
+    /// add+norm before it, or copied in by the layer when `block_rows_ready` is false).
+    rows: Option<Tensor>,
     /// The number of new context rows `m`.
     m: usize,
     /// Whether rows `m..` of `rows` hold this layer's normed input already.
@@ -167,13 +180,21 @@ impl DFlashDrafter {
             self.cfg.head_dim,
         );
         let (m, bs) = (keys.m, h.dim(1)?);
-        if !keys.block_rows_ready {
-            keys.rows.slice_set(h, 1, m)?;
-        }
+        let y = match &keys.rows {
+            Some(rows) => {
+                if !keys.block_rows_ready {
+                    rows.slice_set(h, 1, m)?;
+                }
+                project(&fused.qkv, rows)?
+            }
+            None => project(&fused.qkv, &Tensor::cat(&[&keys.ctx, h], 1)?)?,
+        };
         keys.block_rows_ready = false;
-        let y = project(&fused.qkv, &keys.rows)?.reshape((m + bs, ()))?;
+        let y = y.reshape((m + bs, ()))?;
         let (kb, vb) = keys.cache.layers[li].buffers_for(nkv, hd, self.dtype, &self.device)?;
-        // q of the block's rows alone (the context rows only give keys)
+        // q of the block's rows alone (the context rows only give keys): from the kernel under
+        // rows_in_place, else narrowed after it
+        let q_from = if keys.rows.is_some() { m } else { 0 };
         let q = qkv_heads_into_cache(
             &y,
             &keys.cos_sin,
@@ -184,8 +205,12 @@ impl DFlashDrafter {
             &kb,
             &vb,
             &keys.meta_ctx,
-            m,
+            q_from,
         )?;
+        let q = match q_from {
+            0 => q.narrow(2, m, bs)?.contiguous()?,
+            _ => q,
+        };
         let scale = 1.0 / (hd as f32).sqrt();
         let a = self.cfg.layer_attention(li);
         let o = tree_attention_in_window(
@@ -204,20 +229,23 @@ impl DFlashDrafter {
         Ok(o)
     }
 
-    /// The residual add `x + d` and the next layer's input norm in the device step, the normed rows
-    /// written straight into the next q/k/v GEMM's input after the context rows (no
-    /// concatenation a layer). Returns the sum and the normed rows (a view of that input).
+    /// The residual add `x + d` and the next layer's input norm in the device step as one kernel:
+    /// under [`rows_in_place`] the normed rows written straight into the next q/k/v GEMM's input
+    /// after the context rows (no concatenation a layer). Returns the sum and the normed rows (a
+    /// view of that input); `None` where the caller adds and norms itself.
     pub(super) fn device_add_norm_next(
         &self,
         x: &Tensor,
         d: &Tensor,
         norm: &RmsNorm,
         keys: &mut DeviceKeys,
-    ) -> Result<(Tensor, Tensor)> {
-        let sum = add_rms_norm_into(x, d, norm.weight(), norm.eps(), &keys.rows, keys.m)?;
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(rows) = &keys.rows else {
+            return Ok(norm.add_forward(x, d)?);
+        };
+        let sum = add_rms_norm_into(x, d, norm.weight(), norm.eps(), rows, keys.m)?;
         keys.block_rows_ready = true;
-        let normed = keys.rows.narrow(1, keys.m, x.dim(1)?)?;
-        Ok((sum, normed))
+        Ok(Some((sum, rows.narrow(1, keys.m, x.dim(1)?)?)))
     }
 
     /// The MLP in the device step: gate and up as one GEMM, then silu·mul and the down
@@ -317,10 +345,17 @@ impl DFlashDrafter {
         let bs = self.cfg.block_size;
         let m = new_ctx.dim(0)?;
         let ctx = self.project_context(new_ctx, dflash_core::Grad::Off)?;
-        // SAFETY: rows 0..m are written now, rows m.. by each layer before its GEMM reads them.
-        let qkv_rows =
-            unsafe { Tensor::empty((1, m + bs, self.cfg.hidden_size), self.dtype, &self.device)? };
-        qkv_rows.slice_set(&ctx, 1, 0)?;
+        let qkv_rows = match rows_in_place() {
+            true => {
+                let shape = (1, m + bs, self.cfg.hidden_size);
+                // SAFETY: rows 0..m are written now, rows m.. by each layer before its GEMM
+                // reads them.
+                let rows = unsafe { Tensor::empty(shape, self.dtype, &self.device)? };
+                rows.slice_set(&ctx, 1, 0)?;
+                Some(rows)
+            }
+            false => None,
+        };
         let cos_sin = table.index_select(&meta.narrow(0, 2 + bs, 2 * (m + bs))?, 0)?;
         let ids = meta.narrow(0, 2, bs)?.reshape((1, bs))?;
         let x = self.block_embedding(target, &ids)?;
@@ -336,6 +371,7 @@ impl DFlashDrafter {
             meta_blk: meta.narrow(0, 1, 1)?,
             full_block: full_block.clone(),
             causal_block: causal_block.clone(),
+            ctx,
             rows: qkv_rows,
             m,
             block_rows_ready: false,

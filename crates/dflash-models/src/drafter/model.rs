@@ -560,7 +560,7 @@ impl DFlashDrafter {
             };
             let fused_next = match (self.layers.get(li + 1), &mut keys) {
                 (Some(nl), BlockKeys::Device(dk)) => {
-                    Some(self.device_add_norm_next(&x, &mlp, &nl.input_layernorm, dk)?)
+                    self.device_add_norm_next(&x, &mlp, &nl.input_layernorm, dk)?
                 }
                 (Some(nl), BlockKeys::Host { .. }) => add_norm(&x, &mlp, &nl.input_layernorm)?,
                 (None, _) => None,
