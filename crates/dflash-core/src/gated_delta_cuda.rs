@@ -193,15 +193,9 @@ fn fold_staged() -> bool {
 /// spills).
 fn fold_chunk_define() -> &'static str {
     static DEFINE: OnceLock<&'static str> = OnceLock::new();
-    DEFINE.get_or_init(|| {
-        match std::env::var("DFLASH_GDN_FOLD_CHUNK")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("4") => "#define FOLD_CHUNK 4\n",
-            Ok("16") => "#define FOLD_CHUNK 16\n",
-            _ => "",
-        }
+    DEFINE.get_or_init(|| match std::env::var("DFLASH_GDN_FOLD_CHUNK") {
+        Ok(v) if v.trim() == "4" => "#define FOLD_CHUNK 4\n",
+        _ => "",
     })
 }
 

@@ -562,8 +562,8 @@ impl DFlashDrafter {
                 (Some(nl), BlockKeys::Device(dk)) => {
                     self.device_add_norm_next(&x, &mlp, &nl.input_layernorm, dk)?
                 }
-                (Some(nl), BlockKeys::Host { .. }) => add_norm(&x, &mlp, &nl.input_layernorm)?,
-                (None, _) => None,
+                // the host path adds and norms itself (`add_norm` fuses on the device step only)
+                _ => None,
             };
             match fused_next {
                 Some((sum, normed)) => {
