@@ -56,6 +56,7 @@ fn main() -> Result<()> {
         tools: None,
     };
     let cfg = GenerateConfig {
+        cancel: None,
         max_new_tokens: 256,
         stop_tokens: target.eos_token_ids.clone(),
         sampling: SamplingConfig::greedy(),

@@ -632,6 +632,7 @@ fn time_loops(
     ops: &mut Vec<Op>,
 ) -> Result<()> {
     let cfg = GenerateConfig {
+        cancel: None,
         max_new_tokens: LOOP_TOKENS,
         stop_tokens: vec![],
         sampling: SamplingConfig::greedy(),

@@ -119,6 +119,7 @@ pub fn run(a: DiagnoseArgs) -> Result<()> {
     drafter.bind_target(target.model.as_ref())?;
     let recorded = stats::read_tap_stats(&draft_dir)?;
     let cfg = GenerateConfig {
+        cancel: None,
         max_new_tokens: a.max_new_tokens,
         stop_tokens: target.eos_token_ids.clone(),
         sampling: SamplingConfig::greedy(),

@@ -166,6 +166,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         None
     };
     let cfg = GenerateConfig {
+        cancel: None,
         max_new_tokens: a.max_new_tokens,
         stop_tokens: target.eos_token_ids.clone(),
         sampling: SamplingConfig::greedy(),

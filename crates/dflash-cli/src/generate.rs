@@ -183,6 +183,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     }
     let cfg = GenerateConfig {
+        cancel: None,
         max_new_tokens: args.max_new_tokens,
         stop_tokens: target.eos_token_ids.clone(),
         sampling: SamplingConfig {

@@ -10,6 +10,8 @@ use crate::{DecodeError, Result};
 use candle_core::Tensor;
 use dflash_models::{ForwardRequest, LogitRows, TargetModel};
 use serde::Serialize;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Debug, Clone)]
@@ -17,6 +19,10 @@ pub struct GenerateConfig {
     pub max_new_tokens: usize,
     pub stop_tokens: Vec<u32>,
     pub sampling: SamplingConfig,
+    /// Set by the caller (from the token callback or another thread) to end the generation
+    /// right after the token being emitted, with [`StopReason::Cancelled`]: a server's stop
+    /// string matched, its client gone. `None`: generation runs to a stop token or the budget.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -28,6 +34,8 @@ pub enum StopReason {
     MaxTokens,
     /// The model's context is full.
     ContextLength,
+    /// The caller asked to stop ([`GenerateConfig::cancel`]).
+    Cancelled,
 }
 
 #[derive(Debug, Clone)]
@@ -52,15 +60,17 @@ pub(crate) struct Emitter<'a> {
     budget: usize,
     context_bound: bool,
     stop_tokens: &'a [u32],
+    cancel: Option<&'a AtomicBool>,
 }
 
 impl<'a> Emitter<'a> {
-    pub(crate) fn new(budget: usize, context_bound: bool, stop_tokens: &'a [u32]) -> Self {
+    pub(crate) fn new(budget: usize, context_bound: bool, cfg: &'a GenerateConfig) -> Self {
         Self {
             tokens: Vec::with_capacity(budget),
             budget,
             context_bound,
-            stop_tokens,
+            stop_tokens: &cfg.stop_tokens,
+            cancel: cfg.cancel.as_deref(),
         }
     }
 
@@ -70,6 +80,9 @@ impl<'a> Emitter<'a> {
         on_token(tok);
         if self.stop_tokens.contains(&tok) {
             return Some(StopReason::Eos);
+        }
+        if self.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Some(StopReason::Cancelled);
         }
         if self.tokens.len() >= self.budget {
             return Some(if self.context_bound {
@@ -153,7 +166,7 @@ fn ar_loop(
     let mut margins = vec![m];
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let mut emit = Emitter::new(budget, context_bound, &cfg.stop_tokens);
+    let mut emit = Emitter::new(budget, context_bound, cfg);
     let mut steps = 0;
     let stop_reason = loop {
         if budget == 0 {

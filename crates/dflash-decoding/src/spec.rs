@@ -367,7 +367,7 @@ fn generate(
 
     let t1 = Instant::now();
     let mut history: Vec<u32> = prompt.to_vec();
-    let mut emit = Emitter::new(budget, context_bound, &cfg.stop_tokens);
+    let mut emit = Emitter::new(budget, context_bound, cfg);
     let mut stop = if budget == 0 {
         Some(crate::StopReason::MaxTokens)
     } else {

@@ -30,6 +30,7 @@ fn batched_greedy_and_sampled_equal_one_prompt_at_a_time() {
             target,
             &ps[1],
             &GenerateConfig {
+                cancel: None,
                 max_new_tokens: 6,
                 stop_tokens: vec![],
                 sampling: SamplingConfig::greedy(),
@@ -63,6 +64,7 @@ fn batched_greedy_and_sampled_equal_one_prompt_at_a_time() {
                     target,
                     p,
                     &GenerateConfig {
+                        cancel: None,
                         max_new_tokens: 11,
                         stop_tokens: stop.clone(),
                         sampling: s,

@@ -12,6 +12,7 @@ use support::*;
 
 fn greedy(max_new: usize) -> GenerateConfig {
     GenerateConfig {
+        cancel: None,
         max_new_tokens: max_new,
         stop_tokens: vec![],
         sampling: SamplingConfig::greedy(),

@@ -12,6 +12,7 @@ use support::*;
 
 fn greedy(max_new: usize, stop: Vec<u32>) -> GenerateConfig {
     GenerateConfig {
+        cancel: None,
         max_new_tokens: max_new,
         stop_tokens: stop,
         sampling: SamplingConfig::greedy(),
@@ -379,6 +380,7 @@ fn check_sampled_modes(target: &dyn TargetModel, vocab: usize, n: usize) {
         let mut oracle = OracleDrafter::new(4, 0.3, 9);
         for seed in 0..n {
             let cfg = GenerateConfig {
+                cancel: None,
                 max_new_tokens: 3,
                 stop_tokens: vec![],
                 sampling: SamplingConfig {

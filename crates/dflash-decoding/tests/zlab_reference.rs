@@ -63,6 +63,7 @@ fn matches_zlab_reference() {
         .unwrap();
     assert!(err <= 1e-4, "drafter logits differ from z-lab's by {err}");
     let cfg = GenerateConfig {
+        cancel: None,
         max_new_tokens: 40,
         stop_tokens: vec![],
         sampling: SamplingConfig::greedy(),

@@ -156,6 +156,7 @@ pub fn measure(
 ) -> Result<(TrainEval, Option<TapStatsFile>)> {
     let budget = manifest.training.tree_budget.max(1);
     let cfg = |n: usize| GenerateConfig {
+        cancel: None,
         max_new_tokens: n,
         stop_tokens: s.stop_tokens.clone(),
         sampling: SamplingConfig::greedy(),

@@ -22,6 +22,7 @@ fn target() -> LoadedTarget {
 
 fn greedy(n: usize) -> GenerateConfig {
     GenerateConfig {
+        cancel: None,
         max_new_tokens: n,
         stop_tokens: vec![],
         sampling: SamplingConfig::greedy(),

@@ -1,0 +1,224 @@
+//! The endpoint over a real socket, against a scripted engine: response shapes, streaming, stop
+//! strings (and the cancellation they trigger), token budgets and errors.
+
+use dflash_serve::{
+    serve, Engine, EngineError, FinishReason, GenOutcome, GenRequest, Prompt, ServerOptions,
+};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+const PIECES: [&str; 6] = ["Hello", ",", " world", "!", " STOP", " after"];
+
+/// Emits [`PIECES`] one "token" each, stopping at the budget or when cancelled (after the piece
+/// it is emitting, as the decoding loops do); records what it was asked and how many it emitted.
+struct Scripted {
+    seen: Arc<Mutex<Vec<(GenRequest, usize)>>>,
+}
+
+impl Engine for Scripted {
+    fn model_id(&self) -> &str {
+        "scripted"
+    }
+    fn generate(
+        &mut self,
+        req: &GenRequest,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenOutcome, EngineError> {
+        if let Prompt::Text(t) = &req.prompt {
+            if t == "too long" {
+                return Err(EngineError::BadRequest("prompt of 9999 tokens".into()));
+            }
+        }
+        let mut emitted = 0;
+        for p in PIECES.iter().take(req.max_tokens) {
+            on_text(p);
+            emitted += 1;
+            if req.cancel.load(Ordering::Relaxed) {
+                break;
+            }
+        }
+        self.seen.lock().unwrap().push((req.clone(), emitted));
+        Ok(GenOutcome {
+            prompt_tokens: 3,
+            completion_tokens: emitted,
+            finish: if emitted == req.max_tokens {
+                FinishReason::Length
+            } else {
+                FinishReason::Stop
+            },
+            stats: json!({"mode": "scripted"}),
+        })
+    }
+}
+
+/// Starts a server for `requests` connections; returns its address and the engine's record.
+fn start(requests: usize) -> (String, Arc<Mutex<Vec<(GenRequest, usize)>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(vec![]));
+    let mut engine = Scripted { seen: seen.clone() };
+    std::thread::spawn(move || {
+        let opts = ServerOptions {
+            stop_after: Some(requests),
+            quiet: true,
+            ..Default::default()
+        };
+        serve(&listener, &mut engine, &opts).unwrap();
+    });
+    (addr, seen)
+}
+
+/// Sends one request; returns the status and the body.
+fn call(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, rest) = out.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, rest.to_string())
+}
+
+fn json_of(s: &str) -> Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
+}
+
+#[test]
+fn a_chat_completion_carries_the_text_usage_and_stats() {
+    let (addr, seen) = start(2);
+    let body = r#"{"model":"scripted","messages":[{"role":"user","content":"hi"}],"temperature":0,"seed":5}"#;
+    let (status, out) = call(&addr, "POST", "/v1/chat/completions", Some(body));
+    assert_eq!(status, 200, "{out}");
+    let v = json_of(&out);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "scripted");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], PIECES.concat());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9})
+    );
+    assert_eq!(v["dflash"]["mode"], "scripted");
+    let (req, _) = seen.lock().unwrap()[0].clone();
+    assert_eq!(
+        (req.sampling.temperature, req.sampling.seed, req.max_tokens),
+        (0.0, 5, 256)
+    );
+    let (status, out) = call(&addr, "GET", "/v1/models", None);
+    assert_eq!(
+        (status, json_of(&out)["data"][0]["id"].clone()),
+        (200, json!("scripted"))
+    );
+}
+
+#[test]
+fn a_stop_string_cuts_the_text_and_cancels_the_generation() {
+    let (addr, seen) = start(2);
+    let body = r#"{"prompt":"x","stop":[" STOP","zzz"],"max_tokens":50}"#;
+    let (status, out) = call(&addr, "POST", "/v1/completions", Some(body));
+    assert_eq!(status, 200, "{out}");
+    let v = json_of(&out);
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], "Hello, world!");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // the engine stopped right after the piece that completed the stop string
+    assert_eq!(seen.lock().unwrap()[0].1, 5);
+    // the budget: two tokens, finish "length"
+    let (_, out) = call(
+        &addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt":"x","max_tokens":2}"#),
+    );
+    let v = json_of(&out);
+    assert_eq!(
+        (
+            v["choices"][0]["text"].clone(),
+            v["choices"][0]["finish_reason"].clone()
+        ),
+        (json!("Hello,"), json!("length"))
+    );
+}
+
+#[test]
+fn a_streamed_chat_sends_deltas_a_finish_usage_and_done() {
+    let (addr, _) = start(1);
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"stream":true,"stop":"!","stream_options":{"include_usage":true}}"#;
+    let (status, out) = call(&addr, "POST", "/v1/chat/completions", Some(body));
+    assert_eq!(status, 200);
+    let events: Vec<&str> = out
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("every event is data"))
+        .collect();
+    assert_eq!(*events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "Hello, world");
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("stop")]);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 4);
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+}
+
+#[test]
+fn bad_requests_get_openai_errors_with_their_status() {
+    let (addr, _) = start(6);
+    let cases = [
+        (
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt":"too long"}"#),
+            400,
+        ),
+        ("POST", "/v1/chat/completions", Some("{not json"), 400),
+        (
+            "POST",
+            "/v1/chat/completions",
+            Some(r#"{"model":"gpt-4","messages":[{"role":"user","content":"x"}]}"#),
+            404,
+        ),
+        ("GET", "/v1/chat/completions", None, 405),
+        ("POST", "/v2/anything", Some("{}"), 404),
+        ("GET", "/health", None, 200),
+    ];
+    for (method, path, body, want) in cases {
+        let (status, out) = call(&addr, method, path, body);
+        assert_eq!(status, want, "{method} {path}: {out}");
+        let v = json_of(&out);
+        if want != 200 {
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "{out}"
+            );
+            assert!(v["error"]["type"].is_string(), "{out}");
+        }
+    }
+}
