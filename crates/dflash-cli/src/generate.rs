@@ -1,41 +1,20 @@
 //! `dflash generate`: one prompt, one answer, streamed (or one JSON object with `--json`).
 
 use crate::auto_memory;
+pub use crate::engine::Mode;
+use crate::engine::{Engine, EngineArgs};
 use crate::exit::UsageError;
-use anyhow::{Context, Result};
-use clap::{Args, ValueEnum};
-use dflash_decoding::{
-    generate_ar, generate_ar_with_margins, generate_auto_remembered, generate_speculative,
-    AutoRecord, DFlashRunner, GenerateConfig, SamplingConfig, SpecMode,
-};
-use dflash_models::{load_drafter, load_target};
-use dflash_text::{ChatMessage, RenderOptions, StreamDecoder};
+use anyhow::Result;
+use clap::Args;
+use dflash_decoding::{GenerateConfig, SamplingConfig};
+use dflash_text::{ChatMessage, StreamDecoder};
 use serde::Serialize;
 use std::io::Write;
-use std::path::PathBuf;
-
-#[derive(Debug, Clone, Copy, ValueEnum, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// DDTree while it is faster than AR on this device (measured as it runs), else AR; AR from
-    /// the start when an earlier run here found DDTree at under half AR's rate (remembered in
-    /// ~/.cache/dflash/auto-mode.json; DFLASH_AUTO_MEMORY=off or another file); AR when no
-    /// drafter is given or ships for the target. The default.
-    Auto,
-    /// The target alone: the reference output.
-    Ar,
-    /// Single-path DFlash speculative decoding.
-    Dflash,
-    /// DDTree: verify the best tree of drafted prefixes.
-    Ddtree,
-}
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Target model: an HF directory (config.json, safetensors, tokenizer.json) or a .gguf file.
-    /// Default: $DFLASH_TARGET, else SmolLM2-135M-Instruct as fetched by scripts/fetch-smollm2.sh.
-    #[arg(long)]
-    target: Option<PathBuf>,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// The prompt (a user message with --chat, raw text with --raw).
     #[arg(long)]
     prompt: String,
@@ -63,30 +42,6 @@ pub struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    #[arg(long, value_enum, default_value_t = Mode::Auto)]
-    mode: Mode,
-    /// Drafter directory (z-lab DFlash format), for --mode dflash / ddtree (default: the drafter
-    /// shipped for the target, e.g. drafters/smollm2-135m-instruct for SmolLM2).
-    #[arg(long)]
-    draft: Option<PathBuf>,
-    /// Block size at inference (default: the drafter's).
-    #[arg(long)]
-    block_size: Option<usize>,
-    /// DDTree node budget (the same default as `dflash eval`).
-    #[arg(long, default_value_t = dflash_decoding::tree::DEFAULT_TREE_BUDGET)]
-    tree_budget: usize,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// Bit-exact: every projection (and on the CPU attention too) on row-invariant kernels, so a
-    /// verified row computes exactly what the one-token AR step computes and speculative output
-    /// equals AR's token for token in bf16 too (SmolLM2 on the H200: 80 of 80 generations, DDTree
-    /// ~20 % slower; on the CPU decode steps are row-invariant by default, this adds prefills).
-    #[arg(long)]
-    bit_exact: bool,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -137,55 +92,23 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         return Err(UsageError("--max-new-tokens must be at least 1".into()).into());
     }
-    let (device, dtype) = crate::defaults::device_and_dtype(&args.device, args.dtype.as_deref())?;
-    crate::defaults::apply_bit_exact(args.bit_exact, &device)?;
-    let target_path = crate::defaults::target_path(args.target.as_deref())?;
-    let target = load_target(&target_path, &device, dtype)
-        .with_context(|| format!("loading target {}", target_path.display()))?;
-    let text = target.text.as_ref().ok_or_else(|| {
-        UsageError(format!(
-            "{}: no tokenizer (tokenizer.json) next to the model",
-            target_path.display()
-        ))
-    })?;
-    let use_chat = !args.raw && (args.chat || text.chat_template.is_some());
-    let prompt_text = if use_chat {
-        let tpl = text.chat_template.as_ref().ok_or_else(|| {
-            UsageError(format!(
-                "{}: --chat asked for, but the model has no chat template",
-                target_path.display()
-            ))
-        })?;
+    let engine = Engine::load(&args.engine)?;
+    let text = engine.text()?;
+    let use_chat = !args.raw && (args.chat || engine.has_chat_template());
+    let prompt = if use_chat {
         let mut msgs = vec![];
         if let Some(s) = &args.system {
             msgs.push(ChatMessage::new("system", s.clone()));
         }
         msgs.push(ChatMessage::new("user", args.prompt.clone()));
-        let opts = RenderOptions {
-            add_generation_prompt: true,
-            enable_thinking: Some(args.enable_thinking),
-            tools: None,
-        };
-        tpl.render(&msgs, &opts)?
+        engine.chat_prompt(&msgs, args.enable_thinking)?
     } else {
-        args.prompt.clone()
+        engine.raw_prompt(&args.prompt)?
     };
-    let mut prompt = text.tokenizer.encode(&prompt_text, false)?;
-    if text.add_bos && !use_chat {
-        if let Some(bos) = text
-            .bos_token
-            .as_deref()
-            .and_then(|b| text.tokenizer.token_to_id(b))
-        {
-            if prompt.first() != Some(&bos) {
-                prompt.insert(0, bos);
-            }
-        }
-    }
     let cfg = GenerateConfig {
         cancel: None,
         max_new_tokens: args.max_new_tokens,
-        stop_tokens: target.eos_token_ids.clone(),
+        stop_tokens: engine.target.eos_token_ids.clone(),
         sampling: SamplingConfig {
             temperature: args.temperature,
             top_p: args.top_p,
@@ -203,98 +126,20 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
         }
     };
-    let mut drafter_dir = None;
-    let drafter = match args.mode {
-        Mode::Ar => None,
-        Mode::Dflash | Mode::Ddtree | Mode::Auto => {
-            // auto without a drafter decodes with AR; an explicit --draft must load
-            let found = crate::defaults::drafter_path(args.draft.as_deref(), &target_path);
-            match found {
-                Err(_) if args.mode == Mode::Auto => None,
-                found => {
-                    let dir = &found?;
-                    let mut d = load_drafter(dir, &device, dtype)
-                        .with_context(|| format!("loading drafter {}", dir.display()))?;
-                    d.bind_target(target.model.as_ref())?;
-                    if let Some(b) = args.block_size {
-                        d.set_block_size(b)?;
-                    }
-                    drafter_dir = Some(dir.clone());
-                    Some(d)
-                }
-            }
-        }
-    };
-    if args.tree_budget == 0 {
-        return Err(UsageError("--tree-budget must be at least 1".into()).into());
-    }
-    let generation = match (&drafter, args.mode) {
-        (Some(d), mode) => {
-            let spec_mode = match mode {
-                Mode::Dflash => SpecMode::DFlash,
-                _ => SpecMode::DdTree {
-                    budget: args.tree_budget,
-                },
-            };
-            let mut runner = DFlashRunner::new(d);
-            if mode == Mode::Auto {
-                let key = auto_memory::RunKey {
-                    device: args.device.clone(),
-                    dtype: format!("{dtype:?}").to_lowercase(),
-                    bit_exact: args.bit_exact,
-                    target: target_path.clone(),
-                    drafter: drafter_dir.clone().unwrap_or_default(),
-                    mode: format!("ddtree:{}", args.tree_budget),
-                    block_size: d.block_size(),
-                    sampled: args.temperature > 0.0,
-                };
-                let memory = auto_memory::memory_path();
-                let record = memory.as_deref().and_then(|p| auto_memory::recall(p, &key));
-                let generation = generate_auto_remembered(
-                    target.model.as_ref(),
-                    &mut runner,
-                    &prompt,
-                    &cfg,
-                    spec_mode,
-                    record.as_ref(),
-                    &mut on_token,
-                )?;
-                let measured = generation.spec.as_ref().and_then(|s| s.auto.as_ref());
-                if let (Some(path), Some(r)) = (&memory, measured.and_then(AutoRecord::from_choice))
-                {
-                    // a cache: a run whose answer is out must not fail for want of a writable home
-                    if let Err(e) = auto_memory::remember(path, &key, r) {
-                        eprintln!("[dflash] warning: auto-mode memory not saved: {e:#}");
-                    }
-                }
-                generation
-            } else {
-                generate_speculative(
-                    target.model.as_ref(),
-                    &mut runner,
-                    &prompt,
-                    &cfg,
-                    spec_mode,
-                    &mut on_token,
-                )?
-            }
-        }
-        (None, _) if args.ids => {
-            generate_ar_with_margins(target.model.as_ref(), &prompt, &cfg, &mut on_token)?
-        }
-        (None, _) => generate_ar(target.model.as_ref(), &prompt, &cfg, &mut on_token)?,
-    };
+    let generation = engine.decode(&prompt, &cfg, args.ids, &mut on_token)?;
+    let drafter = &engine.drafter;
+    let mode = args.engine.mode;
     let spec = generation.spec.clone();
     // steps that drafted and verified (auto mode may have decoded the rest, or all, with AR)
     let spec_steps = spec.as_ref().map_or(0, |s| s.acceptance.len());
-    let block = drafter.as_ref().map(|d| d.block_size()).unwrap_or(1);
+    let block = engine.block_size();
     let text_out = text.tokenizer.decode(&generation.tokens, true)?;
     let n = generation.tokens.len();
     let report = Report {
         text: text_out,
         prompt_tokens: generation.prompt_tokens,
         output_tokens: n,
-        mode: args.mode,
+        mode,
         prefill_seconds: generation.prefill_seconds,
         decode_seconds: generation.decode_seconds,
         tokens_per_second: if generation.decode_seconds > 0.0 {
@@ -304,14 +149,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         },
         steps: generation.steps,
         stop_reason: generation.stop_reason,
-        device: args.device.clone(),
-        dtype: format!("{dtype:?}").to_lowercase(),
+        device: args.engine.device.clone(),
+        dtype: engine.dtype_name(),
         output_ids: args.ids.then(|| generation.tokens.clone()),
-        logit_margins: (args.ids && args.mode == Mode::Ar).then(|| generation.margins.clone()),
+        logit_margins: (args.ids && mode == Mode::Ar).then(|| generation.margins.clone()),
         tree_budget: (drafter.is_some()
-            && matches!(args.mode, Mode::Ddtree | Mode::Auto)
+            && matches!(mode, Mode::Ddtree | Mode::Auto)
             && spec_steps > 0)
-            .then_some(args.tree_budget),
+            .then_some(args.engine.tree_budget),
         auto: spec.as_ref().and_then(|s| s.auto.clone()),
         acceptance_length_mean: spec
             .as_ref()

@@ -15,11 +15,13 @@ mod diagnose;
 mod diagnose_format;
 mod diagnose_run;
 mod draft;
+mod engine;
 mod eval;
 mod exit;
 mod generate;
 mod progress;
 mod regen;
+mod serve;
 mod train;
 mod train_record;
 
@@ -40,6 +42,9 @@ struct Cli {
 enum Command {
     /// Generate text from a target model (optionally with a drafter).
     Generate(generate::GenerateArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
+    /// /v1/completions, /v1/models; streaming), decoding as `generate` does.
+    Serve(serve::ServeArgs),
     /// Drafter checkpoints.
     #[command(subcommand)]
     Draft(draft::DraftCommand),
@@ -63,6 +68,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Draft(cmd) => draft::run(cmd),
         Command::Train(a) => train::train(a),
         Command::Plot(a) => train::plot(a),

@@ -12,10 +12,13 @@ use std::sync::{Arc, Mutex};
 
 const PIECES: [&str; 6] = ["Hello", ",", " world", "!", " STOP", " after"];
 
+/// Each request the engine ran, with how many pieces it emitted.
+type Record = Arc<Mutex<Vec<(GenRequest, usize)>>>;
+
 /// Emits [`PIECES`] one "token" each, stopping at the budget or when cancelled (after the piece
 /// it is emitting, as the decoding loops do); records what it was asked and how many it emitted.
 struct Scripted {
-    seen: Arc<Mutex<Vec<(GenRequest, usize)>>>,
+    seen: Record,
 }
 
 impl Engine for Scripted {
@@ -55,7 +58,7 @@ impl Engine for Scripted {
 }
 
 /// Starts a server for `requests` connections; returns its address and the engine's record.
-fn start(requests: usize) -> (String, Arc<Mutex<Vec<(GenRequest, usize)>>>) {
+fn start(requests: usize) -> (String, Record) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let seen = Arc::new(Mutex::new(vec![]));
