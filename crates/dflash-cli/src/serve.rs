@@ -62,7 +62,17 @@ fn engine_error(e: anyhow::Error) -> EngineError {
 
 impl Served {
     fn run(&self, req: &GenRequest, on_text: &mut dyn FnMut(&str)) -> Result<GenOutcome> {
-        let prompt = match &req.prompt {
+        // a prompt that cannot be rendered (roles the template refuses, no template) is the
+        // request's fault
+        let prompt = self
+            .prompt(req)
+            .map_err(|e| crate::exit::UsageError(format!("{e:#}")))?;
+        self.decode(req, &prompt, on_text)
+    }
+
+    /// The request's prompt as ids.
+    fn prompt(&self, req: &GenRequest) -> Result<Vec<u32>> {
+        Ok(match &req.prompt {
             Prompt::Chat {
                 messages,
                 enable_thinking,
@@ -74,7 +84,15 @@ impl Served {
                 self.engine.chat_prompt(&msgs, *enable_thinking)?
             }
             Prompt::Text(t) => self.engine.raw_prompt(t)?,
-        };
+        })
+    }
+
+    fn decode(
+        &self,
+        req: &GenRequest,
+        prompt: &[u32],
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenOutcome> {
         let cfg = GenerateConfig {
             cancel: Some(req.cancel.clone()),
             max_new_tokens: req.max_tokens,
@@ -93,7 +111,7 @@ impl Served {
                 on_text(&piece);
             }
         };
-        let g = self.engine.decode(&prompt, &cfg, false, &mut on_token)?;
+        let g = self.engine.decode(prompt, &cfg, false, &mut on_token)?;
         if let Ok(Some(rest)) = stream.finish() {
             on_text(&rest);
         }

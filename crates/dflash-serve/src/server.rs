@@ -24,7 +24,7 @@ pub struct ServerOptions {
     pub default_max_tokens: usize,
     /// The largest request body accepted (bytes).
     pub max_body: usize,
-    /// How long a client may take to send its request.
+    /// How long a client may take to send its request, or to take a write of the answer.
     pub read_timeout: Duration,
     /// Return after this many connections (tests and scripts); `None`: serve forever.
     pub stop_after: Option<usize>,
@@ -67,6 +67,9 @@ pub fn serve(
         };
         served += 1;
         let _ = stream.set_read_timeout(Some(opts.read_timeout));
+        // a client that stops reading fails the write (and cancels its stream) instead of
+        // holding the server
+        let _ = stream.set_write_timeout(Some(opts.read_timeout));
         let _ = stream.set_nodelay(true);
         handle(&mut stream, engine, opts, served as u64);
         if opts.stop_after.is_some_and(|n| served >= n) {
