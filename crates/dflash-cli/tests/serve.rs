@@ -4,28 +4,14 @@
 
 mod common;
 use common::{dflash, run, smollm2};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 
 const PROMPT: &str = "Name three colours.";
 const TOKENS: usize = 24;
 
 fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, rest) = out.split_once("\r\n\r\n").unwrap();
-    (
-        head.split(' ').nth(1).unwrap().parse().unwrap(),
-        rest.to_string(),
-    )
+    dflash_serve::http::call(addr, "POST", path, Some(body)).unwrap()
 }
 
 #[test]

@@ -175,6 +175,34 @@ pub fn write_event(stream: &mut impl Write, data: &str) -> std::io::Result<()> {
     stream.flush()
 }
 
+/// A one-shot client: sends `method path` with a JSON `body` (if any) to `addr` and returns the
+/// status and the whole body (the server closes the connection after it). For health checks,
+/// scripts and tests.
+pub fn call(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> std::io::Result<(u16, String)> {
+    let mut s = std::net::TcpStream::connect(addr)?;
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response");
+    let (head, rest) = out.split_once("\r\n\r\n").ok_or_else(bad)?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(bad)?;
+    Ok((status, rest.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

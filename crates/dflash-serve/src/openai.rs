@@ -474,51 +474,26 @@ mod tests {
 
     #[test]
     fn refuses_what_it_cannot_honour_naming_the_field() {
+        // a valid message plus one field each
+        let one =
+            |extra: &str| format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
         let cases = [
-            (r#"{"messages":[]}"#, "messages", 400),
+            (r#"{"messages":[]}"#.to_string(), "messages", 400),
+            (one(r#""n":2"#), "n", 400),
+            (one(r#""logprobs":true"#), "logprobs", 400),
+            (one(r#""tools":[{}]"#), "tools", 400),
+            (one(r#""temperature":3"#), "temperature", 400),
+            (one(r#""max_tokens":0"#), "max_tokens", 400),
+            (one(r#""stop":["a","b","c","d","e"]"#), "stop", 400),
+            (one(r#""model":"other""#), "model", 404),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
-                "n",
-                400,
-            ),
-            (
-                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true}"#,
-                "logprobs",
-                400,
-            ),
-            (
-                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{}]}"#,
-                "tools",
-                400,
-            ),
-            (
-                r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#,
-                "temperature",
-                400,
-            ),
-            (
-                r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
-                "max_tokens",
-                400,
-            ),
-            (
-                r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
-                "stop",
-                400,
-            ),
-            (
-                r#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#,
-                "model",
-                404,
-            ),
-            (
-                r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#.to_string(),
                 "messages",
                 400,
             ),
         ];
         for (body, param, status) in cases {
-            let e = chat(body).unwrap_err();
+            let e = chat(&body).unwrap_err();
             assert_eq!(
                 (e.param.as_deref(), e.status),
                 (Some(param), status),

@@ -5,8 +5,7 @@ use dflash_serve::{
     serve, Engine, EngineError, FinishReason, GenOutcome, GenRequest, Prompt, ServerOptions,
 };
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -76,19 +75,7 @@ fn start(requests: usize) -> (String, Record) {
 
 /// Sends one request; returns the status and the body.
 fn call(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    let body = body.unwrap_or("");
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, rest) = out.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, rest.to_string())
+    dflash_serve::http::call(addr, method, path, body).unwrap()
 }
 
 fn json_of(s: &str) -> Value {
