@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// `max_tokens` of requests that name none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
+    /// Completions that may wait while one decodes; one more gets a 503 (server busy).
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
     /// Return after this many connections (scripts and tests).
     #[arg(long, hide = true)]
     stop_after: Option<usize>,
@@ -195,6 +198,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let opts = ServerOptions {
         default_max_tokens: args.default_max_tokens,
         stop_after: args.stop_after,
+        max_queue: args.max_queue.max(1),
         ..Default::default()
     };
     let mut served = Served { engine, model_id };

@@ -6,8 +6,9 @@
 //! nothing of tensors, so its protocol is tested against a scripted engine.
 //!
 //! Invariants:
-//! - One request is decoded at a time, in arrival order (the engines decode batch 1); further
-//!   connections wait in the listen queue.
+//! - One completion is decoded at a time, in arrival order (the engines decode batch 1); the
+//!   others wait in a queue of [`ServerOptions::max_queue`] (a 503 beyond), while `/health` and
+//!   `/v1/models` are answered at once by the thread that accepts connections.
 //! - The text a response carries is exactly the concatenation of the pieces the engine passed to
 //!   its `on_text` callback, cut before the first occurrence of any `stop` string; once a stop
 //!   string is seen (or a streaming client is gone) the request's [`GenRequest::cancel`] flag is

@@ -1,20 +1,21 @@
-//! The accept loop and the routes: each connection is read, answered and closed before the next
-//! is taken (batch-1 engines), so requests are served in arrival order.
+//! The accept loop and the routes: one thread accepts and reads connections and answers what
+//! needs no engine; completions queue for the engine on the caller's thread (batch-1 engines),
+//! served in arrival order, one connection each.
 //!
 //! Invariants: a streamed response's head is written only once the engine has produced text or
 //! finished, so a request the engine refuses (a prompt longer than the context) still gets its
 //! 4xx status; a client that goes away mid-stream cancels its generation; every request is
 //! logged as one line on stderr unless [`ServerOptions::quiet`].
 
-use crate::http::{self, Request};
-use crate::openai::{self, ApiError, Endpoint, Envelope};
+use crate::http;
+use crate::openai::{self, ApiError, Endpoint, Envelope, Parsed};
 use crate::stop::StopFilter;
 use crate::{Engine, EngineError, FinishReason, GenRequest, ServeError};
 use serde_json::{json, Value};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// How the server behaves.
@@ -28,6 +29,8 @@ pub struct ServerOptions {
     pub read_timeout: Duration,
     /// Return after this many connections (tests and scripts); `None`: serve forever.
     pub stop_after: Option<usize>,
+    /// Completions that may wait for the engine; one more is answered 503.
+    pub max_queue: usize,
     /// No per-request log lines.
     pub quiet: bool,
 }
@@ -39,6 +42,7 @@ impl Default for ServerOptions {
             max_body: 16 << 20,
             read_timeout: Duration::from_secs(30),
             stop_after: None,
+            max_queue: 64,
             quiet: false,
         }
     }
@@ -51,32 +55,98 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-/// Serves `engine` on `listener` until [`ServerOptions::stop_after`] connections were handled
-/// (forever without it).
+/// Serves `engine` on `listener` until [`ServerOptions::stop_after`] connections were taken
+/// (forever without it): a thread accepts and reads connections, answers `/health`,
+/// `/v1/models` and refusals at once, and queues completions (at most
+/// [`ServerOptions::max_queue`]; a 503 beyond) for the engine, which runs on the calling thread.
 pub fn serve(
     listener: &TcpListener,
     engine: &mut dyn Engine,
     opts: &ServerOptions,
 ) -> Result<(), ServeError> {
-    let mut served = 0usize;
+    let model_id = engine.model_id().to_string();
+    let (jobs, queue) = mpsc::sync_channel::<Job>(opts.max_queue);
+    let pending = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        s.spawn(|| accept(listener, jobs, &model_id, opts, &pending));
+        for mut job in queue {
+            let (status, note) = complete(engine, &mut job);
+            pending.fetch_sub(1, Ordering::Relaxed);
+            log(opts, &job.line, status, job.t0, &note);
+        }
+    });
+    Ok(())
+}
+
+/// A completion waiting for the engine.
+struct Job {
+    stream: TcpStream,
+    endpoint: Endpoint,
+    parsed: Parsed,
+    /// The request's number and seed (its id).
+    n: u64,
+    seed: u64,
+    model: String,
+    t0: Instant,
+    /// `METHOD /path`, for the log.
+    line: String,
+}
+
+fn log(opts: &ServerOptions, line: &str, status: u16, t0: Instant, note: &str) {
+    if !opts.quiet {
+        eprintln!(
+            "[dflash serve] {line} {status} {:.3}s{}{note}",
+            t0.elapsed().as_secs_f64(),
+            if note.is_empty() { "" } else { ": " }
+        );
+    }
+}
+
+fn accept(
+    listener: &TcpListener,
+    jobs: mpsc::SyncSender<Job>,
+    model_id: &str,
+    opts: &ServerOptions,
+    pending: &AtomicUsize,
+) {
+    let mut taken = 0u64;
     for conn in listener.incoming() {
-        let mut stream = match conn {
-            Ok(s) => s,
+        let Ok(mut stream) = conn else {
             // a connection that failed before it was accepted is the client's problem
-            Err(_) => continue,
+            continue;
         };
-        served += 1;
+        taken += 1;
         let _ = stream.set_read_timeout(Some(opts.read_timeout));
         // a client that stops reading fails the write (and cancels its stream) instead of
         // holding the server
         let _ = stream.set_write_timeout(Some(opts.read_timeout));
         let _ = stream.set_nodelay(true);
-        handle(&mut stream, engine, opts, served as u64);
-        if opts.stop_after.is_some_and(|n| served >= n) {
+        if let Some(job) = route(&mut stream, model_id, opts, pending, taken) {
+            let line = job.line.clone();
+            let t0 = job.t0;
+            pending.fetch_add(1, Ordering::Relaxed);
+            match jobs.try_send(job) {
+                Ok(()) => {}
+                Err(mpsc::TrySendError::Full(mut job)) => {
+                    pending.fetch_sub(1, Ordering::Relaxed);
+                    let e = ApiError {
+                        status: 503,
+                        message: format!(
+                            "server busy: {} requests queued; retry later",
+                            opts.max_queue
+                        ),
+                        param: None,
+                    };
+                    send_error(&mut job.stream, &e);
+                    log(opts, &line, 503, t0, &e.message);
+                }
+                Err(mpsc::TrySendError::Disconnected(_)) => break,
+            }
+        }
+        if opts.stop_after.is_some_and(|n| taken >= n as u64) {
             break;
         }
     }
-    Ok(())
 }
 
 fn send_json(stream: &mut TcpStream, status: u16, v: &Value) {
@@ -87,10 +157,17 @@ fn send_error(stream: &mut TcpStream, e: &ApiError) {
     send_json(stream, e.status, &e.body());
 }
 
-fn handle(stream: &mut TcpStream, engine: &mut dyn Engine, opts: &ServerOptions, n: u64) {
+/// Answers what needs no engine; returns the completion to queue, if the request is one.
+fn route(
+    stream: &mut TcpStream,
+    model_id: &str,
+    opts: &ServerOptions,
+    pending: &AtomicUsize,
+    n: u64,
+) -> Option<Job> {
     let req = match http::read_request(stream, opts.max_body) {
         Ok(Some(r)) => r,
-        Ok(None) => return,
+        Ok(None) => return None,
         Err(e) => {
             send_error(
                 stream,
@@ -100,10 +177,11 @@ fn handle(stream: &mut TcpStream, engine: &mut dyn Engine, opts: &ServerOptions,
                     param: None,
                 },
             );
-            return;
+            return None;
         }
     };
     let t0 = Instant::now();
+    let line = format!("{} {}", req.method, req.path);
     let endpoint = match req.path.as_str() {
         "/v1/chat/completions" => Some(Endpoint::Chat),
         "/v1/completions" => Some(Endpoint::Completions),
@@ -111,16 +189,45 @@ fn handle(stream: &mut TcpStream, engine: &mut dyn Engine, opts: &ServerOptions,
     };
     let (status, note) = match (req.method.as_str(), req.path.as_str(), endpoint) {
         ("GET", "/health", _) => {
-            send_json(stream, 200, &json!({"status": "ok"}));
+            let queued = pending.load(Ordering::Relaxed);
+            send_json(
+                stream,
+                200,
+                &json!({"status": "ok", "requests_pending": queued}),
+            );
             (200, String::new())
         }
         ("GET", "/v1/models", _) => {
-            let models = json!({"object": "list", "data": [{"id": engine.model_id(),
+            let models = json!({"object": "list", "data": [{"id": model_id,
                 "object": "model", "created": now_secs(), "owned_by": "dflash"}]});
             send_json(stream, 200, &models);
             (200, String::new())
         }
-        ("POST", _, Some(ep)) => complete(stream, engine, opts, &req, ep, n),
+        ("POST", _, Some(endpoint)) => {
+            let seed = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+                ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            match openai::parse(endpoint, &req.body, model_id, opts.default_max_tokens, seed) {
+                Ok(parsed) => {
+                    return Some(Job {
+                        stream: stream.try_clone().ok()?,
+                        endpoint,
+                        parsed,
+                        n,
+                        seed,
+                        model: model_id.to_string(),
+                        t0,
+                        line,
+                    })
+                }
+                Err(e) => {
+                    send_error(stream, &e);
+                    (e.status, e.message)
+                }
+            }
+        }
         (_, "/health" | "/v1/models", _) | (_, _, Some(_)) => {
             let e = ApiError {
                 status: 405,
@@ -140,15 +247,8 @@ fn handle(stream: &mut TcpStream, engine: &mut dyn Engine, opts: &ServerOptions,
             (404, e.message)
         }
     };
-    if !opts.quiet {
-        eprintln!(
-            "[dflash serve] {} {} {status} {:.3}s{}{note}",
-            req.method,
-            req.path,
-            t0.elapsed().as_secs_f64(),
-            if note.is_empty() { "" } else { ": " }
-        );
-    }
+    log(opts, &line, status, t0, &note);
+    None
 }
 
 /// A streamed answer: its head goes out with the first event.
@@ -170,32 +270,9 @@ impl EventStream<'_> {
     }
 }
 
-fn complete(
-    stream: &mut TcpStream,
-    engine: &mut dyn Engine,
-    opts: &ServerOptions,
-    req: &Request,
-    endpoint: Endpoint,
-    n: u64,
-) -> (u16, String) {
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-        ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let parsed = match openai::parse(
-        endpoint,
-        &req.body,
-        engine.model_id(),
-        opts.default_max_tokens,
-        seed,
-    ) {
-        Ok(p) => p,
-        Err(e) => {
-            send_error(stream, &e);
-            return (e.status, e.message);
-        }
-    };
+fn complete(engine: &mut dyn Engine, job: &mut Job) -> (u16, String) {
+    let (parsed, endpoint, n, seed) = (&job.parsed, job.endpoint, job.n, job.seed);
+    let stream = &mut job.stream;
     let env = Envelope {
         id: format!(
             "{}-{n}-{seed:x}",
@@ -205,7 +282,7 @@ fn complete(
             }
         ),
         created: now_secs(),
-        model: engine.model_id().to_string(),
+        model: job.model.clone(),
         endpoint,
     };
     let gen = GenRequest {

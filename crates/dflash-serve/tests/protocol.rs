@@ -212,3 +212,86 @@ fn bad_requests_get_openai_errors_with_their_status() {
         }
     }
 }
+
+/// Blocks each generation until the test releases it, so requests pile up behind it.
+struct Gated {
+    gate: std::sync::mpsc::Receiver<()>,
+}
+
+impl Engine for Gated {
+    fn model_id(&self) -> &str {
+        "gated"
+    }
+    fn generate(
+        &mut self,
+        _req: &GenRequest,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenOutcome, EngineError> {
+        self.gate
+            .recv()
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        on_text("done");
+        Ok(GenOutcome {
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            finish: FinishReason::Stop,
+            stats: json!({}),
+        })
+    }
+}
+
+#[test]
+fn health_answers_while_the_engine_works_and_a_full_queue_is_a_503() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (release, gate) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        let opts = ServerOptions {
+            stop_after: Some(4),
+            max_queue: 1,
+            quiet: true,
+            ..Default::default()
+        };
+        serve(&listener, &mut Gated { gate }, &opts).unwrap();
+    });
+    let body = r#"{"prompt":"x"}"#;
+    let spawn_call = |path: &'static str, body: Option<&'static str>| {
+        let (addr, (tx, rx)) = (addr.clone(), std::sync::mpsc::channel());
+        let method = if body.is_some() { "POST" } else { "GET" };
+        std::thread::spawn(move || tx.send(call(&addr, method, path, body)).unwrap());
+        rx
+    };
+    let wait = std::time::Duration::from_secs(20);
+    // the first completion holds the engine; the second waits in the queue
+    let first = spawn_call("/v1/completions", Some(body));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let second = spawn_call("/v1/completions", Some(body));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (status, out) = spawn_call("/health", None)
+        .recv_timeout(wait)
+        .expect("health while busy");
+    assert_eq!(
+        (status, json_of(&out)["requests_pending"].clone()),
+        (200, json!(2)),
+        "{out}"
+    );
+    // a third finds the queue full
+    let (status, out) = spawn_call("/v1/completions", Some(body))
+        .recv_timeout(wait)
+        .unwrap();
+    assert_eq!(status, 503, "{out}");
+    assert!(json_of(&out)["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("busy"));
+    release.send(()).unwrap();
+    release.send(()).unwrap();
+    for rx in [first, second] {
+        let (status, out) = rx.recv_timeout(wait).unwrap();
+        assert_eq!(
+            (status, json_of(&out)["choices"][0]["text"].clone()),
+            (200, json!("done"))
+        );
+    }
+    server.join().unwrap();
+}
