@@ -268,7 +268,7 @@ __device__ void tree_attn_partial(const T* q, const T* kb, const T* vb, const un
   const long long qbase = (long long)g * rep * n;  // q vectors of kv head g are contiguous
   // K and V tiles move in 16-byte units, all of a thread's loads in flight at once (a tile's
   // rows are contiguous in the cache); the loads live only while staging. With DFLASH_TILE_PREFETCH
-  // (DFLASH_ATTN_PREFETCH=1, opt-in: built in session 15, not yet measured) the next tile's loads
+  // (DFLASH_ATTN_PREFETCH=1, opt-in: built in session 15, no faster in session 19) the next tile's loads
   // are issued before the current tile is scored, and the first tile's before q is staged
   constexpr int EPU = 16 / sizeof(T);                   // elements per unit
   constexpr int UPT = TK * MAX_D / EPU / (WARPS * 32);  // units per thread, at most
