@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// `max_tokens` of requests that name none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
+    /// Require `Authorization: Bearer <KEY>` on every /v1/ route (default: $DFLASH_API_KEY;
+    /// none: open).
+    #[arg(long, env = "DFLASH_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Completions that may wait while one decodes; one more gets a 503 (server busy).
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -185,7 +189,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
     eprintln!(
-        "[dflash serve] {model_id} (mode {}, {} {}, drafter {}) on http://{addr}/v1",
+        "[dflash serve] {model_id} (mode {}, {} {}, drafter {}{}) on http://{addr}/v1",
         format!("{:?}", args.engine.mode).to_lowercase(),
         args.engine.device,
         engine.dtype_name(),
@@ -194,11 +198,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         } else {
             "none"
         },
+        if args.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
+            ", API key required"
+        } else {
+            ""
+        },
     );
     let opts = ServerOptions {
         default_max_tokens: args.default_max_tokens,
         stop_after: args.stop_after,
         max_queue: args.max_queue.max(1),
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         ..Default::default()
     };
     let mut served = Served { engine, model_id };

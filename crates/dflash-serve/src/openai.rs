@@ -29,6 +29,7 @@ impl ApiError {
     /// `{"error": {...}}` as OpenAI writes it.
     pub fn body(&self) -> Value {
         let kind = match self.status {
+            401 => "authentication_error",
             404 => "not_found_error",
             500.. => "server_error",
             _ => "invalid_request_error",

@@ -31,6 +31,9 @@ pub struct ServerOptions {
     pub stop_after: Option<usize>,
     /// Completions that may wait for the engine; one more is answered 503.
     pub max_queue: usize,
+    /// When set, every `/v1/` route wants `Authorization: Bearer <key>` (401 otherwise);
+    /// `/health` stays open.
+    pub api_key: Option<String>,
     /// No per-request log lines.
     pub quiet: bool,
 }
@@ -43,6 +46,7 @@ impl Default for ServerOptions {
             read_timeout: Duration::from_secs(30),
             stop_after: None,
             max_queue: 64,
+            api_key: None,
             quiet: false,
         }
     }
@@ -182,6 +186,21 @@ fn route(
     };
     let t0 = Instant::now();
     let line = format!("{} {}", req.method, req.path);
+    if let Some(key) = opts.api_key.as_deref() {
+        let given = req
+            .header("authorization")
+            .and_then(|a| a.strip_prefix("Bearer "));
+        if req.path.starts_with("/v1/") && given != Some(key) {
+            let e = ApiError {
+                status: 401,
+                message: "missing or wrong API key (Authorization: Bearer …)".into(),
+                param: None,
+            };
+            send_error(stream, &e);
+            log(opts, &line, 401, t0, &e.message);
+            return None;
+        }
+    }
     let endpoint = match req.path.as_str() {
         "/v1/chat/completions" => Some(Endpoint::Chat),
         "/v1/completions" => Some(Endpoint::Completions),

@@ -295,3 +295,39 @@ fn health_answers_while_the_engine_works_and_a_full_queue_is_a_503() {
     }
     server.join().unwrap();
 }
+
+#[test]
+fn an_api_key_guards_the_v1_routes_but_not_health() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(vec![]));
+    let mut engine = Scripted { seen };
+    let server = std::thread::spawn(move || {
+        let opts = ServerOptions {
+            stop_after: Some(4),
+            api_key: Some("s3cret".into()),
+            quiet: true,
+            ..Default::default()
+        };
+        serve(&listener, &mut engine, &opts).unwrap();
+    });
+    let (status, out) = call(&addr, "GET", "/v1/models", None);
+    assert_eq!(status, 401, "{out}");
+    assert_eq!(json_of(&out)["error"]["type"], "authentication_error");
+    assert_eq!(call(&addr, "GET", "/health", None).0, 200);
+    let with = |key: &str| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        use std::io::{Read, Write};
+        write!(
+            s,
+            "GET /v1/models HTTP/1.1\r\nAuthorization: Bearer {key}\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out.split(' ').nth(1).unwrap().to_string()
+    };
+    assert_eq!(with("wrong"), "401");
+    assert_eq!(with("s3cret"), "200");
+    server.join().unwrap();
+}
