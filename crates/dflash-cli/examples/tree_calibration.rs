@@ -10,6 +10,7 @@
 //! user turn of each row, prompts over 1,500 tokens skipped), 256 new tokens a prompt.
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, D};
+use dflash_core::decode_ops::top_k_row;
 use dflash_core::Grad;
 use dflash_decoding::ar::generate_ar;
 use dflash_decoding::tree::build_tree;
@@ -120,14 +121,7 @@ fn main() -> Result<()> {
                 for i in 0..n {
                     let mut block = vec![];
                     for d in 0..b - 1 {
-                        let r = &host[i * (b - 1) + d];
-                        let mut idx: Vec<u32> = (0..v as u32).collect();
-                        idx.select_nth_unstable_by(TOP, |&x, &y| {
-                            r[y as usize].total_cmp(&r[x as usize]).then(x.cmp(&y))
-                        });
-                        let mut top: Vec<(f32, u32)> =
-                            idx[..TOP].iter().map(|&j| (r[j as usize], j)).collect();
-                        top.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                        let top = top_k_row(&host[i * (b - 1) + d], TOP);
                         let mut lse = [0f32; TEMPS.len()];
                         for (k, l) in lses.iter().enumerate() {
                             lse[k] = l[i * (b - 1) + d];
